@@ -1,0 +1,196 @@
+"""CUDA arrays from PyTorch and CuPy, described the same way for validation and launch.
+
+Nothing is copied: a kernel gets the caller's device pointer and element strides, runs on the caller's
+current stream (``torch.cuda.current_stream()`` for tensors, CuPy's current stream for ``cupy.ndarray``),
+and its outputs are allocated by the caller's library, so a torch call returns torch tensors and a CuPy call
+CuPy arrays.  Every check raises before anything is launched.
+"""
+from __future__ import annotations
+
+import sys
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int16": 2,
+            "int32": 4, "int64": 8, "bool": 1}
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+HALF_DTYPES = ("float16", "bfloat16")
+# The C++ type each dtype maps to inside kernels/.
+CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "int32": "int", "int8": "signed char",
+         "uint8": "unsigned char", "int64": "long long"}
+
+
+class Array:
+    """A CUDA array's pointer, shape, strides (in elements), dtype name and device index."""
+
+    __slots__ = ("obj", "lib", "ptr", "shape", "strides", "dtype", "device", "name")
+
+    def __init__(self, obj, lib, ptr, shape, strides, dtype, device, name):
+        self.obj, self.lib, self.ptr, self.shape, self.strides = obj, lib, ptr, tuple(shape), tuple(strides)
+        self.dtype, self.device, self.name = dtype, device, name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def is_contiguous(self) -> bool:
+        expect = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if size != 1 and stride != expect:
+                return False
+            expect *= size
+        return True
+
+    def rows(self) -> tuple:
+        """View (..., n) as (rows, n): returns (rows, row_stride).  The last dim must be unit-stride and the
+        leading dims must collapse to one stride (any contiguous tensor, a column slice, a row-strided view)."""
+        if self.ndim == 0:
+            raise ValueError(f"{self.name}: expected at least one dimension, got a scalar")
+        n = self.shape[-1]
+        if n > 1 and self.strides[-1] != 1:
+            raise ValueError(f"{self.name}: the last dimension must be contiguous (stride 1), got strides "
+                             f"{self.strides}")
+        rows = 1
+        for s in self.shape[:-1]:
+            rows *= s
+        lead = [(sz, st) for sz, st in zip(self.shape[:-1], self.strides[:-1]) if sz != 1]
+        if not lead:
+            return rows, n
+        row_stride = lead[-1][1]
+        expect = row_stride
+        for sz, st in reversed(lead):
+            if st != expect:
+                raise ValueError(f"{self.name}: the leading dimensions of shape {self.shape} with strides "
+                                 f"{self.strides} cannot be viewed as rows of one stride; pass .contiguous()")
+            expect = st * sz
+        return rows, row_stride
+
+    def aligned(self, nbytes: int) -> bool:
+        return self.ptr % nbytes == 0
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _cupy():
+    return sys.modules.get("cupy")
+
+
+def wrap(x, name: str, *, optional: bool = False):
+    """Describe ``x`` (a CUDA ``torch.Tensor`` or ``cupy.ndarray``); raise a TypeError naming ``name`` otherwise."""
+    if x is None:
+        if optional:
+            return None
+        raise TypeError(f"{name}: expected a CUDA torch.Tensor or cupy.ndarray, got None")
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cuda":
+            raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device}")
+        dtype = str(x.dtype).replace("torch.", "")
+        return Array(x, "torch", x.data_ptr(), x.shape, x.stride(), dtype, x.device.index, name)
+    cupy = _cupy()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        dtype = x.dtype.name
+        item = x.dtype.itemsize
+        strides = tuple(s // item for s in x.strides)
+        return Array(x, "cupy", x.data.ptr, x.shape, strides, dtype, x.device.id, name)
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    hint = " (host memory)" if type(x).__module__.startswith("numpy") else ""
+    raise TypeError(f"{name}: expected a CUDA torch.Tensor or cupy.ndarray, got {kind}{hint}")
+
+
+def check_dtype(a: Array, allowed, what: str = "") -> None:
+    if a.dtype not in allowed:
+        raise TypeError(f"{a.name}: dtype {a.dtype} is not supported{what}; expected one of {', '.join(allowed)}")
+
+
+def check_same_dtype(ref: Array, *others) -> None:
+    for o in others:
+        if o is not None and o.dtype != ref.dtype:
+            raise TypeError(f"{o.name}: dtype {o.dtype} does not match {ref.name}'s {ref.dtype}")
+
+
+def check_same_device(ref: Array, *others) -> None:
+    for o in others:
+        if o is None:
+            continue
+        if o.lib != ref.lib:
+            raise TypeError(f"{o.name}: is a {'torch.Tensor' if o.lib == 'torch' else 'cupy.ndarray'} but "
+                            f"{ref.name} is a {'torch.Tensor' if ref.lib == 'torch' else 'cupy.ndarray'}; "
+                            f"pass arrays of one library")
+        if o.device != ref.device:
+            raise ValueError(f"{o.name}: is on cuda:{o.device} but {ref.name} is on cuda:{ref.device}")
+
+
+def check_shape(a: Array, shape: tuple) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{a.name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def check_no_overlap(out: Array, *inputs) -> None:
+    """Outputs that partially overlap an input would be read after being written."""
+    lo = out.ptr
+    hi = out.ptr + _extent(out)
+    for i in inputs:
+        if i is None:
+            continue
+        ilo, ihi = i.ptr, i.ptr + _extent(i)
+        if ilo < hi and lo < ihi and not (ilo == lo and i.strides == out.strides and i.shape == out.shape):
+            raise ValueError(f"{out.name}: overlaps {i.name} in memory")
+
+
+def _extent(a: Array) -> int:
+    if a.numel == 0:
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(a.shape, a.strides))) * a.itemsize
+
+
+def empty(ref: Array, shape, dtype: str, name: str = "out") -> Array:
+    """A new array of ``ref``'s library on ``ref``'s device."""
+    if ref.lib == "torch":
+        torch = _torch()
+        t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=ref.obj.device)
+        return wrap(t, name)
+    cupy = _cupy()
+    with cupy.cuda.Device(ref.device):
+        c = cupy.empty(tuple(shape), dtype=_cupy_dtype(dtype))
+    return wrap(c, name)
+
+
+def _cupy_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return dtype
+
+
+_ext_streams: dict = {}
+
+
+def stream_of(ref: Array):
+    """The stream to launch on: torch's current stream for tensors, CuPy's current stream for CuPy arrays."""
+    if ref.lib == "torch":
+        torch = _torch()
+        ptr = torch.cuda.current_stream(ref.device).cuda_stream
+        s = _ext_streams.get((ptr, ref.device))
+        if s is None:
+            import cupy
+
+            s = cupy.cuda.ExternalStream(ptr, ref.device)
+            _ext_streams[(ptr, ref.device)] = s
+        return s
+    import cupy
+
+    with cupy.cuda.Device(ref.device):
+        return cupy.cuda.get_current_stream()

@@ -1,0 +1,165 @@
+"""Device properties, launch configurations, and launching a compiled variant on a stream."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ._compile import Kernel, compile_kernel
+
+# cudaDeviceAttr values (stable across CUDA versions).
+_ATTR_MAX_THREADS_PER_BLOCK = 1
+_ATTR_MAX_SMEM_PER_BLOCK = 8
+_ATTR_SM_COUNT = 16
+_ATTR_L2_BYTES = 38
+_ATTR_CC_MAJOR = 75
+_ATTR_CC_MINOR = 76
+_ATTR_MAX_SMEM_PER_SM = 81
+_ATTR_MAX_SMEM_PER_BLOCK_OPTIN = 97
+
+DEFAULT_DYNAMIC_SMEM = 48 * 1024
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    cc: tuple
+    sms: int
+    max_threads_per_block: int
+    smem_per_block: int
+    smem_per_block_optin: int
+    smem_per_sm: int
+    l2_bytes: int
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.cc[0]}{self.cc[1]}"
+
+    def arch_for(self, kernel: Kernel) -> str:
+        if kernel.hopper:
+            if self.cc != (9, 0):
+                raise RuntimeError(f"{kernel.name} needs an sm_90 GPU (H100/H200); {self.name} is {self.arch}")
+            return "sm_90a"
+        return self.arch
+
+
+@lru_cache(maxsize=None)
+def device_info(index: int) -> DeviceInfo:
+    from cupy.cuda import runtime
+
+    def attr(a):
+        return runtime.deviceGetAttribute(a, index)
+
+    props = runtime.getDeviceProperties(index)
+    name = props.get("name", b"")
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return DeviceInfo(
+        index=index,
+        name=name,
+        cc=(attr(_ATTR_CC_MAJOR), attr(_ATTR_CC_MINOR)),
+        sms=attr(_ATTR_SM_COUNT),
+        max_threads_per_block=attr(_ATTR_MAX_THREADS_PER_BLOCK),
+        smem_per_block=attr(_ATTR_MAX_SMEM_PER_BLOCK),
+        smem_per_block_optin=attr(_ATTR_MAX_SMEM_PER_BLOCK_OPTIN),
+        smem_per_sm=attr(_ATTR_MAX_SMEM_PER_SM),
+        l2_bytes=attr(_ATTR_L2_BYTES),
+    )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    grid: tuple
+    block: tuple
+    smem: int = 0  # dynamic shared memory, bytes
+
+    def __post_init__(self):
+        object.__setattr__(self, "grid", tuple(int(g) for g in (self.grid if isinstance(self.grid, tuple) else (self.grid,))))
+        object.__setattr__(self, "block", tuple(int(b) for b in (self.block if isinstance(self.block, tuple) else (self.block,))))
+
+    @property
+    def threads(self) -> int:
+        n = 1
+        for b in self.block:
+            n *= b
+        return n
+
+
+class LoadedKernel:
+    """A variant loaded into one device's context, with the dynamic shared memory limit it was given."""
+
+    __slots__ = ("kernel", "device", "module", "func", "compiled", "dyn_smem_limit", "num_regs", "static_smem",
+                 "max_threads")
+
+    def __init__(self, kernel: Kernel, device: DeviceInfo):
+        from cupy.cuda import driver
+        from cupy.cuda import function
+
+        self.kernel = kernel
+        self.device = device
+        self.compiled = compile_kernel(kernel, device.arch_for(kernel))
+        self.module = function.Module()
+        self.module.load(self.compiled.cubin)
+        self.func = self.module.get_function(self.compiled.lowered_name)
+        self.num_regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, self.func.ptr)
+        self.static_smem = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.func.ptr)
+        self.max_threads = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.func.ptr)
+        self.dyn_smem_limit = DEFAULT_DYNAMIC_SMEM
+
+    def check(self, cfg: LaunchConfig) -> None:
+        """Raise instead of launching a configuration the device cannot run."""
+        name = self.kernel.name
+        if cfg.threads > self.max_threads:
+            raise ValueError(f"{name}: {cfg.threads} threads per block; this variant allows {self.max_threads} "
+                             f"({self.num_regs} registers per thread)")
+        total = cfg.smem + self.static_smem
+        if total > self.device.smem_per_block_optin:
+            raise ValueError(f"{name}: needs {total} bytes of shared memory per block ({cfg.smem} dynamic + "
+                             f"{self.static_smem} static); {self.device.name} allows "
+                             f"{self.device.smem_per_block_optin}")
+        if any(g < 1 for g in cfg.grid) or cfg.grid[0] >= 2**31 or any(g >= 2**16 for g in cfg.grid[1:]):
+            raise ValueError(f"{name}: grid {cfg.grid} is out of range")
+
+    def __call__(self, cfg: LaunchConfig, args: tuple, stream) -> None:
+        self.check(cfg)
+        if cfg.smem > self.dyn_smem_limit:
+            from cupy.cuda import driver
+
+            driver.funcSetAttribute(self.func.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.smem)
+            self.dyn_smem_limit = cfg.smem
+        self.func(cfg.grid, cfg.block, args, cfg.smem, stream)
+
+
+_loaded: dict = {}
+_load_lock = threading.Lock()
+
+
+def get_kernel(kernel: Kernel, device_index: int) -> LoadedKernel:
+    """The loaded variant for a device, compiling it (or reading it from the disk cache) on first use."""
+    key = (kernel, device_index)
+    lk = _loaded.get(key)
+    if lk is None:
+        with _load_lock:
+            lk = _loaded.get(key)
+            if lk is None:
+                lk = LoadedKernel(kernel, device_info(device_index))
+                _loaded[key] = lk
+    return lk
+
+
+def launch(kernel: Kernel, cfg: LaunchConfig, args: tuple, *, device: int, stream) -> None:
+    """Launch ``kernel`` with ``cfg`` on ``stream`` (a CuPy stream object) of ``device``.
+
+    ``args`` are passed as CuPy does: pointers as Python ints (8 bytes), numpy scalars at their own size.
+    """
+    from cupy.cuda import runtime
+
+    prev = runtime.getDevice()
+    if prev != device:
+        runtime.setDevice(device)
+        try:
+            get_kernel(kernel, device)(cfg, args, stream)
+        finally:
+            runtime.setDevice(prev)
+    else:
+        get_kernel(kernel, device)(cfg, args, stream)

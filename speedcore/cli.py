@@ -1,0 +1,123 @@
+"""``python -m speedcore {info,compile,bench}``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _info(args) -> int:
+    import speedcore
+    from . import _compile, _registry
+
+    print(f"speedcore {speedcore.__version__}")
+    try:
+        import cupy
+
+        print(f"cupy {cupy.__version__}")
+        print(f"nvrtc {'.'.join(map(str, _compile.nvrtc_version()))}")
+    except Exception as e:
+        print(f"cupy: unavailable ({e})")
+    try:
+        print(f"cuda headers {_compile.cuda_include_dir()}")
+    except Exception as e:
+        print(f"cuda headers: {e}")
+    try:
+        from cupy.cuda import runtime
+
+        print(f"driver {runtime.driverGetVersion()}")
+        from ._launch import device_info
+
+        for i in range(runtime.getDeviceCount()):
+            d = device_info(i)
+            print(f"gpu {i}: {d.name} {d.arch}, {d.sms} SMs, {d.smem_per_block_optin // 1024} KiB shared memory "
+                  f"per block, {d.l2_bytes >> 20} MiB L2")
+    except Exception as e:
+        print(f"gpus: none ({type(e).__name__}: {e})")
+    cdir = _compile.cache_dir()
+    files = list(cdir.glob("*.cubin")) if cdir.is_dir() else []
+    size = sum(f.stat().st_size for f in files)
+    print(f"cache {cdir}: {len(files)} variants, {size / 1e6:.1f} MB")
+    for name, mod in _registry.op_modules().items():
+        ks = mod.all_kernels()
+        print(f"kernels {name}: {len(ks)} variants from kernels/{ks[0].source if ks else '?'}")
+    return 0
+
+
+def _compile_one(job):
+    kernel, arch = job
+    from ._compile import CompileError, compile_kernel
+
+    t0 = time.perf_counter()
+    try:
+        c = compile_kernel(kernel, arch)
+        return kernel, arch, c.resources, None, time.perf_counter() - t0
+    except CompileError as e:
+        return kernel, arch, None, str(e), time.perf_counter() - t0
+
+
+def _compile(args) -> int:
+    from . import _registry
+
+    if args.arch:
+        archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    else:
+        from cupy.cuda import runtime
+
+        from ._launch import device_info
+
+        d = device_info(runtime.getDevice())
+        archs = [d.arch] + (["sm_90a"] if d.cc == (9, 0) else [])
+    families = args.family.split(",") if args.family else None
+    kernels = _registry.all_kernels(families)
+    jobs = [(k, a) for k in kernels for a in k.archs(archs)]
+    print(f"compiling {len(jobs)} variants ({len(kernels)} kernels) for {', '.join(archs)}", flush=True)
+    errors = spills = 0
+    t0 = time.perf_counter()
+    workers = args.jobs or min(len(jobs), os.cpu_count() or 1) or 1
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for kernel, arch, res, err, dt in pool.map(_compile_one, jobs, chunksize=1):
+            if err:
+                errors += 1
+                print(f"ERROR {arch} {kernel.name}\n{err}", flush=True)
+                continue
+            spilled = res["spill_stores"] or res["spill_loads"]
+            spills += bool(spilled)
+            if args.verbose or spilled:
+                print(f"{'SPILL' if spilled else 'ok   '} {arch:7s} regs={res['registers']:3d} smem={res['smem']:6d} "
+                      f"stack={res['stack']:4d} spill={res['spill_stores']}/{res['spill_loads']} {dt:5.2f}s "
+                      f"{kernel.source}:{kernel.name}", flush=True)
+    print(f"{len(jobs) - errors} compiled, {errors} errors, {spills} with spills, "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    return 1 if errors or spills else 0
+
+
+def _bench(args) -> int:
+    from . import bench
+
+    bench.run(args.ops, quick=args.quick, json_path=args.json, device=args.device)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m speedcore", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="versions, GPUs, cache, kernels")
+    c = sub.add_parser("compile", help="compile every kernel variant (no GPU needed with --arch)")
+    c.add_argument("--arch", help="comma-separated targets, e.g. sm_80,sm_90,sm_90a (default: this GPU's)")
+    c.add_argument("--family", help="comma-separated op families (default: all)")
+    c.add_argument("--jobs", type=int, default=0, help="parallel compiler processes (default: CPU count)")
+    c.add_argument("--verbose", action="store_true", help="print the resource report of every variant")
+    b = sub.add_parser("bench", help="time our kernels against their peers on this GPU")
+    b.add_argument("ops", nargs="*", help="suites to run (default: all)")
+    b.add_argument("--quick", action="store_true", help="smaller ceilings, fewer repetitions")
+    b.add_argument("--json", help="merge the records into this JSON file (and a .md table beside it)")
+    b.add_argument("--device", type=int, default=0)
+    args = p.parse_args(argv)
+    return {"info": _info, "compile": _compile, "bench": _bench}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

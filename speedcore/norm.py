@@ -1,0 +1,124 @@
+"""RMSNorm and fused add + RMSNorm (kernels/norm.cu)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from . import _arrays as A
+from ._compile import Kernel
+from ._launch import LaunchConfig, launch
+
+SOURCE = "norm.cu"
+MAX_HIDDEN = 16384
+MAX_THREADS = 512
+_NV_CHOICES = (1, 2, 4, 8)
+
+
+@lru_cache(maxsize=4096)
+def rms_norm_config(hidden: int, itemsize: int, vectorized: bool) -> tuple:
+    """(vectors per thread, threads per block) for one row of ``hidden`` elements.
+
+    Vectorized rows (16-byte accesses) are kept in registers: the fewest vectors per thread (1 to 8) that fit
+    the row into one block of at most 512 threads.  Other rows (odd sizes, unaligned views) use the row-loop
+    kernel (vectors per thread 0) with up to 512 threads.
+    """
+    if not vectorized:
+        return 0, min(MAX_THREADS, max(32, -(-hidden // 32) * 32))
+    nvec = hidden // (16 // itemsize)
+    for nv in _NV_CHOICES:
+        threads = -(-nvec // nv)
+        if threads <= MAX_THREADS:
+            break
+    return nv, max(32, -(-threads // 32) * 32)
+
+
+def _kernel(dtype: str, nv: int, residual: bool) -> Kernel:
+    r = "true" if residual else "false"
+    if nv == 0:
+        return Kernel(SOURCE, f"rms_norm_rowloop_kernel<{A.CTYPE[dtype]}, {r}>")
+    return Kernel(SOURCE, f"rms_norm_kernel<{A.CTYPE[dtype]}, {nv}, {r}>")
+
+
+def all_kernels() -> list:
+    """Every variant :func:`rms_norm` can launch (for ``python -m speedcore compile``)."""
+    out = []
+    for dtype in A.FLOAT_DTYPES:
+        max_nv = rms_norm_config(MAX_HIDDEN, A.ITEMSIZE[dtype], True)[0]
+        for nv in (0,) + tuple(n for n in _NV_CHOICES if n <= max_nv):
+            for residual in (False, True):
+                out.append(_kernel(dtype, nv, residual))
+    return out
+
+
+def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None):
+    """Root-mean-square layer norm over the last dimension, optionally fused with a residual add.
+
+    ``y = x / sqrt(mean(x**2, -1) + eps) * weight``.  With ``residual``: ``h = x + residual`` (rounded to the
+    input dtype) and the call returns ``(rms_norm(h) * weight, h)`` in one pass over memory.
+
+    Parameters
+    ----------
+    x : torch.Tensor or cupy.ndarray, shape (..., hidden)
+        float16, bfloat16 or float32 on a CUDA device; 1 <= hidden <= 16384.  The last dimension must be
+        contiguous; the leading dimensions may be any view that collapses to one row stride.
+    weight : same library, shape (hidden,), contiguous, same dtype as ``x``.
+    eps : float
+        Added to the mean square.
+    residual : optional, same shape and dtype as ``x``.
+    out : optional, same shape and dtype as ``x``; written in place and returned.
+
+    Returns
+    -------
+    out, or (out, h) when ``residual`` is given; arrays of the input's library (torch or CuPy), on the
+    caller's current stream.
+    """
+    xa = A.wrap(x, "x")
+    wa = A.wrap(weight, "weight")
+    ra = A.wrap(residual, "residual", optional=True)
+    oa = A.wrap(out, "out", optional=True)
+    A.check_dtype(xa, A.FLOAT_DTYPES)
+    A.check_same_dtype(xa, wa, ra, oa)
+    A.check_same_device(xa, wa, ra, oa)
+    hidden = xa.shape[-1] if xa.ndim else 0
+    rows, x_stride = xa.rows()
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"x: hidden size (last dimension) must be between 1 and {MAX_HIDDEN}, got {hidden}")
+    A.check_shape(wa, (hidden,))
+    if hidden > 1 and wa.strides[-1] != 1:
+        raise ValueError(f"weight: must be contiguous, got stride {wa.strides[-1]}")
+    eps = float(eps)
+    if not eps >= 0.0:
+        raise ValueError(f"eps: must be a non-negative float, got {eps}")
+    r_stride = 0
+    if ra is not None:
+        A.check_shape(ra, xa.shape)
+        _, r_stride = ra.rows()
+    if oa is None:
+        oa = A.empty(xa, xa.shape, xa.dtype)
+    else:
+        A.check_shape(oa, xa.shape)
+        A.check_no_overlap(oa, wa, ra)
+    _, o_stride = oa.rows()
+    ha = None
+    h_stride = 0
+    if ra is not None:
+        ha = A.empty(xa, xa.shape, xa.dtype, name="h")
+        h_stride = hidden
+
+    result = (oa.obj, ha.obj) if ha is not None else oa.obj
+    if rows == 0:
+        return result
+
+    vec_bytes = 16
+    vec_elems = vec_bytes // xa.itemsize
+    operands = [(a, s) for a, s in ((xa, x_stride), (oa, o_stride), (ra, r_stride), (ha, h_stride)) if a is not None]
+    vectorized = hidden % vec_elems == 0 and wa.aligned(vec_bytes) and all(
+        a.aligned(vec_bytes) and (s * a.itemsize) % vec_bytes == 0 for a, s in operands)
+    nv, threads = rms_norm_config(hidden, xa.itemsize, vectorized)
+    kernel = _kernel(xa.dtype, nv, ra is not None)
+    args = (oa.ptr, ha.ptr if ha is not None else 0, xa.ptr, ra.ptr if ra is not None else 0, wa.ptr,
+            np.int32(hidden), np.int64(x_stride), np.int64(r_stride), np.int64(o_stride), np.int64(h_stride),
+            np.float32(eps))
+    launch(kernel, LaunchConfig((rows,), (threads,)), args, device=xa.device, stream=A.stream_of(xa))
+    return result
