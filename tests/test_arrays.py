@@ -1,0 +1,72 @@
+"""Array description and validation logic (no GPU needed: Array objects are built by hand)."""
+import numpy as np
+import pytest
+
+from speedcore import _arrays as A
+
+
+def arr(shape, strides, dtype="float16", name="x", ptr=4096, lib="torch", device=0):
+    return A.Array(None, lib, ptr, shape, strides, dtype, device, name)
+
+
+def test_rows_of_contiguous_and_views():
+    assert arr((4, 5, 8), (40, 8, 1)).rows() == (20, 8)
+    assert arr((4, 8), (24, 1)).rows() == (4, 24)           # column slice of a wider matrix
+    assert arr((2, 3, 8), (72, 24, 1)).rows() == (6, 24)    # collapsible leading dims
+    assert arr((1, 3, 8), (999, 24, 1)).rows() == (3, 24)   # size-1 dims don't matter
+    assert arr((8,), (1,)).rows() == (1, 8)
+
+
+def test_rows_rejects_what_no_single_stride_describes():
+    with pytest.raises(ValueError, match="x: the last dimension must be contiguous"):
+        arr((4, 8), (1, 4)).rows()
+    with pytest.raises(ValueError, match="cannot be viewed as rows of one stride"):
+        arr((2, 3, 8), (8, 16, 1)).rows()  # a transposed batch
+    with pytest.raises(ValueError, match="scalar"):
+        arr((), ()).rows()
+
+
+def test_contiguity_and_alignment():
+    assert arr((4, 8), (8, 1)).is_contiguous()
+    assert not arr((4, 8), (16, 1)).is_contiguous()
+    assert arr((4, 8), (8, 1), ptr=4096 + 16).aligned(16)
+    assert not arr((4, 8), (8, 1), ptr=4096 + 2).aligned(16)
+
+
+def test_dtype_device_and_shape_checks():
+    x = arr((4, 8), (8, 1))
+    with pytest.raises(TypeError, match="x: dtype int32 is not supported"):
+        A.check_dtype(arr((4, 8), (8, 1), dtype="int32"), A.FLOAT_DTYPES)
+    with pytest.raises(TypeError, match="w: dtype bfloat16 does not match x's float16"):
+        A.check_same_dtype(x, arr((8,), (1,), dtype="bfloat16", name="w"))
+    with pytest.raises(ValueError, match="w: is on cuda:1 but x is on cuda:0"):
+        A.check_same_device(x, arr((8,), (1,), name="w", device=1))
+    with pytest.raises(TypeError, match="w: is a cupy.ndarray but x is a torch.Tensor"):
+        A.check_same_device(x, arr((8,), (1,), name="w", lib="cupy"))
+    with pytest.raises(ValueError, match=r"w: expected shape \(8,\), got \(7,\)"):
+        A.check_shape(arr((7,), (1,), name="w"), (8,))
+    A.check_same_device(x, None, arr((8,), (1,), name="w"))
+
+
+def test_overlap_detection():
+    out = arr((4, 8), (8, 1), name="out", ptr=1000)
+    with pytest.raises(ValueError, match="out: overlaps w"):
+        A.check_no_overlap(out, arr((8,), (1,), name="w", ptr=1000 + 16))
+    A.check_no_overlap(out, arr((8,), (1,), name="w", ptr=1000 + 64))   # just past the end
+    A.check_no_overlap(out, arr((4, 8), (8, 1), name="x", ptr=1000))     # exactly in place is fine
+
+
+def test_wrap_rejects_host_and_foreign_objects():
+    with pytest.raises(TypeError, match="x: expected a CUDA torch.Tensor or cupy.ndarray, got numpy.ndarray"):
+        A.wrap(np.zeros(3), "x")
+    with pytest.raises(TypeError, match="w: expected a CUDA torch.Tensor or cupy.ndarray, got builtins.list"):
+        A.wrap([1, 2], "w")
+    with pytest.raises(TypeError, match="got None"):
+        A.wrap(None, "x")
+    assert A.wrap(None, "r", optional=True) is None
+
+
+def test_cpu_torch_tensor_is_rejected():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="x: expected a CUDA tensor, got a tensor on cpu"):
+        A.wrap(torch.zeros(3), "x")

@@ -1,0 +1,130 @@
+"""The NVRTC compile path, its cache, and the CI check that every variant builds for every target arch."""
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import pytest
+
+from speedcore import _compile
+from speedcore._compile import CompileError, Kernel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def fake_kernels(tmp_path, monkeypatch):
+    """A private kernels/ folder and cache folder, so the tests can edit sources freely."""
+    kdir = tmp_path / "kernels"
+    (kdir / "common").mkdir(parents=True)
+    (kdir / "common" / "h.cuh").write_text("#pragma once\n#define SCALE 2.0f\n")
+    (kdir / "common" / "g.cuh").write_text('#pragma once\n#include "h.cuh"\n')
+    (kdir / "k.cu").write_text(
+        '#include "common/h.cuh"\n#include "common/g.cuh"\n'
+        "template <int N> __global__ void scale(float* x) { x[threadIdx.x] *= SCALE * N; }\n")
+    monkeypatch.setattr(_compile, "kernels_dir", lambda: kdir)
+    monkeypatch.setenv("SPEEDCORE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_compile, "_mem_cache", {})
+    return kdir
+
+
+def test_assemble_inlines_each_header_once(fake_kernels):
+    text = _compile.assemble_source("k.cu", fake_kernels)
+    assert text.count("#define SCALE") == 1
+    assert "#include \"" not in text and "#pragma once" not in text
+    assert '#line 3 "k.cu"' in text  # errors point back into the original file
+
+
+def test_missing_include_is_reported(fake_kernels):
+    (fake_kernels / "bad.cu").write_text('#include "common/nope.cuh"\n')
+    with pytest.raises(FileNotFoundError, match="nope.cuh"):
+        _compile.assemble_source("bad.cu", fake_kernels)
+
+
+def test_cache_key_covers_headers_options_and_compiler(fake_kernels, monkeypatch):
+    k = Kernel("k.cu", "scale<3>")
+    opts = _compile.build_options(k, "sm_80")
+    key = _compile.cache_key(_compile.assemble_source("k.cu"), k.name, opts)
+    assert key == _compile.cache_key(_compile.assemble_source("k.cu"), k.name, opts)
+    (fake_kernels / "common" / "h.cuh").write_text("#pragma once\n#define SCALE 3.0f\n")
+    key_header = _compile.cache_key(_compile.assemble_source("k.cu"), k.name, opts)
+    assert key_header != key
+    assert _compile.cache_key(_compile.assemble_source("k.cu"), k.name, opts + ("-DX=1",)) != key_header
+    assert _compile.cache_key(_compile.assemble_source("k.cu"), "scale<4>", opts) != key_header
+    monkeypatch.setattr(_compile, "nvrtc_version", lambda: (99, 0))
+    assert _compile.cache_key(_compile.assemble_source("k.cu"), k.name, opts) != key_header
+
+
+def test_compile_disk_cache_roundtrip_and_corruption(fake_kernels, tmp_path):
+    k = Kernel("k.cu", "scale<3>")
+    c1 = _compile.compile_kernel(k, "sm_80")
+    assert not c1.from_disk and c1.cubin and c1.lowered_name.startswith("_Z")
+    assert c1.resources["registers"] > 0
+    files = list((tmp_path / "cache").glob("*.cubin"))
+    assert len(files) == 1
+    _compile._mem_cache.clear()
+    c2 = _compile.compile_kernel(k, "sm_80")
+    assert c2.from_disk and c2.cubin == c1.cubin and c2.lowered_name == c1.lowered_name
+    files[0].write_bytes(files[0].read_bytes()[:-7])  # truncated file: recompiled, not loaded
+    _compile._mem_cache.clear()
+    c3 = _compile.compile_kernel(k, "sm_80")
+    assert not c3.from_disk and c3.cubin == c1.cubin
+    # a changed header misses the cache
+    (fake_kernels / "common" / "h.cuh").write_text("#pragma once\n#define SCALE 5.0f\n")
+    c4 = _compile.compile_kernel(k, "sm_80")
+    assert not c4.from_disk
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
+
+
+def _compile_in_child(args):
+    kdir, cache = args
+    os.environ["SPEEDCORE_CACHE_DIR"] = cache
+    _compile.kernels_dir = lambda: __import__("pathlib").Path(kdir)
+    c = _compile.compile_kernel(Kernel("k.cu", "scale<7>"), "sm_90")
+    return len(c.cubin)
+
+
+def test_two_processes_compiling_the_same_variant_both_succeed(fake_kernels, tmp_path):
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        sizes = pool.map(_compile_in_child, [(str(fake_kernels), str(tmp_path / "cache"))] * 4)
+    assert len(set(sizes)) == 1 and sizes[0] > 0
+    assert not list((tmp_path / "cache").glob(".tmp-*"))  # no temporary files left behind
+
+
+def test_compile_error_carries_name_options_and_log(fake_kernels):
+    (fake_kernels / "broken.cu").write_text("template <int N> __global__ void f(float* x) { x[0] = undefined_name; }\n")
+    with pytest.raises(CompileError) as ei:
+        _compile.compile_kernel(Kernel("broken.cu", "f<1>"), "sm_80")
+    e = ei.value
+    assert e.kernel.name == "f<1>" and "-arch=sm_80" in e.options
+    assert "undefined_name" in e.log and "f<1>" in str(e) and "broken.cu" in str(e)
+
+
+def test_hopper_kernels_only_build_for_sm90a():
+    k = Kernel("norm.cu", "x", hopper=True)
+    assert k.archs(["sm_80", "sm_90", "sm_90a"]) == ["sm_90a"]
+    with pytest.raises(ValueError, match="sm_90a"):
+        _compile.build_options(k, "sm_90")
+
+
+def test_ptxas_report_parsing():
+    log = ("ptxas info    : Compiling entry function '_Z1fv' for 'sm_90'\n"
+           "ptxas info    : Function properties for _Z1fv\n"
+           "ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 1 barriers, 4096 bytes smem\n"
+           "ptxas info    : Compiling entry function '_Z1gv' for 'sm_90'\n"
+           "ptxas info    : Used 10 registers\n")
+    r = _compile.parse_ptxas_report(log, "_Z1fv")
+    assert (r["registers"], r["smem"], r["stack"], r["spill_stores"], r["spill_loads"]) == (255, 4096, 24, 8, 12)
+    assert _compile.parse_ptxas_report(log, "_Z1gv")["registers"] == 10
+
+
+def test_every_variant_compiles_for_every_arch_without_spills(tmp_path):
+    """The CI check: the same source assembly and options as a GPU run, for sm_80, sm_90 and sm_90a."""
+    env = dict(os.environ, SPEEDCORE_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-m", "speedcore", "compile", "--arch", "sm_80,sm_90,sm_90a"],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    print(p.stdout[-4000:], p.stderr[-4000:])
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert " 0 errors, 0 with spills" in p.stdout

@@ -1,0 +1,56 @@
+"""Packaging: the wheel ships the kernels, and importing speedcore is cheap and GPU-free."""
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_import_touches_no_gpu_library_and_is_fast():
+    code = ("import sys, time; t = time.perf_counter(); import speedcore; dt = time.perf_counter() - t; "
+            "bad = [m for m in ('cupy', 'torch', 'cupy_backends') if m in sys.modules]; print(dt, bad)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    dt, bad = p.stdout.split(" ", 1)
+    assert bad.strip() == "[]"
+    assert float(dt) < 0.3
+
+
+def test_wheel_contains_kernels_and_benchmarks(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), ROOT],
+                       capture_output=True, text=True)
+    if p.returncode != 0 and ("No matching distribution" in p.stderr or "Could not find" in p.stderr):
+        pytest.skip("the build backend could not be fetched: " + p.stderr[-200:])
+    assert p.returncode == 0, p.stderr[-2000:]
+    (wheel,) = tmp_path.glob("speedcore-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {n for n in names if n.startswith("speedcore/_kernels/")}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "kernels")):
+        for f in files:
+            if f.endswith((".cu", ".cuh")):
+                rel = os.path.relpath(os.path.join(dirpath, f), os.path.join(ROOT, "kernels")).replace(os.sep, "/")
+                assert f"speedcore/_kernels/{rel}" in shipped
+    assert "speedcore/_kernels/norm.cu" in shipped
+    assert "speedcore/_kernels/common/types.cuh" in shipped
+    assert "speedcore/_benchmarks/rms_norm.py" in names
+    assert "speedcore/cli.py" in names
+
+
+def test_kernels_found_from_installed_layout(tmp_path):
+    """An installed wheel finds speedcore/_kernels (no source checkout beside it)."""
+    import shutil
+
+    pkg = tmp_path / "speedcore"
+    shutil.copytree(os.path.join(ROOT, "speedcore"), pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(ROOT, "kernels"), pkg / "_kernels")
+    code = "import speedcore._compile as c; print(c.kernels_dir())"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert p.stdout.strip() == str(pkg / "_kernels")
+
+
+def test_cli_info_runs_without_gpu():
+    p = subprocess.run([sys.executable, "-m", "speedcore", "info"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "speedcore" in p.stdout and "kernels norm" in p.stdout
