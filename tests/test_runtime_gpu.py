@@ -23,6 +23,7 @@ print(json.dumps({"seconds": dt, "from_disk": lk.compiled.from_disk, "regs": lk.
 
 
 @pytest.mark.gpu
+@pytest.mark.big
 def test_first_compile_and_disk_cache_load_times(tmp_path):
     env = dict(os.environ, SPEEDCORE_CACHE_DIR=str(tmp_path), PYTHONPATH=ROOT)
     runs = []
