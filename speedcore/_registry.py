@@ -6,14 +6,23 @@ import pkgutil
 from pathlib import Path
 
 
-def op_modules() -> dict:
-    """name -> module, for each ``speedcore/<family>.py`` that defines ``all_kernels()``."""
+def op_modules(errors: dict | None = None) -> dict:
+    """name -> module, for each ``speedcore/<family>.py`` that defines ``all_kernels()``.
+
+    A module that fails to import is left out and its exception stored in ``errors`` when given, else raised.
+    """
     pkg = Path(__file__).resolve().parent
     mods = {}
     for info in sorted(pkgutil.iter_modules([str(pkg)]), key=lambda i: i.name):
         if info.name.startswith("_") or info.name in ("cli", "bench"):
             continue
-        mod = importlib.import_module(f"speedcore.{info.name}")
+        try:
+            mod = importlib.import_module(f"speedcore.{info.name}")
+        except Exception as e:
+            if errors is None:
+                raise
+            errors[info.name] = e
+            continue
         if hasattr(mod, "all_kernels"):
             mods[info.name] = mod
     return mods

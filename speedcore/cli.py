@@ -40,9 +40,12 @@ def _info(args) -> int:
     files = list(cdir.glob("*.cubin")) if cdir.is_dir() else []
     size = sum(f.stat().st_size for f in files)
     print(f"cache {cdir}: {len(files)} variants, {size / 1e6:.1f} MB")
-    for name, mod in _registry.op_modules().items():
+    errors: dict = {}
+    for name, mod in _registry.op_modules(errors).items():
         ks = mod.all_kernels()
         print(f"kernels {name}: {len(ks)} variants from kernels/{ks[0].source if ks else '?'}")
+    for name, e in errors.items():
+        print(f"kernels {name}: cannot import ({type(e).__name__}: {e})")
     return 0
 
 
