@@ -29,7 +29,7 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   summary+=("memcheck:        exit $rc  $(grep -E 'ERROR SUMMARY|passed|failed' "$out/memcheck.log" | tail -n 2 | tr '\n' ' ') ($((SECONDS - t1)) s)")
   t1=$SECONDS
   compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
-    python3 -m pytest -q -x -m "gpu and not big" -k "${RACECHECK_K:-rms_norm_torch and 4096}" $tests > "$out/racecheck.log" 2>&1
+    python3 -m pytest -q -x -m "gpu and not big" -k "${RACECHECK_K:-rms_norm_torch and float16}" $tests > "$out/racecheck.log" 2>&1
   rc=$?
   summary+=("racecheck:       exit $rc  $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|passed|failed' "$out/racecheck.log" | tail -n 2 | tr '\n' ' ') ($((SECONDS - t1)) s)")
 fi

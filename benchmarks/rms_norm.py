@@ -21,7 +21,7 @@ def cases(b):
         for dtype in dtypes:
             for residual in (False, True):
                 label = f"{OP} {rows}x{hidden} {str(dtype)[6:]}{' +residual' if residual else ''}"
-                out.append((label, lambda b, rows=rows, hidden=hidden, dtype=dtype, residual=residual:
+                out.append((label, lambda b, rows=rows, hidden=hidden, dtype=dtype, residual=residual, label=label:
                             _run(b, rows, hidden, dtype, residual, label)))
     return out
 

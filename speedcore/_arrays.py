@@ -185,9 +185,13 @@ def stream_of(ref: Array):
         ptr = torch.cuda.current_stream(ref.device).cuda_stream
         s = _ext_streams.get((ptr, ref.device))
         if s is None:
+            import warnings
+
             import cupy
 
-            s = cupy.cuda.ExternalStream(ptr, ref.device)
+            with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external, which older CuPy lacks
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = cupy.cuda.ExternalStream(ptr, ref.device)
             _ext_streams[(ptr, ref.device)] = s
         return s
     import cupy

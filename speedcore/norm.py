@@ -19,17 +19,20 @@ _NV_CHOICES = (1, 2, 4, 8)
 def rms_norm_config(hidden: int, itemsize: int, vectorized: bool) -> tuple:
     """(vectors per thread, threads per block) for one row of ``hidden`` elements.
 
-    Vectorized rows (16-byte accesses) are kept in registers: the fewest vectors per thread (1 to 8) that fit
-    the row into one block of at most 512 threads.  Other rows (odd sizes, unaligned views) use the row-loop
-    kernel (vectors per thread 0) with up to 512 threads.
+    Vectorized rows (16-byte accesses) are kept in registers.  Bandwidth needs bytes in flight: four 16-byte
+    loads per thread issued together, with small blocks (128 threads for a 4096-wide bf16 row) so that many
+    rows are in flight per SM; more vectors per thread only when a row would need more than 512 threads.
+    Other rows (odd sizes, unaligned views) use the row-loop kernel (vectors per thread 0).
     """
     if not vectorized:
         return 0, min(MAX_THREADS, max(32, -(-hidden // 32) * 32))
     nvec = hidden // (16 // itemsize)
-    for nv in _NV_CHOICES:
-        threads = -(-nvec // nv)
-        if threads <= MAX_THREADS:
-            break
+    nv = 1
+    while nv < 4 and nv * 32 < nvec:
+        nv *= 2
+    while -(-nvec // nv) > MAX_THREADS:
+        nv *= 2
+    threads = -(-nvec // nv)
     return nv, max(32, -(-threads // 32) * 32)
 
 
