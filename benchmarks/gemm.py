@@ -1,0 +1,68 @@
+"""speedcore.linear / speedcore.matmul against cuBLAS (torch.nn.functional.linear, torch.matmul).
+
+Square 4096^3 and 8192^3; M in {1, 16, 64, 128, 512, 2048, 8192} x (N, K) of Llama-style projections.
+M <= 64 is bandwidth-bound: recorded in TB/s (weights + activations + output) against the copy ceiling;
+larger M in TFLOP/s against the cuBLAS matmul ceiling.  The forced Ampere (mma.sync) path is recorded too.
+"""
+import speedcore
+
+NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
+MS = [1, 16, 64, 128, 512, 2048, 8192]
+
+
+def cases(b):
+    torch = b.torch
+    dtypes = [torch.bfloat16] if b.quick else [torch.bfloat16, torch.float16]
+    ms = [1, 16, 64, 128, 512, 2048] if b.quick else MS
+    out = []
+    for dtype in dtypes:
+        d = str(dtype)[6:]
+        for s in (4096, 8192):
+            out.append((f"linear {s}^3 {d}", lambda b, s=s, dtype=dtype: _linear(b, s, s, s, dtype)))
+            out.append((f"matmul {s}^3 {d}", lambda b, s=s, dtype=dtype: _matmul(b, s, s, s, dtype)))
+        out.append((f"linear[ampere] 8192^3 {d}",
+                    lambda b, dtype=dtype: _linear(b, 8192, 8192, 8192, dtype, path="ampere")))
+        out.append((f"linear+bias+silu 4096x14336x4096 {d}",
+                    lambda b, dtype=dtype: _linear(b, 4096, 14336, 4096, dtype, act="silu")))
+        for n, k in NK:
+            for m in ms:
+                out.append((f"linear {m}x{n}x{k} {d}", lambda b, m=m, n=n, k=k, dtype=dtype: _linear(b, m, n, k, dtype)))
+    return out
+
+
+def _record(b, op, m, n, k, dtype, ours_ms, peers_ms):
+    d = str(dtype)[6:]
+    case = f"{m}x{n}x{k} {d}"
+    if m <= 64:
+        nbytes = 2 * (m * k + n * k + m * n)
+        f = lambda ms: nbytes / ms / 1e9  # noqa: E731
+        b.add(op, case, "TB/s", f(ours_ms), {p: f(v) for p, v in peers_ms.items()}, ceiling="copy")
+    else:
+        f = lambda ms: 2 * m * n * k / ms / 1e9  # noqa: E731
+        b.add(op, case, "TFLOP/s", f(ours_ms), {p: f(v) for p, v in peers_ms.items()}, ceiling="matmul")
+
+
+def _linear(b, m, n, k, dtype, act=None, path=None):
+    torch = b.torch
+    F = torch.nn.functional
+    x = torch.randn(m, k, dtype=dtype, device=b.device)
+    w = torch.randn(n, k, dtype=dtype, device=b.device) / k ** 0.5
+    bias = torch.randn(n, dtype=dtype, device=b.device) if act else None
+    ours = b.time_ms(lambda: speedcore.linear(x, w, bias, activation=act, _path=path))
+    if act:
+        peer = b.time_ms(lambda: F.silu(F.linear(x, w, bias)))
+        name = "F.silu(F.linear) (cuBLAS + eager)"
+    else:
+        peer = b.time_ms(lambda: F.linear(x, w))
+        name = "F.linear (cuBLAS)"
+    op = "linear" + (f"[{path}]" if path else "") + (f"+bias+{act}" if act else "")
+    _record(b, op, m, n, k, dtype, ours, {name: peer})
+
+
+def _matmul(b, m, n, k, dtype):
+    torch = b.torch
+    x = torch.randn(m, k, dtype=dtype, device=b.device)
+    w = torch.randn(k, n, dtype=dtype, device=b.device) / k ** 0.5
+    ours = b.time_ms(lambda: speedcore.matmul(x, w))
+    peer = b.time_ms(lambda: torch.matmul(x, w))
+    _record(b, "matmul", m, n, k, dtype, ours, {"torch.matmul (cuBLAS)": peer})

@@ -1,0 +1,67 @@
+// Hopper (sm_90) asynchronous-copy building blocks: mbarriers, TMA tile loads (cp.async.bulk.tensor),
+// and warpgroup register reallocation.  The tensor map is built on the host (speedcore/_tma.py) and passed
+// by value as a `const __grid_constant__ sc::TmaMap` kernel parameter.
+#pragma once
+#include "mma.cuh"
+
+namespace sc {
+
+// CUtensorMap: 128 opaque bytes, 64-byte aligned.
+struct __align__(64) TmaMap {
+  unsigned long long words[16];
+};
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Makes initialized mbarriers visible to the async proxy (TMA) and to the other threads; follow with a
+// block-wide barrier.
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Arrive and announce that `bytes` more will land through complete_tx before the phase can complete.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+// Spin until the phase of parity `parity` has completed.  A fresh barrier counts its (virtual) previous
+// phase, of parity 1, as complete, so a producer waiting on "slot empty" with parity 1 passes at once.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  const unsigned addr = smem_addr(bar);
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+// Load the box at (x = inner coordinate, y = outer coordinate) of a 2-D tensor map into shared memory;
+// completion is signalled on `bar` as transaction bytes.  Out-of-range elements are zero-filled (and still
+// counted as transaction bytes).
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const TmaMap* map, int x, int y,
+                                            unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Warpgroup register reallocation (all 128 threads of a warpgroup execute it).
+template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+}  // namespace sc

@@ -1,0 +1,328 @@
+"""Tensor Core GEMM with a fused bias + activation epilogue (kernels/gemm.cu, kernels/gemm_sm90.cu).
+
+Three paths, picked by :func:`gemm_path`, a pure function of the problem and the device:
+
+* ``"hopper"`` (sm_90): TMA loads into a multi-stage shared-memory ring guarded by mbarriers, wgmma by two
+  consumer warpgroups, one producer warpgroup, register reallocation, a persistent tile scheduler.  Needs B
+  K-major (a Linear weight (N, K), or a (K, N) view of one) and 16-byte aligned operands.
+* ``"ampere"`` (sm_80+): mma.sync + ldmatrix from a cp.async ring of swizzled tiles.
+* ``"skinny"`` (M <= 64, decode): the same mma.sync kernel with narrow N tiles, deep K tiles and warps
+  splitting K, so the weight streams once at HBM bandwidth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from . import _arrays as A
+from ._compile import Kernel
+from ._launch import LaunchConfig, device_info, launch
+
+SOURCE = "gemm.cu"
+SOURCE_SM90 = "gemm_sm90.cu"
+ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+PATHS = ("hopper", "ampere", "skinny")
+SKINNY_MAX_M = 64
+GROUP_M = 8
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """CTA tile (bm, bn, bk), warps along M, N and K, pipeline stages of the mma.sync kernel."""
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    wk: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wn * self.wk
+
+    @property
+    def smem(self) -> int:
+        ring = self.stages * (self.bm + self.bn) * self.bk * 2
+        reduce = (self.wk - 1) * self.bm * self.bn * 4
+        return max(ring, reduce)
+
+
+# Large tiles (warp tile 64x64) for big problems, a 64-row tile for M in the low hundreds.
+MMA_LARGE = (MmaConfig(128, 256, 64, 2, 4, 1, 3), MmaConfig(128, 128, 64, 2, 2, 1, 4),
+             MmaConfig(64, 128, 64, 2, 2, 1, 4))
+# Skinny: one row tile covers all of M; 32 columns per CTA so that N = 4096 already gives ~one CTA per SM;
+# 8 warps split each stage's K slice.
+MMA_SKINNY = {16: MmaConfig(16, 32, 256, 1, 1, 8, 4), 32: MmaConfig(32, 32, 256, 1, 1, 8, 4),
+              64: MmaConfig(64, 32, 128, 1, 1, 8, 4)}
+_MMA_EFFICIENCY = {MMA_LARGE[0]: 1.0, MMA_LARGE[1]: 0.9, MMA_LARGE[2]: 0.75}
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Hopper kernel: CTA tile bm x bn (bk = 64, one 128-byte swizzle row), ring stages."""
+    bm: int
+    bn: int
+    stages: int
+
+    bk = 64
+    threads = 384  # one producer + two consumer warpgroups
+
+    @property
+    def smem(self) -> int:
+        # ring + one mbarrier pair per stage (the kernel aligns the ring to 1024 bytes)
+        return self.stages * (self.bm + self.bn) * self.bk * 2 + 1024 + 16 * self.stages
+
+
+WGMMA_TILES = ((128, 256), (256, 128), (128, 128), (128, 64))
+WGMMA_MAX_STAGES = 8
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@lru_cache(maxsize=4096)
+def gemm_path(m: int, n: int, k: int, dtype: str, cc: tuple, b_kmajor: bool) -> str:
+    """Which kernel serves an (m, n, k) problem: "skinny", "hopper" or "ampere" (see the module docstring)."""
+    if m <= SKINNY_MAX_M:
+        return "skinny"
+    if tuple(cc) == (9, 0) and b_kmajor:
+        return "hopper"
+    return "ampere"
+
+
+@lru_cache(maxsize=4096)
+def mma_config(m: int, n: int, k: int, sms: int, smem_per_sm: int, skinny: bool) -> MmaConfig:
+    """The mma.sync tile: for skinny M the smallest row tile covering M; otherwise the tile that minimizes
+    (waves x tile area / efficiency), where a wave is one CTA on every SM (or two, when two fit)."""
+    if skinny:
+        for bm, cfg in MMA_SKINNY.items():
+            if m <= bm:
+                return cfg
+        return MMA_SKINNY[64]
+    best, best_cost = None, None
+    for cfg in MMA_LARGE:
+        per_sm = max(1, min(2, smem_per_sm // (cfg.smem + 1024)))
+        tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
+        # a wave runs per_sm CTAs on each SM, sharing its Tensor Cores
+        cost = _ceil(tiles, sms * per_sm) * per_sm * cfg.bm * cfg.bn / _MMA_EFFICIENCY[cfg]
+        if best_cost is None or cost < best_cost:
+            best, best_cost = cfg, cost
+    return best
+
+
+@lru_cache(maxsize=4096)
+def wgmma_config(m: int, n: int, k: int, sms: int, smem_per_block: int) -> WgmmaConfig:
+    """DeepGEMM-style pure heuristic: the tile with the fewest waves on ``sms`` SMs, ties broken by the best
+    last-wave utilization and then by the larger tile; then as many stages as shared memory holds (max 8)."""
+    best, best_key = None, None
+    for bm, bn in WGMMA_TILES:
+        tiles = _ceil(m, bm) * _ceil(n, bn)
+        waves = _ceil(tiles, sms)
+        last = tiles - (waves - 1) * sms
+        # padding waste: rows/cols computed beyond m, n
+        useful = (m * n) / (_ceil(m, bm) * bm * _ceil(n, bn) * bn)
+        key = (waves / useful, -last / sms, -(bm * bn))
+        if best_key is None or key < best_key:
+            best, best_key = (bm, bn), key
+    return WgmmaConfig(best[0], best[1], _wgmma_stages(best[0], best[1], smem_per_block))
+
+
+def _wgmma_stages(bm: int, bn: int, smem_per_block: int) -> int:
+    stages = WGMMA_MAX_STAGES
+    while stages > 2 and WgmmaConfig(bm, bn, stages).smem > smem_per_block:
+        stages -= 1
+    return stages
+
+
+def _mma_kernel(dtype: str, cfg: MmaConfig, b_kmajor: bool) -> Kernel:
+    return Kernel(SOURCE, f"gemm_mma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.bk}, {cfg.wm}, {cfg.wn}, "
+                          f"{cfg.wk}, {cfg.stages}, {'true' if b_kmajor else 'false'}>")
+
+
+def _wgmma_kernel(dtype: str, cfg: WgmmaConfig) -> Kernel:
+    return Kernel(SOURCE_SM90, f"gemm_wgmma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.stages}>",
+                  hopper=True)
+
+
+# H100/H200: 227 KB of shared memory per block; the stage counts the heuristic can pick there.
+_SM90_SMEM = 232448
+
+
+def all_kernels() -> list:
+    """Every variant :func:`matmul` and :func:`linear` can launch."""
+    out = []
+    for dtype in A.HALF_DTYPES:
+        for kmajor in (True, False):
+            for cfg in MMA_LARGE + tuple(MMA_SKINNY.values()):
+                out.append(_mma_kernel(dtype, cfg, kmajor))
+        for bm, bn in WGMMA_TILES:
+            out.append(_wgmma_kernel(dtype, WgmmaConfig(bm, bn, _wgmma_stages(bm, bn, _SM90_SMEM))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _check_rows_operand(x: A.Array, what: str) -> tuple:
+    """(rows, row_stride) of a (..., K) operand whose last dim is contiguous."""
+    return x.rows()
+
+
+def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, b_kmajor: bool, bias,
+          activation, oa: A.Array, ldo: int, path: str | None):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of None, 'silu', 'gelu', 'gelu_tanh', 'relu', got "
+                         f"{activation!r}")
+    if k % 8 or n % 8:
+        raise ValueError(f"K and N must be multiples of 8 (16-byte rows), got K={k}, N={n}")
+    if k == 0:
+        raise ValueError("K must be at least 8, got 0")
+    for arr, ld, what in ((aa, lda, "row stride"), (ba, ldb, "leading stride"), (oa, ldo, "row stride")):
+        if not arr.aligned(16) or (ld * arr.itemsize) % 16:
+            raise ValueError(f"{arr.name}: needs a 16-byte aligned data pointer and a {what} that is a multiple of "
+                             f"8 elements (got pointer offset {arr.ptr % 16} bytes, {what} {ld})")
+    if bias is not None and not bias.aligned(16):
+        raise ValueError(f"{bias.name}: needs a 16-byte aligned data pointer")
+    if path is not None and path not in PATHS:
+        raise ValueError(f"_path: expected one of {PATHS}, got {path!r}")
+    if m == 0:
+        return
+    dev = device_info(aa.device)
+    if path is None:
+        path = gemm_path(m, n, k, aa.dtype, dev.cc, b_kmajor)
+    if path == "hopper" and (dev.cc != (9, 0) or not b_kmajor):
+        raise ValueError("_path='hopper' needs an sm_90 GPU and a K-major B (a Linear weight)")
+    act = np.int32(ACTIVATIONS[activation])
+    bias_ptr = bias.ptr if bias is not None else 0
+    stream = A.stream_of(aa)
+    if path == "hopper":
+        from . import _tma
+
+        cfg = wgmma_config(m, n, k, dev.sms, dev.smem_per_block_optin)
+        tmap_a = _tma.tile_map_2d(aa.ptr, aa.dtype, rows=m, cols=k, row_stride=lda, box_rows=cfg.bm, box_cols=64)
+        tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=n, cols=k, row_stride=ldb, box_rows=cfg.bn, box_cols=64)
+        tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
+        grid = min(tiles, dev.sms)
+        args = (tmap_a, tmap_b, oa.ptr, bias_ptr, np.int32(m), np.int32(n), np.int32(k), np.int64(ldo), act,
+                np.int32(GROUP_M))
+        launch(_wgmma_kernel(aa.dtype, cfg), LaunchConfig((grid,), (cfg.threads,), cfg.smem), args,
+               device=aa.device, stream=stream)
+        return
+    cfg = mma_config(m, n, k, dev.sms, dev.smem_per_sm, path == "skinny")
+    grid = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
+    args = (oa.ptr, aa.ptr, ba.ptr, bias_ptr, np.int32(m), np.int32(n), np.int32(k), np.int64(lda), np.int64(ldb),
+            np.int64(ldo), act, np.int32(GROUP_M))
+    launch(_mma_kernel(aa.dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), args,
+           device=aa.device, stream=stream)
+
+
+def _out(out, ref: A.Array, shape: tuple, inputs) -> A.Array:
+    if out is None:
+        return A.empty(ref, shape, ref.dtype)
+    oa = A.wrap(out, "out")
+    A.check_same_dtype(ref, oa)
+    A.check_same_device(ref, oa)
+    A.check_shape(oa, shape)
+    for i in inputs:
+        if i is not None and i.numel and oa.numel:
+            lo, hi = oa.ptr, oa.ptr + A._extent(oa)
+            ilo, ihi = i.ptr, i.ptr + A._extent(i)
+            if ilo < hi and lo < ihi:
+                raise ValueError(f"out: overlaps {i.name} in memory")
+    return oa
+
+
+def matmul(a, b, *, out=None, _path=None):
+    """``a @ b`` on Tensor Cores with fp32 accumulation.
+
+    Parameters
+    ----------
+    a : torch.Tensor or cupy.ndarray, shape (M, K), float16 or bfloat16, on a CUDA device.  Any M >= 0;
+        the last dimension contiguous, 16-byte aligned rows (row stride a multiple of 8 elements).
+    b : same library and dtype, shape (K, N); either row-major (stride (ldb, 1)) or a transposed view of a
+        row-major (N, K) matrix (stride (1, ldb)), with ldb a multiple of 8.  K and N multiples of 8.
+    out : optional (M, N) array of the same dtype, row-major rows; written and returned.
+
+    Returns
+    -------
+    (M, N) array in the input dtype, of the input's library, on the caller's current stream.
+    """
+    aa = A.wrap(a, "a")
+    ba = A.wrap(b, "b")
+    A.check_dtype(aa, A.HALF_DTYPES)
+    A.check_same_dtype(aa, ba)
+    A.check_same_device(aa, ba)
+    if aa.ndim != 2 or ba.ndim != 2:
+        raise ValueError(f"a and b: expected 2-D arrays, got shapes {aa.shape} and {ba.shape}")
+    m, k = aa.shape
+    if ba.shape[0] != k:
+        raise ValueError(f"b: expected {k} rows to match a's shape {aa.shape}, got shape {ba.shape}")
+    n = ba.shape[1]
+    if k > 1 and aa.strides[1] != 1:
+        raise ValueError(f"a: the last dimension must be contiguous, got strides {aa.strides}")
+    if n == 1 or ba.strides[1] == 1:
+        b_kmajor, ldb = False, ba.strides[0]
+    elif ba.strides[0] == 1:
+        b_kmajor, ldb = True, ba.strides[1]
+    else:
+        raise ValueError(f"b: one of its dimensions must be contiguous, got strides {ba.strides}")
+    oa = _out(out, aa, (m, n), (aa, ba))
+    ldo = oa.strides[0] if m > 1 else n
+    if n > 1 and oa.strides[1] != 1:
+        raise ValueError(f"out: the last dimension must be contiguous, got strides {oa.strides}")
+    lda = aa.strides[0] if m > 1 else k
+    _gemm(aa, m, k, lda, ba, n, ldb, b_kmajor, None, None, oa, ldo, _path)
+    return oa.obj
+
+
+def linear(x, weight, bias=None, *, activation=None, out=None, _path=None):
+    """``activation(x @ weight.T + bias)`` as ``torch.nn.functional.linear`` followed by the activation,
+    with the bias and the activation fused into the GEMM's epilogue.
+
+    Parameters
+    ----------
+    x : torch.Tensor or cupy.ndarray, shape (..., K), float16 or bfloat16, on a CUDA device.  The last
+        dimension contiguous; the leading ones must collapse to one row stride (a multiple of 8 elements).
+    weight : same library and dtype, shape (N, K), last dimension contiguous, row stride a multiple of 8.
+        K and N multiples of 8.
+    bias : optional, shape (N,), contiguous, same dtype.
+    activation : None, "silu", "gelu" (erf), "gelu_tanh" or "relu"; applied in fp32 after the bias.
+    out : optional, shape (..., N), same dtype; written and returned.
+
+    Returns
+    -------
+    (..., N) array in the input dtype, of the input's library, on the caller's current stream.  Inputs must
+    be 16-byte aligned.
+    """
+    xa = A.wrap(x, "x")
+    wa = A.wrap(weight, "weight")
+    ba = A.wrap(bias, "bias", optional=True)
+    A.check_dtype(xa, A.HALF_DTYPES)
+    A.check_same_dtype(xa, wa, ba)
+    A.check_same_device(xa, wa, ba)
+    if xa.ndim < 1:
+        raise ValueError("x: expected at least one dimension, got a scalar")
+    if wa.ndim != 2:
+        raise ValueError(f"weight: expected shape (N, K), got {wa.shape}")
+    k = xa.shape[-1]
+    n = wa.shape[0]
+    if wa.shape[1] != k:
+        raise ValueError(f"weight: expected shape (N, {k}) to match x's last dimension, got {wa.shape}")
+    if ba is not None:
+        A.check_shape(ba, (n,))
+        if n > 1 and ba.strides[0] != 1:
+            raise ValueError(f"bias: must be contiguous, got stride {ba.strides[0]}")
+    m, lda = xa.rows()
+    if m == 1:
+        lda = k
+    _, ldw = wa.rows()
+    if n == 1:
+        ldw = k
+    oa = _out(out, xa, tuple(xa.shape[:-1]) + (n,), (xa, wa, ba))
+    _, ldo = oa.rows()
+    if m == 1:
+        ldo = n
+    _gemm(xa, m, k, lda, wa, n, ldw, True, ba, activation, oa, ldo, _path)
+    return oa.obj

@@ -1,0 +1,272 @@
+"""speedcore.matmul / speedcore.linear: heuristics here; correctness of every path on the GPU."""
+import math
+
+import pytest
+
+from speedcore import gemm
+
+ACTS = [None, "silu", "gelu", "gelu_tanh", "relu"]
+
+
+# -- CPU: heuristics and tensor-map checks ------------------------------------------------------------------
+def test_dispatch_is_pure_and_sensible():
+    assert gemm.gemm_path(1, 4096, 4096, "bfloat16", (9, 0), True) == "skinny"
+    assert gemm.gemm_path(64, 4096, 4096, "bfloat16", (9, 0), True) == "skinny"
+    assert gemm.gemm_path(65, 4096, 4096, "bfloat16", (9, 0), True) == "hopper"
+    assert gemm.gemm_path(8192, 8192, 8192, "float16", (9, 0), False) == "ampere"
+    assert gemm.gemm_path(8192, 8192, 8192, "float16", (8, 0), True) == "ampere"
+    assert gemm.gemm_path(8192, 8192, 8192, "float16", (8, 9), True) == "ampere"
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 33, 64, 65, 999])
+def test_skinny_config_covers_m(m):
+    cfg = gemm.mma_config(m, 4096, 4096, 132, 233472, True)
+    assert cfg in gemm.MMA_SKINNY.values()
+    if m <= 64:
+        assert cfg.bm >= m and (cfg.bm == 16 or cfg.bm // 2 < m)
+
+
+@pytest.mark.parametrize("mnk", [(128, 8192, 8192), (512, 4096, 4096), (8192, 8192, 8192), (100, 264, 200)])
+def test_mma_config_fits(mnk):
+    cfg = gemm.mma_config(*mnk, 132, 233472, False)
+    assert cfg in gemm.MMA_LARGE
+    assert cfg.smem <= 232448 and cfg.threads <= 1024
+
+
+def test_mma_config_large_problem_uses_largest_tile():
+    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False) == gemm.MMA_LARGE[0]
+
+
+@pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (8192, 8192, 8192), (512, 14336, 4096), (2048, 4096, 14336),
+                                 (65, 8, 8), (999, 264, 200)])
+def test_wgmma_config_minimizes_waves_and_fits(mnk):
+    m, n, k = mnk
+    cfg = gemm.wgmma_config(m, n, k, 132, 232448)
+    assert (cfg.bm, cfg.bn) in gemm.WGMMA_TILES
+    assert 2 <= cfg.stages <= 8 and cfg.smem <= 232448
+    waves = math.ceil(math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) / 132)
+    for bm, bn in gemm.WGMMA_TILES:
+        other = math.ceil(math.ceil(m / bm) * math.ceil(n / bn) / 132)
+        useful = m * n / (math.ceil(m / bm) * bm * math.ceil(n / bn) * bn)
+        mine = m * n / (math.ceil(m / cfg.bm) * cfg.bm * math.ceil(n / cfg.bn) * cfg.bn)
+        assert waves / mine <= other / useful + 1e-9
+
+
+def test_every_launchable_variant_is_listed():
+    names = {k.name for k in gemm.all_kernels()}
+    for dtype in ("float16", "bfloat16"):
+        for m, n, k in [(1, 4096, 4096), (40, 4096, 4096), (64, 8, 8), (999, 264, 200), (8192, 8192, 8192),
+                        (128, 8192, 8192), (512, 14336, 4096)]:
+            for skinny in (True, False):
+                cfg = gemm.mma_config(m, n, k, 132, 233472, skinny)
+                for kmajor in (True, False):
+                    assert gemm._mma_kernel(dtype, cfg, kmajor).name in names
+            w = gemm.wgmma_config(m, n, k, 132, 232448)
+            assert gemm._wgmma_kernel(dtype, w).name in names
+
+
+def test_tma_checks():
+    from speedcore import _tma
+
+    _tma.check_2d(1 << 20, "bfloat16", rows=100, cols=64, row_stride=64, box_rows=128, box_cols=64)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _tma.check_2d(8, "bfloat16", rows=100, cols=64, row_stride=64, box_rows=128, box_cols=64)
+    with pytest.raises(ValueError, match="row stride"):
+        _tma.check_2d(1 << 20, "bfloat16", rows=100, cols=60, row_stride=60, box_rows=128, box_cols=64)
+
+
+# -- GPU -------------------------------------------------------------------------------------------------------
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _ref(torch, x, w_nk, bias, act):
+    y = x.float() @ w_nk.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    F = torch.nn.functional
+    if act == "silu":
+        y = F.silu(y)
+    elif act == "gelu":
+        y = F.gelu(y)
+    elif act == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    elif act == "relu":
+        y = F.relu(y)
+    return y
+
+
+def _assert_close(out, ref, what=""):
+    o = out.float()
+    assert not o.isnan().any(), f"{what}: NaN in output (unwritten elements?)"
+    err = (o - ref).abs().max().item()
+    scale = ref.abs().max().item() + 1e-6
+    assert err <= 1e-2 * scale, f"{what}: max error {err} vs scale {scale}"
+
+
+def _dev_cc(torch):
+    return torch.cuda.get_device_capability()
+
+
+def _paths(torch):
+    return ["ampere", "skinny"] + (["hopper"] if _dev_cc(torch) == (9, 0) else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("path", ["ampere", "skinny", "hopper"])
+@pytest.mark.parametrize("m", [1, 7, 64, 999])
+def test_linear_odd_m_every_path(path, dtype, m):
+    torch = _torch()
+    if path not in _paths(torch):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    import speedcore
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(m)
+    n, k = 264, 1064
+    x = torch.randn(m, k, device="cuda", dtype=dt)
+    w = torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)
+    bias = torch.randn(n, device="cuda", dtype=dt)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+    got = speedcore.linear(x, w, bias, out=out, _path=path)
+    assert got is out
+    _assert_close(out, _ref(torch, x, w, bias, None), f"{path} m={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("path", ["ampere", "skinny", "hopper"])
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_epilogues(path, dtype, act):
+    torch = _torch()
+    if path not in _paths(torch):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    import speedcore
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(1)
+    m, n, k = (33 if path == "skinny" else 301), 136, 200
+    x = torch.randn(m, k, device="cuda", dtype=dt)
+    w = torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)
+    for bias in (None, torch.randn(n, device="cuda", dtype=dt)):
+        y = speedcore.linear(x, w, bias, activation=act, _path=path)
+        _assert_close(y, _ref(torch, x, w, bias, act), f"{path} {act} bias={bias is not None}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("path", ["ampere", "skinny", "hopper"])
+@pytest.mark.parametrize("b_layout", ["kn", "nk_view"])
+def test_matmul_layouts(path, dtype, b_layout):
+    torch = _torch()
+    if path not in _paths(torch):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    import speedcore
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(2)
+    for m in (5, 130):
+        n, k = 392, 328
+        a = torch.randn(m, k, device="cuda", dtype=dt)
+        if b_layout == "kn":
+            b = torch.randn(k, n, device="cuda", dtype=dt) / math.sqrt(k)
+        else:
+            b = (torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)).t()
+        ref = a.float() @ b.float()
+        if path == "hopper" and b_layout == "kn":
+            with pytest.raises(ValueError, match="K-major"):
+                speedcore.matmul(a, b, _path=path)
+            continue
+        _assert_close(speedcore.matmul(a, b, _path=path), ref, f"{path} {b_layout} m={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_default_dispatch_many_tiles(dtype):
+    """Default path on big-ish problems: more tiles than SMs (persistent loop, ring phases wrap)."""
+    torch = _torch()
+    import speedcore
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(3)
+    for m, n, k in [(1999, 4104, 136), (1024, 1024, 1024), (16, 4096, 4096), (3, 11008, 512)]:
+        x = torch.randn(m, k, device="cuda", dtype=dt)
+        w = torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)
+        _assert_close(speedcore.linear(x, w, activation="silu"), _ref(torch, x, w, None, "silu"), f"{m}x{n}x{k}")
+        b = torch.randn(k, n, device="cuda", dtype=dt) / math.sqrt(k)
+        _assert_close(speedcore.matmul(x, b), x.float() @ b.float(), f"matmul {m}x{n}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", [None, "ampere", "skinny", "hopper"])
+def test_views_batched_and_strided_out(path):
+    torch = _torch()
+    if path is not None and path not in _paths(torch):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    import speedcore
+
+    dt = torch.bfloat16
+    torch.manual_seed(4)
+    k, n = 256, 200
+    big = torch.randn(3, 41, k + 64, device="cuda", dtype=dt)
+    x = big[..., 32:32 + k]  # rows of stride k + 64, a 16-byte aligned offset
+    w_big = torch.randn(n, k + 8, device="cuda", dtype=dt) / 16
+    w = w_big[:, :k]
+    bias = torch.randn(n, device="cuda", dtype=dt)
+    out_big = torch.full((3, 41, n + 16), float("nan"), device="cuda", dtype=dt)
+    out = out_big[..., :n]
+    speedcore.linear(x, w, bias, activation="gelu_tanh", out=out, _path=path)
+    _assert_close(out, _ref(torch, x.reshape(-1, k), w, bias, "gelu_tanh").reshape(3, 41, n), f"{path}")
+    assert out_big[..., n:].isnan().all(), "wrote outside the out view"
+
+
+@pytest.mark.gpu
+def test_bad_inputs_raise_before_launch():
+    torch = _torch()
+    import speedcore
+
+    h = torch.float16
+    x = torch.randn(4, 64, device="cuda", dtype=h)
+    w = torch.randn(32, 64, device="cuda", dtype=h)
+    with pytest.raises(TypeError, match="dtype"):
+        speedcore.linear(x.float(), w.float())
+    with pytest.raises(TypeError, match="does not match"):
+        speedcore.linear(x, w.bfloat16())
+    with pytest.raises(TypeError, match="CUDA"):
+        speedcore.linear(x.cpu(), w)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        speedcore.linear(torch.randn(4, 60, device="cuda", dtype=h), torch.randn(32, 60, device="cuda", dtype=h))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        speedcore.linear(x, torch.randn(30, 64, device="cuda", dtype=h))
+    with pytest.raises(ValueError, match="weight"):
+        speedcore.linear(x, torch.randn(32, 72, device="cuda", dtype=h))
+    with pytest.raises(ValueError, match="16-byte"):
+        speedcore.linear(torch.randn(4, 72, device="cuda", dtype=h)[:, 1:65], w)
+    with pytest.raises(ValueError, match="activation"):
+        speedcore.linear(x, w, activation="tanh")
+    with pytest.raises(ValueError, match="bias"):
+        speedcore.linear(x, w, torch.randn(31, device="cuda", dtype=h))
+    with pytest.raises(ValueError, match="out"):
+        speedcore.linear(x, w, out=torch.empty(4, 31, device="cuda", dtype=h))
+    with pytest.raises(ValueError, match="rows"):
+        speedcore.matmul(x, torch.randn(72, 32, device="cuda", dtype=h))
+    with pytest.raises(ValueError, match="_path"):
+        speedcore.linear(x, w, _path="turing")
+
+
+@pytest.mark.gpu
+def test_empty_m_and_cupy_arrays():
+    torch = _torch()
+    import speedcore
+
+    x = torch.randn(0, 64, device="cuda", dtype=torch.float16)
+    w = torch.randn(32, 64, device="cuda", dtype=torch.float16)
+    assert speedcore.linear(x, w).shape == (0, 32)
+    cp = pytest.importorskip("cupy")
+    a = cp.random.standard_normal((70, 128)).astype(cp.float16)
+    b = (cp.random.standard_normal((128, 96)) / 11).astype(cp.float16)
+    y = speedcore.matmul(a, b)
+    assert isinstance(y, cp.ndarray)
+    ref = a.astype(cp.float32) @ b.astype(cp.float32)
+    assert float(cp.abs(y.astype(cp.float32) - ref).max()) <= 1e-2 * float(cp.abs(ref).max())
