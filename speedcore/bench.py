@@ -133,11 +133,16 @@ class Bench:
                 "ratio": ratio, "ceiling_fraction": frac, "commit": self.commit, "date": self.date,
                 "gpu": self.gpu}
 
-    def add(self, op: str, case: str, unit: str, ours: float, peers: dict, ceiling: str | None = None) -> None:
-        """Record ``ours`` against each peer (higher is better for every unit we use: TB/s, TFLOP/s)."""
+    def add(self, op: str, case: str, unit: str, ours: float, peers: dict, ceiling: str | None = None,
+            higher_is_better: bool = True) -> None:
+        """Record ``ours`` against each peer.  The ratio is > 1 when ours is better: ours / peer for
+        throughputs (TB/s, TFLOP/s), peer / ours for costs (ms, us) with ``higher_is_better=False``."""
         frac = ours / self.ceiling(ceiling) if ceiling else None
         for peer, value in peers.items():
-            ratio = ours / value if value else None
+            if higher_is_better:
+                ratio = ours / value if value else None
+            else:
+                ratio = value / ours if ours else None
             self.records.append(self._record(op, case, unit, ours, peer, value, ratio, frac))
         if not peers:
             self.records.append(self._record(op, case, unit, ours, "-", None, None, frac))
