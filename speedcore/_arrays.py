@@ -178,11 +178,18 @@ def _cupy_dtype(dtype: str):
 _ext_streams: dict = {}
 
 
+def _torch_stream_ptr(device: int) -> int:
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton uses: no Stream object per call
+    if raw is not None:
+        return raw(device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def stream_of(ref: Array):
     """The stream to launch on: torch's current stream for tensors, CuPy's current stream for CuPy arrays."""
     if ref.lib == "torch":
-        torch = _torch()
-        ptr = torch.cuda.current_stream(ref.device).cuda_stream
+        ptr = _torch_stream_ptr(ref.device)
         s = _ext_streams.get((ptr, ref.device))
         if s is None:
             import warnings

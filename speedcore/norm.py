@@ -36,6 +36,7 @@ def rms_norm_config(hidden: int, itemsize: int, vectorized: bool) -> tuple:
     return nv, max(32, -(-threads // 32) * 32)
 
 
+@lru_cache(maxsize=None)
 def _kernel(dtype: str, nv: int, residual: bool) -> Kernel:
     r = "true" if residual else "false"
     if nv == 0:
