@@ -1,7 +1,11 @@
 // Hopper (sm_90a) GEMM: TMA -> multi-stage shared-memory ring (mbarriers) -> wgmma, warp-specialized and
 // persistent, with the fused bias + activation epilogue of kernels/gemm.cu.
 //
-//   out[m, n] = act(sum_k a[m, k] * b[n, k] + bias[n])       (a: (M, K), b: (N, K), both K-major)
+//   out[m, n] = act(sum_k a[m, k] * B(k, n) + bias[n])
+//
+// a is (M, K) row-major.  B_KMAJOR: B(k, n) = b[n, k] (a Linear weight (N, K)); its ring tile is BN rows of
+// 64 k.  Otherwise B(k, n) = b[k, n] (row-major (K, N)); TMA loads it as BN / 64 column blocks of 64 k rows
+// x 64 n (128 bytes, swizzled), and wgmma reads it transposed (MN-major descriptor).
 //
 // 384 threads: warpgroup 0 is the producer (one thread issues every TMA load; its registers are given
 // back with setmaxnreg.dec), warpgroups 1 and 2 are consumers that each own BM / 2 rows of the BM x BN tile
@@ -17,7 +21,7 @@
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 
-template <typename T, int BM, int BN, int STAGES>
+template <typename T, int BM, int BN, int STAGES, bool B_KMAJOR>
 __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_a, const __grid_constant__ sc::TmaMap tmap_b, T* __restrict__ out,
     const T* __restrict__ bias, int M, int N, int K, long long ldo, int act, int group_m) {
@@ -70,7 +74,13 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
           sc::mbar_wait(&empty[stage], phase ^ 1);
           sc::mbar_arrive_expect_tx(&full[stage], A_BYTES + B_BYTES);
           sc::tma_load_2d(ring_a + stage * A_BYTES, &tmap_a, kb * BK, m0, &full[stage]);
-          sc::tma_load_2d(ring_b + stage * B_BYTES, &tmap_b, kb * BK, n0, &full[stage]);
+          if constexpr (B_KMAJOR) {
+            sc::tma_load_2d(ring_b + stage * B_BYTES, &tmap_b, kb * BK, n0, &full[stage]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < BN / 64; ++i)
+              sc::tma_load_2d(ring_b + stage * B_BYTES + i * (BK * 128), &tmap_b, n0 + i * 64, kb * BK, &full[stage]);
+          }
           if (++stage == STAGES) {
             stage = 0;
             phase ^= 1;
@@ -102,10 +112,11 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
       const unsigned char* b_tile = ring_b + stage * B_BYTES;
 #pragma unroll
       for (int k16 = 0; k16 < BK / 16; ++k16) {
-        const unsigned long long db = sc::wgmma_desc_k128(b_tile + k16 * 32);
+        const unsigned long long db = B_KMAJOR ? sc::wgmma_desc_k128(b_tile + k16 * 32)
+                                               : sc::wgmma_desc_mn128(b_tile + k16 * 16 * 128, BK * 128);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
-          sc::Wgmma<BN, T>::mma(acc[mi], sc::wgmma_desc_k128(a_tile + mi * 64 * 128 + k16 * 32), db,
+          sc::Wgmma<BN, T, B_KMAJOR ? 0 : 1>::mma(acc[mi], sc::wgmma_desc_k128(a_tile + mi * 64 * 128 + k16 * 32), db,
                                 (kb > 0 || k16 > 0) ? 1 : 0);
       }
       sc::wgmma_commit();

@@ -3,8 +3,8 @@
 Three paths, picked by :func:`gemm_path`, a pure function of the problem and the device:
 
 * ``"hopper"`` (sm_90): TMA loads into a multi-stage shared-memory ring guarded by mbarriers, wgmma by two
-  consumer warpgroups, one producer warpgroup, register reallocation, a persistent tile scheduler.  Needs B
-  K-major (a Linear weight (N, K), or a (K, N) view of one) and 16-byte aligned operands.
+  consumer warpgroups, one producer warpgroup, register reallocation, a persistent tile scheduler.  B may be
+  K-major (a Linear weight (N, K)) or N-major (a row-major (K, N) matrix, read transposed by wgmma).
 * ``"ampere"`` (sm_80+): mma.sync + ldmatrix from a cp.async ring of swizzled tiles.
 * ``"skinny"`` (M <= 64, decode): the same mma.sync kernel with narrow N tiles, deep K tiles and warps
   splitting K, so the weight streams once at HBM bandwidth.
@@ -89,7 +89,7 @@ def gemm_path(m: int, n: int, k: int, dtype: str, cc: tuple, b_kmajor: bool) -> 
     """Which kernel serves an (m, n, k) problem: "skinny", "hopper" or "ampere" (see the module docstring)."""
     if m <= SKINNY_MAX_M:
         return "skinny"
-    if tuple(cc) == (9, 0) and b_kmajor:
+    if tuple(cc) == (9, 0):
         return "hopper"
     return "ampere"
 
@@ -143,9 +143,9 @@ def _mma_kernel(dtype: str, cfg: MmaConfig, b_kmajor: bool) -> Kernel:
                           f"{cfg.wk}, {cfg.stages}, {'true' if b_kmajor else 'false'}>")
 
 
-def _wgmma_kernel(dtype: str, cfg: WgmmaConfig) -> Kernel:
-    return Kernel(SOURCE_SM90, f"gemm_wgmma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.stages}>",
-                  hopper=True)
+def _wgmma_kernel(dtype: str, cfg: WgmmaConfig, b_kmajor: bool) -> Kernel:
+    return Kernel(SOURCE_SM90, f"gemm_wgmma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.stages}, "
+                               f"{'true' if b_kmajor else 'false'}>", hopper=True)
 
 
 # H100/H200: 227 KB of shared memory per block; the stage counts the heuristic can pick there.
@@ -160,7 +160,8 @@ def all_kernels() -> list:
             for cfg in MMA_LARGE + tuple(MMA_SKINNY.values()):
                 out.append(_mma_kernel(dtype, cfg, kmajor))
         for bm, bn in WGMMA_TILES:
-            out.append(_wgmma_kernel(dtype, WgmmaConfig(bm, bn, _wgmma_stages(bm, bn, _SM90_SMEM))))
+            for kmajor in (True, False):
+                out.append(_wgmma_kernel(dtype, WgmmaConfig(bm, bn, _wgmma_stages(bm, bn, _SM90_SMEM)), kmajor))
     return out
 
 
@@ -192,8 +193,8 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
     dev = device_info(aa.device)
     if path is None:
         path = gemm_path(m, n, k, aa.dtype, dev.cc, b_kmajor)
-    if path == "hopper" and (dev.cc != (9, 0) or not b_kmajor):
-        raise ValueError("_path='hopper' needs an sm_90 GPU and a K-major B (a Linear weight)")
+    if path == "hopper" and dev.cc != (9, 0):
+        raise ValueError("_path='hopper' needs an sm_90 GPU (H100/H200)")
     act = np.int32(ACTIVATIONS[activation])
     bias_ptr = bias.ptr if bias is not None else 0
     stream = A.stream_of(aa)
@@ -202,12 +203,15 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
 
         cfg = wgmma_config(m, n, k, dev.sms, dev.smem_per_block_optin)
         tmap_a = _tma.tile_map_2d(aa.ptr, aa.dtype, rows=m, cols=k, row_stride=lda, box_rows=cfg.bm, box_cols=64)
-        tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=n, cols=k, row_stride=ldb, box_rows=cfg.bn, box_cols=64)
+        if b_kmajor:
+            tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=n, cols=k, row_stride=ldb, box_rows=cfg.bn, box_cols=64)
+        else:
+            tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=k, cols=n, row_stride=ldb, box_rows=64, box_cols=64)
         tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
         grid = min(tiles, dev.sms)
         args = (tmap_a, tmap_b, oa.ptr, bias_ptr, np.int32(m), np.int32(n), np.int32(k), np.int64(ldo), act,
                 np.int32(GROUP_M))
-        launch(_wgmma_kernel(aa.dtype, cfg), LaunchConfig((grid,), (cfg.threads,), cfg.smem), args,
+        launch(_wgmma_kernel(aa.dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), args,
                device=aa.device, stream=stream)
         return
     cfg = mma_config(m, n, k, dev.sms, dev.smem_per_sm, path == "skinny")

@@ -23,6 +23,18 @@ __device__ __forceinline__ unsigned long long wgmma_desc_k128(const void* smem_p
   return desc;
 }
 
+// Descriptor of an MN-major tile stored as column blocks of 64 MN-elements (128 bytes, 128-byte swizzle) x
+// K rows: within a block, 8-row (8 k) groups are 1024 bytes apart (stride byte offset); consecutive 64-wide
+// MN blocks are `block_bytes` apart (leading byte offset).  Advancing k16 is +16 rows = +2048 bytes.
+__device__ __forceinline__ unsigned long long wgmma_desc_mn128(const void* smem_ptr, unsigned block_bytes) {
+  const unsigned long long addr = smem_addr(smem_ptr);
+  unsigned long long desc = (addr & 0x3FFFFull) >> 4;
+  desc |= (unsigned long long)((block_bytes >> 4) & 0x3FFF) << 16;
+  desc |= (1024ull >> 4) << 32;
+  desc |= 1ull << 62;
+  return desc;
+}
+
 // Order prior register writes of the accumulators before the wgmma that reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
