@@ -50,18 +50,20 @@ def _tile_map_bytes(ptr: int, dtype: str, rows: int, cols: int, row_stride: int,
                     swizzle: int) -> bytes:
     check_2d(ptr, dtype, rows, cols, row_stride, box_rows, box_cols)
     item = _ITEMSIZE[dtype]
-    tmap = (ctypes.c_uint64 * 16)()
+    # The driver wants the CUtensorMap it writes to be 64-byte aligned.
+    buf = ctypes.create_string_buffer(128 + 64)
+    tmap_addr = (ctypes.addressof(buf) + 63) & ~63
     gdim = (ctypes.c_uint64 * 2)(cols, rows)
     gstride = (ctypes.c_uint64 * 1)(row_stride * item)
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
     estride = (ctypes.c_uint32 * 2)(1, 1)
-    rc = _encode_fn()(ctypes.addressof(tmap), _DTYPE[dtype], 2, ctypes.c_void_p(ptr), ctypes.addressof(gdim),
+    rc = _encode_fn()(tmap_addr, _DTYPE[dtype], 2, ctypes.c_void_p(ptr), ctypes.addressof(gdim),
                       ctypes.addressof(gstride), ctypes.addressof(box), ctypes.addressof(estride), 0, swizzle,
                       _L2_PROMOTION_256B, 0)
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (rows={rows}, cols={cols}, "
                            f"row_stride={row_stride}, box={box_rows}x{box_cols})")
-    return bytes(tmap)
+    return ctypes.string_at(tmap_addr, 128)
 
 
 def tile_map_2d(ptr: int, dtype: str, *, rows: int, cols: int, row_stride: int, box_rows: int, box_cols: int,

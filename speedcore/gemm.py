@@ -138,11 +138,13 @@ def _wgmma_stages(bm: int, bn: int, smem_per_block: int) -> int:
     return stages
 
 
+@lru_cache(maxsize=None)
 def _mma_kernel(dtype: str, cfg: MmaConfig, b_kmajor: bool) -> Kernel:
     return Kernel(SOURCE, f"gemm_mma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.bk}, {cfg.wm}, {cfg.wn}, "
                           f"{cfg.wk}, {cfg.stages}, {'true' if b_kmajor else 'false'}>")
 
 
+@lru_cache(maxsize=None)
 def _wgmma_kernel(dtype: str, cfg: WgmmaConfig, b_kmajor: bool) -> Kernel:
     return Kernel(SOURCE_SM90, f"gemm_wgmma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.stages}, "
                                f"{'true' if b_kmajor else 'false'}>", hopper=True)
