@@ -1,0 +1,497 @@
+// Decode-time kernels: paged-KV decode attention (split-KV, GQA) and its merge step, the KV-cache append
+// (reshape_and_cache), rotary embedding, and the gated activations SiLU/GELU-and-mul.  All of them are
+// memory-bound; each is written so that every byte crosses HBM once, in 16-byte accesses where the layout
+// allows, with enough independent loads in flight to saturate the memory system.
+#include "common/types.cuh"
+#include "common/reduce.cuh"
+#include "common/mma.cuh"
+
+namespace dec {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+// Transpose an 8x8 matrix of 16-bit values held one row-pair per lane (the mma accumulator layout) so each
+// lane holds a column pair: turns a score tile (tokens x queries) into the B operand (queries by column) of
+// the next mma without going through shared memory.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+  unsigned y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// tanh through exp2: 1 - 2 / (e^2x + 1).  Absolute error ~1e-7, where tanh.approx.f32's ~5e-4 relative error,
+// multiplied by a softcap of 30 or 50, would move logits by 1e-2.
+__device__ __forceinline__ float tanh_exp(float x) {
+  const float t = sc::fast_exp2(x * 2.8853900817779268f);  // 2 log2(e)
+  return 1.f - __fdividef(2.f, t + 1.f);
+}
+
+}  // namespace dec
+
+// ------------------------------------------------------------------------------------------------------------
+// Paged decode attention.
+//
+// One CTA per (sequence, KV head, group of up to 8 query heads, split).  The query heads that share a KV head
+// are served from one read of its K and V (GQA).  Work is done on 16-token tiles with tensor cores, in the
+// transposed orientation so the (at most 8) queries are the N=8 side of mma.m16n8k16 instead of being padded
+// to 16 rows:
+//   S^T (16 tokens x 8 queries) = K_tile (16 x D) . Q^T (D x 8)        A = K from shared memory (ldmatrix)
+//   O^T (D x 8 queries)        += V_tile^T (D x 16) . P^T (16 x 8)     A = V (ldmatrix.trans), B = P^T
+// P^T comes from the S^T accumulators by one movmatrix.trans per 8x8 half.
+//
+// Each warp owns its own STAGES-deep cp.async ring of tiles (every WARPS-th tile of the CTA's range), so the
+// main loop has no CTA-wide barrier; warps keep their own running max/sum/output and are merged through
+// shared memory at the end.  Rows of a tile are gathered through the block table one token at a time, so any
+// block size works at the same speed (a 16-token tile may span pages when block_size < 16).  Rows outside
+// the attended range [lo, hi) are zero-filled rather than read, so unused cache memory (even NaN) is harmless.
+//
+// With num_splits > 1 the CTA writes its normalized partial output (fp32) and its log-sum-exp to the
+// workspace, and decode_merge_kernel combines the splits.
+template <typename T, int D, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
+    T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ part_out, float* __restrict__ part_lse,
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_table, const int* __restrict__ seq_lens, int num_heads, int group,
+    int qgroups, int units, int num_splits, int block_size, int num_blocks, int max_len, long long q_stride_b,
+    long long q_stride_h, long long o_stride_b, long long o_stride_h, long long c_stride_block,
+    long long c_stride_tok, long long c_stride_head, long long bt_stride, long long sl_stride, float scale_a,
+    float cap_log2, int use_softcap, int window_left) {
+  constexpr int CPR = D / 8;            // 16-byte chunks per row
+  constexpr int RPI = 32 / CPR > 0 ? 32 / CPR : 1;  // rows one warp-wide cp.async covers
+  constexpr int LPR = 32 / RPI;         // lanes per row in one cp.async instruction
+  constexpr int NI = 16 / RPI;          // cp.async instructions per 16-row tile
+  constexpr int TILE = 16 * CPR;        // uint4 per 16-row tile
+  constexpr int KT = D / 16;            // k-steps of QK^T and m-tiles of O^T
+  static_assert(D % 64 == 0 && D <= 256, "head dim 64, 128 or 256");
+  static_assert(LPR * RPI == 32 && LPR <= CPR, "lane mapping");
+
+  extern __shared__ uint4 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  int bid = blockIdx.x;
+  const int unit = bid % units;
+  bid /= units;
+  const int split = bid % num_splits;
+  const int b = bid / num_splits;
+  const int kvh = unit / qgroups;
+  const int q0 = (unit % qgroups) * 8;            // first query of this CTA inside the KV head's group
+  const int nq = min(8, group - q0);              // queries served by this CTA
+  const int h0 = kvh * group + q0;                // first query head
+
+  // Attended range [lo, hi): the whole sequence, or the last window_left + 1 tokens.
+  const int len = min(seq_lens[b * sl_stride], max_len);
+  const int hi = max(len, 0);
+  const int lo = window_left >= 0 ? max(0, hi - 1 - window_left) : 0;
+  const int tile_lo = lo >> 4, tile_hi = (hi + 15) >> 4;
+  const int ntiles = max(tile_hi - tile_lo, 0);
+  int per_split = (ntiles + num_splits - 1) / num_splits;
+  per_split = (per_split + WARPS - 1) / WARPS * WARPS;
+  const int t_begin = tile_lo + split * per_split;
+  const int t_end = min(t_begin + per_split, tile_hi);
+
+  // Q^T as the B operand of S^T = K Q^T: lane holds Q[query lane/4][d = 16kk + 2(lane%4) + {0,1}] and d + 8.
+  unsigned qf[KT][2];
+  {
+    const int qi = lane >> 2;
+    const bool ok = qi < nq;
+    const T* qp = q + (long long)b * q_stride_b + (long long)(h0 + (ok ? qi : 0)) * q_stride_h + 2 * (lane & 3);
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      qf[kk][0] = ok ? *reinterpret_cast<const unsigned*>(qp + kk * 16) : 0u;
+      qf[kk][1] = ok ? *reinterpret_cast<const unsigned*>(qp + kk * 16 + 8) : 0u;
+    }
+  }
+
+  const T* kbase = k_cache + (long long)kvh * c_stride_head;
+  const T* vbase = v_cache + (long long)kvh * c_stride_head;
+  const int* bt_row = block_table + (long long)b * bt_stride;
+  uint4* ring = smem + warp * (STAGES * 2 * TILE);
+
+  // This warp's tiles: t_begin + warp + j * WARPS for j < njobs.
+  const int first = t_begin + warp;
+  const int njobs = t_end > first ? (t_end - first + WARPS - 1) / WARPS : 0;
+
+  // Lane r < 16 resolves row r of a tile: its page (loaded early, to hide the block-table latency) and slot.
+  auto fetch_row = [&](int j, int& page, int& slot) -> bool {
+    const int tok = (first + j * WARPS) * 16 + lane;
+    const bool ok = lane < 16 && j < njobs && tok >= lo && tok < hi;
+    page = 0;
+    slot = 0;
+    if (ok) {
+      page = bt_row[tok / block_size];
+      slot = tok - (tok / block_size) * block_size;
+    }
+    return ok;
+  };
+  auto issue = [&](int j, int page, int slot, bool ok) {
+    uint4* ks = ring + (j % STAGES) * 2 * TILE;
+    uint4* vs = ks + TILE;
+    // min() with num_blocks - 1 keeps a corrupt block table from faulting.
+    const long long off =
+        ok ? (long long)min((unsigned)page, (unsigned)(num_blocks - 1)) * c_stride_block + (long long)slot * c_stride_tok
+           : 0;
+    const int c = lane % LPR;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int row = i * RPI + lane / LPR;
+      const long long roff = __shfl_sync(0xffffffffu, off, row);
+      const bool rok = __shfl_sync(0xffffffffu, ok, row);
+#pragma unroll
+      for (int cc = 0; cc < CPR / LPR; ++cc) {
+        const int chunk = c + cc * LPR;
+        const int dst = row * CPR + (chunk ^ (row & 7));
+        sc::cp_async16(ks + dst, kbase + roff + chunk * 8, rok);
+        sc::cp_async16(vs + dst, vbase + roff + chunk * 8, rok);
+      }
+    }
+  };
+
+  float oacc[KT][4];
+#pragma unroll
+  for (int i = 0; i < KT; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+  float m0 = dec::neg_inf(), m1 = dec::neg_inf(), l0 = 0.f, l1 = 0.f;
+
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {
+    int page, slot;
+    const bool ok = fetch_row(j, page, slot);
+    if (j < njobs) issue(j, page, slot, ok);
+    sc::cp_async_commit();
+  }
+  int pf_page, pf_slot;
+  bool pf_ok = fetch_row(STAGES - 1, pf_page, pf_slot);
+
+  for (int j = 0; j < njobs; ++j) {
+    sc::cp_async_wait<STAGES - 2>();
+    __syncwarp();
+    // Refill the slot consumed in the previous iteration (every lane is past it after __syncwarp).
+    if (j + STAGES - 1 < njobs) issue(j + STAGES - 1, pf_page, pf_slot, pf_ok);
+    sc::cp_async_commit();
+    pf_ok = fetch_row(j + STAGES, pf_page, pf_slot);
+
+    const uint4* ks = ring + (j % STAGES) * 2 * TILE;
+    const uint4* vs = ks + TILE;
+    float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+    {
+      const int row = (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int kk = 0; kk < KT; ++kk) {
+        const int chunk = 2 * kk + (lane >> 4);
+        unsigned a[4];
+        sc::ldmatrix_x4(a[0], a[1], a[2], a[3], ks + row * CPR + (chunk ^ (row & 7)));
+        sc::mma_16816<T>((kk & 1) ? sb : sa, a, qf[kk]);  // two accumulators halve the dependency chain
+      }
+    }
+    const int tok_a = (first + j * WARPS) * 16 + (lane >> 2);
+    const int tok_b = tok_a + 8;
+    const bool va = tok_a >= lo && tok_a < hi, vb = tok_b >= lo && tok_b < hi;
+    float s[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float raw = sa[i] + sb[i];
+      s[i] = use_softcap ? cap_log2 * dec::tanh_exp(raw * scale_a) : raw * scale_a;
+    }
+    if (!va) s[0] = s[1] = dec::neg_inf();
+    if (!vb) s[2] = s[3] = dec::neg_inf();
+    // Online softmax in the log2 domain; lanes sharing lane%4 own the same two queries.
+    float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float base0 = mn0 == dec::neg_inf() ? 0.f : mn0, base1 = mn1 == dec::neg_inf() ? 0.f : mn1;
+    const float alpha0 = sc::fast_exp2(m0 - base0), alpha1 = sc::fast_exp2(m1 - base1);
+    m0 = mn0;
+    m1 = mn1;
+    const float p0 = sc::fast_exp2(s[0] - base0), p1 = sc::fast_exp2(s[1] - base1);
+    const float p2 = sc::fast_exp2(s[2] - base0), p3 = sc::fast_exp2(s[3] - base1);
+    l0 = l0 * alpha0 + p0 + p2;
+    l1 = l1 * alpha1 + p1 + p3;
+    unsigned pb[2];
+    pb[0] = dec::movmatrix_trans(sc::pack2<T>(p0, p1));
+    pb[1] = dec::movmatrix_trans(sc::pack2<T>(p2, p3));
+    {
+      const int row = (lane & 7) + (lane >> 4) * 8;
+#pragma unroll
+      for (int mt = 0; mt < KT; ++mt) {
+        oacc[mt][0] *= alpha0;
+        oacc[mt][1] *= alpha1;
+        oacc[mt][2] *= alpha0;
+        oacc[mt][3] *= alpha1;
+        const int chunk = 2 * mt + ((lane >> 3) & 1);
+        unsigned a[4];
+        sc::ldmatrix_x4_trans(a[0], a[1], a[2], a[3], vs + row * CPR + (chunk ^ (row & 7)));
+        sc::mma_16816<T>(oacc[mt], a, pb);
+      }
+    }
+  }
+  sc::cp_async_wait<0>();
+
+  // Row sums: each lane summed only its own tokens.
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  }
+  __syncthreads();  // every warp is done with its ring: reuse shared memory for the merge across warps
+  float* red_o = reinterpret_cast<float*>(smem);      // [WARPS][8][D]
+  float* red_m = red_o + WARPS * 8 * D;                // [WARPS][8]
+  float* red_l = red_m + WARPS * 8;                    // [WARPS][8]
+  {
+    const int qa = 2 * (lane & 3);
+    float* ow = red_o + warp * 8 * D;
+#pragma unroll
+    for (int mt = 0; mt < KT; ++mt) {
+      const int d = mt * 16 + (lane >> 2);
+      ow[qa * D + d] = oacc[mt][0];
+      ow[(qa + 1) * D + d] = oacc[mt][1];
+      ow[qa * D + d + 8] = oacc[mt][2];
+      ow[(qa + 1) * D + d + 8] = oacc[mt][3];
+    }
+    if (lane < 4) {
+      red_m[warp * 8 + qa] = m0;
+      red_m[warp * 8 + qa + 1] = m1;
+      red_l[warp * 8 + qa] = l0;
+      red_l[warp * 8 + qa + 1] = l1;
+    }
+  }
+  __syncthreads();
+  const bool direct = num_splits == 1;
+  for (int idx = threadIdx.x; idx < nq * D; idx += WARPS * 32) {
+    const int qi = idx / D, d = idx - qi * D;
+    float mmax = dec::neg_inf();
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mmax = fmaxf(mmax, red_m[w * 8 + qi]);
+    float lsum = 0.f, o = 0.f;
+    if (mmax != dec::neg_inf()) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = sc::fast_exp2(red_m[w * 8 + qi] - mmax);
+        lsum += red_l[w * 8 + qi] * f;
+        o += red_o[(w * 8 + qi) * D + d] * f;
+      }
+    }
+    const bool empty = !(lsum > 0.f);
+    o = empty ? 0.f : o * __frcp_rn(lsum);
+    const float lse = empty ? dec::neg_inf() : (mmax + __log2f(lsum)) * 0.6931471805599453f  /* ln 2 */;
+    const int h = h0 + qi;
+    if (direct) {
+      out[(long long)b * o_stride_b + (long long)h * o_stride_h + d] = sc::from_float<T>(o);
+      if (lse_out != nullptr && d == 0) lse_out[(long long)b * num_heads + h] = lse;
+    } else {
+      const long long row = ((long long)b * num_heads + h) * num_splits + split;
+      part_out[row * D + d] = o;
+      if (d == 0) part_lse[row] = lse;
+    }
+  }
+}
+
+// Combines the splits of one (sequence, query head) per CTA: weights exp(lse_s - max) over the split
+// log-sum-exps, threads spread over (split groups x 4-float columns) so a long split list is read with many
+// loads in flight.
+template <typename T>
+__global__ void __launch_bounds__(256, 1) decode_merge_kernel(T* __restrict__ out, float* __restrict__ lse_out,
+                                                           const float* __restrict__ part_out,
+                                                           const float* __restrict__ part_lse, int num_heads,
+                                                           int num_splits, int head_dim, long long o_stride_b,
+                                                           long long o_stride_h) {
+  __shared__ float weight[256];
+  __shared__ float4 red[256];
+  __shared__ float scratch[32];
+  const long long row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const float* lse = part_lse + row * num_splits;
+  float mx = dec::neg_inf();
+  for (int s = tid; s < num_splits; s += 256) mx = fmaxf(mx, lse[s]);
+  {
+    float v = sc::warp_max(mx);
+    if ((tid & 31) == 0) scratch[tid >> 5] = v;
+    __syncthreads();
+    v = (tid & 31) < 8 ? scratch[tid & 31] : dec::neg_inf();
+    mx = sc::warp_max(v);
+    __syncthreads();
+  }
+  float part = 0.f;
+  for (int s = tid; s < num_splits; s += 256) {
+    const float w = mx == dec::neg_inf() ? 0.f : __expf(lse[s] - mx);
+    weight[s] = w;
+    part += w;
+  }
+  const float total = sc::block_sum(part, scratch);  // its barriers also publish weight[]
+  const int vecs = head_dim / 4;
+  const int groups = 256 / vecs;
+  const int v = tid % vecs, g = tid / vecs;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (g < groups) {
+    const float4* src = reinterpret_cast<const float4*>(part_out + row * num_splits * head_dim) + v;
+    for (int s = g; s < num_splits; s += groups) {
+      const float w = weight[s];
+      const float4 x = src[(long long)s * vecs];
+      acc.x += w * x.x;
+      acc.y += w * x.y;
+      acc.z += w * x.z;
+      acc.w += w * x.w;
+    }
+  }
+  red[tid] = acc;
+  __syncthreads();
+  if (tid < vecs) {
+    float4 sum = red[tid];
+    for (int gg = 1; gg < groups; ++gg) {
+      const float4 x = red[gg * vecs + tid];
+      sum.x += x.x;
+      sum.y += x.y;
+      sum.z += x.z;
+      sum.w += x.w;
+    }
+    const float inv = total > 0.f ? __frcp_rn(total) : 0.f;
+    const int b = (int)row / num_heads, h = (int)row - b * num_heads;  // 32-bit: no division subroutine
+    T* o = out + (long long)b * o_stride_b + (long long)h * o_stride_h + tid * 4;
+    o[0] = sc::from_float<T>(sum.x * inv);
+    o[1] = sc::from_float<T>(sum.y * inv);
+    o[2] = sc::from_float<T>(sum.z * inv);
+    o[3] = sc::from_float<T>(sum.w * inv);
+    if (lse_out != nullptr && tid == 0) lse_out[row] = total > 0.f ? mx + __logf(total) : dec::neg_inf();
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// reshape_and_cache: token t's K and V rows (heads x words) go to slot slot_mapping[t] of the paged caches;
+// slots outside [0, num_slots) (vLLM pads with -1) are skipped.  W is the unit moved: a 16-byte word when
+// every row, stride and pointer allows it, otherwise one element.  Strides are in units of W.
+template <typename W>
+__global__ void __launch_bounds__(128) reshape_and_cache_kernel(
+    W* __restrict__ k_cache, W* __restrict__ v_cache, const W* __restrict__ k, const W* __restrict__ v,
+    const void* __restrict__ slot_mapping, int slot_is_64, int words_per_head, int heads, int block_size,
+    long long num_slots, long long k_stride_tok, long long k_stride_head, long long v_stride_tok,
+    long long v_stride_head, long long c_stride_block, long long c_stride_tok, long long c_stride_head) {
+  const long long t = blockIdx.x;
+  const int i = blockIdx.y * 128 + threadIdx.x;
+  if (i >= heads * words_per_head) return;
+  const long long slot = slot_is_64 ? static_cast<const long long*>(slot_mapping)[t]
+                                    : (long long) static_cast<const int*>(slot_mapping)[t];
+  if (slot < 0 || slot >= num_slots) return;
+  const int h = i / words_per_head, w = i - h * words_per_head;
+  const int blk = (int)slot / block_size, off = (int)slot - blk * block_size;  // num_slots < 2**31
+  const long long dst = blk * c_stride_block + off * c_stride_tok + h * c_stride_head + w;
+  const W kw = k[t * k_stride_tok + h * k_stride_head + w];
+  const W vw = v[t * v_stride_tok + h * v_stride_head + w];
+  k_cache[dst] = kw;
+  v_cache[dst] = vw;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Rotary embedding in place, vLLM semantics: cos_sin_cache[pos] = [cos(rot/2) | sin(rot/2)]; the first
+// rot_dim dims of each head rotate, the rest are untouched.  NEOX pairs x[i] with x[i + rot/2]; GPT-J pairs
+// x[2i] with x[2i+1].  One CTA per token: the token's cos/sin row is staged once in shared memory (as float)
+// and shared by all its heads.  VEC moves 16-byte words of the head (needs rot/2 (NEOX) or rot (GPT-J) a
+// multiple of the word and aligned rows); otherwise one pair per step.
+template <typename T, typename CS, bool NEOX, bool VEC>
+__global__ void __launch_bounds__(128) rotary_embedding_kernel(
+    T* __restrict__ q, T* __restrict__ k, const void* __restrict__ positions, int pos_is_64,
+    const CS* __restrict__ cos_sin, long long cs_stride, int rot_dim, int max_pos, int q_heads, int k_heads,
+    long long q_stride_tok, long long q_stride_head, long long k_stride_tok, long long k_stride_head) {
+  constexpr int MAX_ROT = 1024;
+  __shared__ float cs[MAX_ROT];
+  const long long t = blockIdx.x;
+  long long pos = pos_is_64 ? static_cast<const long long*>(positions)[t]
+                            : (long long) static_cast<const int*>(positions)[t];
+  pos = min(max(pos, 0LL), (long long)max_pos - 1);  // a bad position reads a wrong row, never out of bounds
+  const CS* row = cos_sin + pos * cs_stride;
+  for (int i = threadIdx.x; i < rot_dim; i += blockDim.x) cs[i] = sc::to_float(row[i]);
+  __syncthreads();
+  const int half = rot_dim / 2;
+  const float* cosv = cs;
+  const float* sinv = cs + half;
+  const int heads = q_heads + k_heads;
+  if constexpr (VEC) {
+    constexpr int N = 16 / sizeof(T);
+    using P = sc::Pack16<T>;
+    // NEOX: a task is N consecutive pairs (x at c*N, y at half + c*N).  GPT-J: a task is one word of N
+    // elements = N/2 interleaved pairs.
+    const int per_head = NEOX ? half / N : rot_dim / N;
+    for (int task = threadIdx.x; task < heads * per_head; task += blockDim.x) {
+      const int hh = task / per_head, c = task - hh * per_head;
+      T* base = hh < q_heads ? q + t * q_stride_tok + (long long)hh * q_stride_head
+                             : k + t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
+      if constexpr (NEOX) {
+        uint4* px = reinterpret_cast<uint4*>(base + c * N);
+        uint4* py = reinterpret_cast<uint4*>(base + half + c * N);
+        float x[N], y[N];
+        P::unpack(*px, x);
+        P::unpack(*py, y);
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          const float cv = cosv[c * N + e], sv = sinv[c * N + e];
+          const float xr = x[e] * cv - y[e] * sv;
+          y[e] = y[e] * cv + x[e] * sv;
+          x[e] = xr;
+        }
+        *px = P::pack(x);
+        *py = P::pack(y);
+      } else {
+        uint4* p = reinterpret_cast<uint4*>(base + c * N);
+        float x[N];
+        P::unpack(*p, x);
+#pragma unroll
+        for (int e = 0; e < N / 2; ++e) {
+          const float cv = cosv[c * (N / 2) + e], sv = sinv[c * (N / 2) + e];
+          const float a = x[2 * e], bb = x[2 * e + 1];
+          x[2 * e] = a * cv - bb * sv;
+          x[2 * e + 1] = bb * cv + a * sv;
+        }
+        *p = P::pack(x);
+      }
+    }
+  } else {
+    for (int task = threadIdx.x; task < heads * half; task += blockDim.x) {
+      const int hh = task / half, i = task - hh * half;
+      T* base = hh < q_heads ? q + t * q_stride_tok + (long long)hh * q_stride_head
+                             : k + t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
+      const int xi = NEOX ? i : 2 * i, yi = NEOX ? i + half : 2 * i + 1;
+      const float x = sc::to_float(base[xi]), y = sc::to_float(base[yi]);
+      const float cv = cosv[i], sv = sinv[i];
+      base[xi] = sc::from_float<T>(x * cv - y * sv);
+      base[yi] = sc::from_float<T>(y * cv + x * sv);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Gated activations: out[r, i] = act(x[r, i]) * x[r, d + i], computed in float with one rounding.
+// ACT 0: SiLU, 1: GELU (erf).  Grid: (rows, column blocks); VEC: one 16-byte word of each half per thread.
+namespace dec {
+template <int ACT> __device__ __forceinline__ float act(float x) {
+  if constexpr (ACT == 0) {
+    return x / (1.f + __expf(-x));
+  } else {
+    return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+  }
+}
+}  // namespace dec
+
+template <typename T, int ACT, bool VEC>
+__global__ void __launch_bounds__(256) gated_act_kernel(T* __restrict__ out, const T* __restrict__ x, int d,
+                                                        long long x_stride, long long o_stride) {
+  const long long r = blockIdx.x;
+  const T* xr = x + r * x_stride;
+  T* orow = out + r * o_stride;
+  if constexpr (VEC) {
+    constexpr int N = 16 / sizeof(T);
+    using P = sc::Pack16<T>;
+    const int i = blockIdx.y * 256 + threadIdx.x;
+    if (i >= d / N) return;
+    float a[N], g[N];
+    P::unpack(reinterpret_cast<const uint4*>(xr)[i], a);
+    P::unpack(reinterpret_cast<const uint4*>(xr + d)[i], g);
+#pragma unroll
+    for (int e = 0; e < N; ++e) a[e] = dec::act<ACT>(a[e]) * g[e];
+    reinterpret_cast<uint4*>(orow)[i] = P::pack(a);
+  } else {
+    const int i = blockIdx.y * 256 + threadIdx.x;
+    if (i >= d) return;
+    orow[i] = sc::from_float<T>(dec::act<ACT>(sc::to_float(xr[i])) * sc::to_float(xr[d + i]));
+  }
+}

@@ -1,0 +1,515 @@
+"""Decode-time kernels (kernels/decode.cu): paged-KV decode attention with split-KV and GQA, the KV-cache
+append ``reshape_and_cache``, ``rotary_embedding``, and the gated activations ``silu_and_mul`` /
+``gelu_and_mul``.  Semantics follow vLLM's kernels of the same names; the cache layout is vLLM's flash layout
+``(num_blocks, block_size, num_kv_heads, head_dim)``.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from . import _arrays as A
+from ._compile import Kernel
+from ._launch import LaunchConfig, device_info, launch
+
+SOURCE = "decode.cu"
+
+# -- paged decode attention ---------------------------------------------------------------------------------
+HEAD_DIMS = (64, 128, 256)
+TILE_TOKENS = 16           # tokens per tile of the attention kernel (one mma M dimension)
+QUERIES_PER_CTA = 8        # query heads of one KV head served by one CTA (the mma N dimension)
+MAX_SPLITS = 256           # the merge kernel stages one weight per split in 256 floats of shared memory
+MIN_TILES_PER_SPLIT = 32   # 512 tokens: below this a split's fixed costs (Q load, merge traffic) dominate
+WAVES = 4                  # target CTAs per resident CTA slot when the batch alone cannot fill the GPU
+_RESERVED_SMEM_PER_CTA = 1024
+
+
+@lru_cache(maxsize=None)
+def decode_config(head_dim: int) -> tuple:
+    """(warps, stages, dynamic shared memory bytes) of the attention kernel for one head dim.
+
+    Each warp streams its own ring of ``stages`` tiles of 16 tokens (K and V, 16 x head_dim each), so
+    ``warps * (stages - 1)`` tiles are in flight per CTA: 96 KB of K/V per CTA at head_dim 128 (two CTAs,
+    ~128 KB in flight per SM, several times the ~35 KB that HBM latency x bandwidth per SM asks for).
+    """
+    warps = 4
+    stages = {64: 4, 128: 3, 256: 3}[head_dim]
+    ring = warps * stages * 2 * TILE_TOKENS * head_dim * 2
+    merge = warps * QUERIES_PER_CTA * head_dim * 4 + warps * 2 * QUERIES_PER_CTA * 4
+    return warps, stages, max(ring, merge)
+
+
+@lru_cache(maxsize=4096)
+def decode_num_splits(batch: int, units: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
+    """How many CTAs share one (sequence, KV head, query group) along the KV length (flash-decoding).
+
+    ``units`` = KV heads x query groups of 8.  When ``batch * units`` CTAs already cover the resident CTA
+    slots twice, no split (no merge pass).  Otherwise enough splits for about ``WAVES`` CTAs per slot, but
+    no split shorter than ``MIN_TILES_PER_SPLIT`` tiles of the longest possible sequence (``max_len``, the
+    block table's capacity: no device-to-host sync is needed to choose), and at most ``MAX_SPLITS``.
+    """
+    slots = max(1, sms * ctas_per_sm)
+    work = max(1, batch * units)
+    if work >= 2 * slots:
+        return 1
+    want = -(-WAVES * slots // work)
+    tiles = -(-max(1, max_len) // TILE_TOKENS)
+    return max(1, min(want, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def _ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
+    return max(1, min(smem_per_sm // (smem + _RESERVED_SMEM_PER_CTA), 2048 // threads, 32))
+
+
+def _attn_kernel(dtype: str, head_dim: int) -> Kernel:
+    warps, stages, _ = decode_config(head_dim)
+    return Kernel(SOURCE, f"paged_decode_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}>")
+
+
+def _merge_kernel(dtype: str) -> Kernel:
+    return Kernel(SOURCE, f"decode_merge_kernel<{A.CTYPE[dtype]}>")
+
+
+# -- the memory-bound elementwise ops -------------------------------------------------------------------------
+_WORD_TYPES = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
+CACHE_DTYPES = ("float16", "bfloat16", "float32")
+MAX_ROT_DIM = 1024
+_ACTS = {"silu": 0, "gelu": 1}
+
+
+def _cache_kernel(word_bytes: int) -> Kernel:
+    return Kernel(SOURCE, f"reshape_and_cache_kernel<{_WORD_TYPES[word_bytes]}>")
+
+
+def _rotary_kernel(dtype: str, cs_dtype: str, neox: bool, vec: bool) -> Kernel:
+    return Kernel(SOURCE, f"rotary_embedding_kernel<{A.CTYPE[dtype]}, {A.CTYPE[cs_dtype]}, "
+                          f"{'true' if neox else 'false'}, {'true' if vec else 'false'}>")
+
+
+def _act_kernel(dtype: str, act: str, vec: bool) -> Kernel:
+    return Kernel(SOURCE, f"gated_act_kernel<{A.CTYPE[dtype]}, {_ACTS[act]}, {'true' if vec else 'false'}>")
+
+
+def all_kernels() -> list:
+    """Every variant this module can launch (for ``python -m speedcore compile``)."""
+    out = []
+    for dtype in A.HALF_DTYPES:
+        for d in HEAD_DIMS:
+            out.append(_attn_kernel(dtype, d))
+        out.append(_merge_kernel(dtype))
+    for w in sorted(_WORD_TYPES):
+        out.append(_cache_kernel(w))
+    for dtype in A.FLOAT_DTYPES:
+        for cs in sorted({dtype, "float32"}):
+            for neox in (True, False):
+                for vec in (True, False):
+                    out.append(_rotary_kernel(dtype, cs, neox, vec))
+        for act in _ACTS:
+            for vec in (True, False):
+                out.append(_act_kernel(dtype, act, vec))
+    return out
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+def _lead_stride(a: A.Array, nlead: int, what: str) -> int:
+    """The single element stride that steps over the first ``nlead`` dims of ``a`` viewed as one flat index."""
+    lead = [(sz, st) for sz, st in zip(a.shape[:nlead], a.strides[:nlead]) if sz != 1]
+    if not lead:
+        return 0
+    stride = lead[-1][1]
+    expect = stride
+    for sz, st in reversed(lead):
+        if st != expect:
+            raise ValueError(f"{a.name}: its {what} dimensions (shape {a.shape}, strides {a.strides}) cannot be "
+                             f"viewed as one strided dimension; pass .contiguous()")
+        expect = st * sz
+    return stride
+
+
+def _aligned16(a: A.Array, strides) -> bool:
+    return a.aligned(16) and all((s * a.itemsize) % 16 == 0 for s in strides)
+
+
+def _check_float(name: str, value, *, low: float | None = None, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or (low is not None and value < low):
+        bound = f" >= {low}" if low is not None else ""
+        raise ValueError(f"{name}: expected a finite float{bound}, got {value}")
+    return value
+
+
+# -- paged decode attention ---------------------------------------------------------------------------------
+def _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, *, sms: int,
+                       smem_per_sm: int, num_splits=None) -> dict:
+    """Validate the arguments (already wrapped) and choose the launch; raises before anything is launched."""
+    A.check_dtype(qa, A.HALF_DTYPES)
+    A.check_same_dtype(qa, ka, va, oa)
+    A.check_same_device(qa, ka, va, bta, sla, oa)
+    A.check_dtype(bta, ("int32",))
+    A.check_dtype(sla, ("int32",))
+    if qa.ndim != 3:
+        raise ValueError(f"q: expected shape (batch, num_heads, head_dim), got {qa.shape}")
+    batch, heads, head_dim = qa.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if qa.strides[2] != 1 or not qa.aligned(4) or qa.strides[0] % 2 or qa.strides[1] % 2:
+        raise ValueError(f"q: the head_dim dimension must be contiguous with even strides and a 4-byte aligned "
+                         f"pointer, got strides {qa.strides}")
+    if ka.ndim != 4:
+        raise ValueError(f"k_cache: expected shape (num_blocks, block_size, num_kv_heads, head_dim), got {ka.shape}")
+    num_blocks, block_size, kv_heads, kd = ka.shape
+    if kd != head_dim:
+        raise ValueError(f"k_cache: head_dim {kd} does not match q's {head_dim}")
+    if num_blocks < 1 or block_size < 1 or kv_heads < 1:
+        raise ValueError(f"k_cache: needs at least one block, block slot and KV head, got shape {ka.shape}")
+    if heads < 1 or heads % kv_heads:
+        raise ValueError(f"q: num_heads {heads} must be a positive multiple of k_cache's num_kv_heads {kv_heads}")
+    A.check_shape(va, ka.shape)
+    if va.strides != ka.strides:
+        raise ValueError(f"v_cache: strides {va.strides} must equal k_cache's {ka.strides}")
+    for c in (ka, va):
+        if c.strides[3] != 1 or not _aligned16(c, c.strides[:3]):
+            raise ValueError(f"{c.name}: head_dim must be contiguous, the other strides multiples of 16 bytes and "
+                             f"the pointer 16-byte aligned, got strides {c.strides}")
+    if bta.ndim != 2 or bta.shape[0] != batch or bta.shape[1] < 1:
+        raise ValueError(f"block_table: expected shape ({batch}, max_blocks_per_seq >= 1), got {bta.shape}")
+    if bta.shape[1] > 1 and bta.strides[1] != 1:
+        raise ValueError(f"block_table: rows must be contiguous, got strides {bta.strides}")
+    A.check_shape(sla, (batch,))
+    max_len = bta.shape[1] * block_size
+    if max_len >= 2 ** 31 - TILE_TOKENS:
+        raise ValueError(f"block_table: {bta.shape[1]} blocks of {block_size} tokens exceed 2**31 tokens")
+    if oa is not None:
+        A.check_shape(oa, qa.shape)
+        if oa.strides[2] != 1:
+            raise ValueError(f"out: the head_dim dimension must be contiguous, got strides {oa.strides}")
+        A.check_no_overlap(oa, qa, ka, va, bta, sla)
+    scale = _check_float("softmax_scale", softmax_scale, allow_none=True)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    cap = _check_float("softcap", softcap, low=0.0)
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)):
+        raise TypeError(f"window_left: expected an int, got {type(window_left).__name__}")
+    window_left = int(window_left)
+    if window_left < -1 or window_left >= 2 ** 31:
+        raise ValueError(f"window_left: expected -1 (no window) or a non-negative int32, got {window_left}")
+    group = heads // kv_heads
+    qgroups = -(-group // QUERIES_PER_CTA)
+    units = kv_heads * qgroups
+    warps, stages, smem = decode_config(head_dim)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, units, max_len, sms, _ctas_per_sm(smem, warps * 32, smem_per_sm))
+    elif not 1 <= int(num_splits) <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 1 to {MAX_SPLITS}, got {num_splits}")
+    num_splits = int(num_splits)
+    if batch * num_splits * units >= 2 ** 31:
+        raise ValueError("q: batch x heads x splits is too large for one launch")
+    if cap > 0.0:
+        scale_a, cap_log2 = scale / cap, cap * math.log2(math.e)
+    else:
+        scale_a, cap_log2 = scale * math.log2(math.e), 0.0
+    return dict(batch=batch, heads=heads, head_dim=head_dim, kv_heads=kv_heads, group=group, qgroups=qgroups,
+                units=units, num_splits=num_splits, block_size=block_size, num_blocks=num_blocks, max_len=max_len,
+                warps=warps, smem=smem, scale_a=scale_a, cap_log2=cap_log2, use_softcap=cap > 0.0,
+                window_left=window_left)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0,
+                           window_left=-1, out=None, return_lse=False):
+    """Attention of one new token per sequence over a paged KV cache (decode), with GQA and split-KV.
+
+    Query head ``h`` attends KV head ``h // (num_heads // num_kv_heads)``.  Sequence ``b`` has
+    ``seq_lens[b]`` cached tokens; token ``t`` lives in page ``block_table[b, t // block_size]`` at slot
+    ``t % block_size``.  The new token is the last one (its K/V must already be in the cache, e.g. by
+    :func:`reshape_and_cache`), so it attends tokens ``[max(0, seq_len - 1 - window_left), seq_len)``.
+    Logits are ``softmax_scale * q.k``, or ``softcap * tanh(softmax_scale * q.k / softcap)`` when
+    ``softcap > 0``.  Accumulation is in float32.
+
+    Parameters
+    ----------
+    q : torch.Tensor or cupy.ndarray, shape (batch, num_heads, head_dim)
+        float16 or bfloat16; head_dim 64, 128 or 256; head_dim contiguous (any other strides, even).
+    k_cache, v_cache : shape (num_blocks, block_size, num_kv_heads, head_dim), q's dtype
+        Same shape and strides; head_dim contiguous, other strides multiples of 16 bytes.  Any block size
+        (16 and above is as fast as 256); num_heads must be a multiple of num_kv_heads.
+    block_table : int32, shape (batch, max_blocks_per_seq), rows contiguous
+        Entries past a sequence's last page are never read; entries must lie in [0, num_blocks).
+    seq_lens : int32, shape (batch,)
+        0 <= seq_lens[b] <= max_blocks_per_seq * block_size (larger values are clamped to that bound).  A
+        sequence of length 0 gives zeros (and lse = -inf).
+    softmax_scale : float, default 1 / sqrt(head_dim)
+    softcap : float >= 0, default 0 (off)
+    window_left : int, default -1 (no window); otherwise the number of earlier tokens attended.
+    out : optional, shape (batch, num_heads, head_dim), q's dtype, head_dim contiguous; written and returned.
+    return_lse : bool
+        Also return the float32 log-sum-exp (natural log) of the logits, shape (batch, num_heads).
+
+    Returns
+    -------
+    out, or (out, lse) with ``return_lse``; arrays of q's library, computed on the caller's current stream.
+    """
+    qa = A.wrap(q, "q")
+    ka = A.wrap(k_cache, "k_cache")
+    va = A.wrap(v_cache, "v_cache")
+    bta = A.wrap(block_table, "block_table")
+    sla = A.wrap(seq_lens, "seq_lens")
+    oa = A.wrap(out, "out", optional=True)
+    return _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, return_lse)
+
+
+def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, return_lse, num_splits=None):
+    dev = device_info(qa.device)
+    p = _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, sms=dev.sms,
+                           smem_per_sm=dev.smem_per_sm, num_splits=num_splits)
+    batch, heads, head_dim, splits = p["batch"], p["heads"], p["head_dim"], p["num_splits"]
+    if oa is None:
+        oa = A.empty(qa, qa.shape, qa.dtype)
+    la = A.empty(qa, (batch, heads), "float32", name="lse") if return_lse else None
+    result = (oa.obj, la.obj) if return_lse else oa.obj
+    if batch == 0:
+        return result
+    stream = A.stream_of(qa)
+    part_o = part_l = None
+    if splits > 1:
+        part_o = A.empty(qa, (batch * heads * splits * head_dim,), "float32", name="partial_out")
+        part_l = A.empty(qa, (batch * heads * splits,), "float32", name="partial_lse")
+    args = (oa.ptr, la.ptr if la is not None and splits == 1 else 0, part_o.ptr if part_o else 0,
+            part_l.ptr if part_l else 0, qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr,
+            np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),
+            np.int32(p["block_size"]), np.int32(p["num_blocks"]), np.int32(p["max_len"]),
+            np.int64(qa.strides[0]), np.int64(qa.strides[1]), np.int64(oa.strides[0]), np.int64(oa.strides[1]),
+            np.int64(ka.strides[0]), np.int64(ka.strides[1]), np.int64(ka.strides[2]), np.int64(bta.strides[0]),
+            np.int64(sla.strides[0]), np.float32(p["scale_a"]), np.float32(p["cap_log2"]),
+            np.int32(p["use_softcap"]), np.int32(p["window_left"]))
+    grid = batch * splits * p["units"]
+    launch(_attn_kernel(qa.dtype, head_dim), LaunchConfig((grid,), (p["warps"] * 32,), p["smem"]), args,
+           device=qa.device, stream=stream)
+    if splits > 1:
+        margs = (oa.ptr, la.ptr if la is not None else 0, part_o.ptr, part_l.ptr, np.int32(heads), np.int32(splits),
+                 np.int32(head_dim), np.int64(oa.strides[0]), np.int64(oa.strides[1]))
+        launch(_merge_kernel(qa.dtype), LaunchConfig((batch * heads,), (256,)), margs, device=qa.device,
+               stream=stream)
+    return result
+
+
+# -- reshape_and_cache ----------------------------------------------------------------------------------------
+def _plan_reshape_and_cache(ka, va, kca, vca, sma) -> dict:
+    A.check_dtype(ka, CACHE_DTYPES)
+    A.check_same_dtype(ka, va, kca, vca)
+    A.check_same_device(ka, va, kca, vca, sma)
+    A.check_dtype(sma, ("int64", "int32"))
+    if ka.ndim != 3:
+        raise ValueError(f"k: expected shape (num_tokens, num_kv_heads, head_dim), got {ka.shape}")
+    A.check_shape(va, ka.shape)
+    tokens, heads, head_dim = ka.shape
+    if kca.ndim != 4 or kca.shape[2:] != (heads, head_dim):
+        raise ValueError(f"k_cache: expected shape (num_blocks, block_size, {heads}, {head_dim}), got {kca.shape}")
+    A.check_shape(vca, kca.shape)
+    if vca.strides != kca.strides:
+        raise ValueError(f"v_cache: strides {vca.strides} must equal k_cache's {kca.strides}")
+    for a in (ka, va, kca, vca):
+        if head_dim > 1 and a.strides[-1] != 1:
+            raise ValueError(f"{a.name}: head_dim must be contiguous, got strides {a.strides}")
+    if sma.ndim != 1 or sma.shape[0] != tokens or (tokens > 1 and sma.strides[0] != 1):
+        raise ValueError(f"slot_mapping: expected a contiguous shape ({tokens},), got shape {sma.shape} "
+                         f"strides {sma.strides}")
+    A.check_no_overlap(kca, ka, va, sma)
+    A.check_no_overlap(vca, ka, va, sma, kca)
+    num_blocks, block_size = kca.shape[:2]
+    if num_blocks * block_size >= 2 ** 31:
+        raise ValueError(f"k_cache: {num_blocks} blocks of {block_size} slots exceed 2**31 slots")
+    item = ka.itemsize
+    word = 16 if ((head_dim * item) % 16 == 0 and _aligned16(ka, ka.strides[:2]) and _aligned16(va, va.strides[:2])
+                  and _aligned16(kca, kca.strides[:3]) and _aligned16(vca, vca.strides[:3])) else item
+    f = word // item
+    return dict(tokens=tokens, heads=heads, word=word, words_per_head=head_dim // f, block_size=block_size,
+                num_slots=num_blocks * block_size,
+                k_strides=(ka.strides[0] // f, ka.strides[1] // f), v_strides=(va.strides[0] // f, va.strides[1] // f),
+                c_strides=tuple(s // f for s in kca.strides[:3]))
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Write new tokens' K and V into their slots of the paged caches (in place), as vLLM's kernel.
+
+    Token ``t`` goes to page ``slot_mapping[t] // block_size``, row ``slot_mapping[t] % block_size``.  Slots
+    that are negative (vLLM pads with -1) or >= num_blocks * block_size are skipped.
+
+    Parameters
+    ----------
+    k, v : shape (num_tokens, num_kv_heads, head_dim); float16, bfloat16 or float32; head_dim contiguous
+        (any token and head strides, e.g. slices of a fused QKV projection).
+    k_cache, v_cache : shape (num_blocks, block_size, num_kv_heads, head_dim), k's dtype, same strides,
+        head_dim contiguous.
+    slot_mapping : int64 or int32, contiguous, shape (num_tokens,)
+
+    Returns
+    -------
+    None (the caches are updated on the caller's current stream).
+    """
+    ka = A.wrap(k, "k")
+    va = A.wrap(v, "v")
+    kca = A.wrap(k_cache, "k_cache")
+    vca = A.wrap(v_cache, "v_cache")
+    sma = A.wrap(slot_mapping, "slot_mapping")
+    p = _plan_reshape_and_cache(ka, va, kca, vca, sma)
+    if p["tokens"] == 0 or p["heads"] * p["words_per_head"] == 0:
+        return None
+    per_token = p["heads"] * p["words_per_head"]
+    args = (kca.ptr, vca.ptr, ka.ptr, va.ptr, sma.ptr, np.int32(sma.dtype == "int64"), np.int32(p["words_per_head"]),
+            np.int32(p["heads"]), np.int32(p["block_size"]), np.int64(p["num_slots"]),
+            np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]), np.int64(p["v_strides"][0]),
+            np.int64(p["v_strides"][1]), np.int64(p["c_strides"][0]), np.int64(p["c_strides"][1]),
+            np.int64(p["c_strides"][2]))
+    cfg = LaunchConfig((p["tokens"], -(-per_token // 128)), (128,))
+    launch(_cache_kernel(p["word"]), cfg, args, device=ka.device, stream=A.stream_of(ka))
+    return None
+
+
+# -- rotary_embedding -------------------------------------------------------------------------------------------
+def _plan_rotary(pa, qa, ka, csa, is_neox) -> dict:
+    A.check_dtype(pa, ("int64", "int32"))
+    A.check_dtype(qa, A.FLOAT_DTYPES)
+    A.check_same_dtype(qa, ka)
+    A.check_same_device(qa, pa, ka, csa)
+    if csa.dtype not in ("float32", qa.dtype):
+        raise TypeError(f"cos_sin_cache: dtype {csa.dtype} is not supported; expected float32 or q's {qa.dtype}")
+    if not isinstance(is_neox, (bool, np.bool_)):
+        raise TypeError(f"is_neox: expected a bool, got {type(is_neox).__name__}")
+    if pa.numel > 1 and not pa.is_contiguous():
+        raise ValueError(f"positions: must be contiguous, got strides {pa.strides}")
+    lead = tuple(pa.shape)
+    if qa.ndim != len(lead) + 2 or tuple(qa.shape[:-2]) != lead:
+        raise ValueError(f"q: expected shape {lead + ('num_heads', 'head_size')} (positions' shape, then heads "
+                         f"and head size), got {qa.shape}")
+    tokens = pa.numel
+    q_heads, head_size = qa.shape[-2:]
+    if ka is not None:
+        if ka.ndim != qa.ndim or tuple(ka.shape[:-2]) != lead or ka.shape[-1] != head_size:
+            raise ValueError(f"k: expected shape {lead + ('num_kv_heads', head_size)}, got {ka.shape}")
+    k_heads = ka.shape[-2] if ka is not None else 0
+    if csa.ndim != 2:
+        raise ValueError(f"cos_sin_cache: expected shape (max_position, rot_dim), got {csa.shape}")
+    max_pos, rot_dim = csa.shape
+    if rot_dim < 2 or rot_dim % 2 or rot_dim > min(head_size, MAX_ROT_DIM) or max_pos < 1:
+        raise ValueError(f"cos_sin_cache: rot_dim (last dimension) must be even, >= 2 and <= min(head_size="
+                         f"{head_size}, {MAX_ROT_DIM}), and max_position >= 1; got shape {csa.shape}")
+    if csa.strides[1] != 1:
+        raise ValueError(f"cos_sin_cache: the last dimension must be contiguous, got strides {csa.strides}")
+    strides = {}
+    for a in (qa, ka):
+        if a is None:
+            continue
+        if head_size > 1 and a.strides[-1] != 1:
+            raise ValueError(f"{a.name}: head_size must be contiguous, got strides {a.strides}")
+        strides[a.name] = (_lead_stride(a, len(lead), "token"), a.strides[-2])
+    if ka is not None:
+        A.check_no_overlap(qa, ka)
+    n = 16 // qa.itemsize
+    span = rot_dim // 2 if is_neox else rot_dim
+    vec = span % n == 0 and all(_aligned16(a, strides[a.name]) for a in (qa, ka) if a is not None)
+    return dict(tokens=tokens, q_heads=q_heads, k_heads=k_heads, rot_dim=rot_dim, max_pos=max_pos, vec=vec,
+                q_strides=strides["q"], k_strides=strides.get("k", (0, 0)))
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
+    """Rotary position embedding applied in place to ``q`` and ``k``, as vLLM's ``rotary_embedding``.
+
+    ``cos_sin_cache[p]`` holds ``[cos(p * f_0..f_{r/2-1}), sin(...)]`` for rot_dim ``r``; the first ``r`` dims
+    of every head are rotated, the rest are left unchanged (partial rotary).  ``is_neox`` pairs dim ``i`` with
+    ``i + r/2`` (GPT-NeoX / Llama); otherwise dims ``2i`` and ``2i+1`` (GPT-J).  Math in float32.
+
+    Parameters
+    ----------
+    positions : int64 or int32, contiguous, any shape (num_tokens,) or (batch, seq)
+        Values must lie in [0, max_position) (they are clamped to it).
+    q : shape (*positions.shape, num_heads, head_size); float16, bfloat16 or float32; head_size contiguous,
+        the token dims collapsible to one stride (any head stride: slices of a fused QKV work).
+    k : same layout with num_kv_heads heads and q's head_size and dtype, or None.
+    cos_sin_cache : shape (max_position, rot_dim), float32 or q's dtype; rot_dim even, <= head_size, <= 1024.
+    is_neox : bool, default True.
+
+    Returns
+    -------
+    (q, k), the same objects, rotated in place on the caller's current stream.
+    """
+    pa = A.wrap(positions, "positions")
+    qa = A.wrap(q, "q")
+    ka = A.wrap(k, "k", optional=True)
+    csa = A.wrap(cos_sin_cache, "cos_sin_cache")
+    p = _plan_rotary(pa, qa, ka, csa, is_neox)
+    if p["tokens"] == 0 or p["q_heads"] + p["k_heads"] == 0:
+        return q, k
+    args = (qa.ptr, ka.ptr if ka is not None else 0, pa.ptr, np.int32(pa.dtype == "int64"), csa.ptr,
+            np.int64(csa.strides[0]), np.int32(p["rot_dim"]), np.int32(p["max_pos"]), np.int32(p["q_heads"]),
+            np.int32(p["k_heads"]), np.int64(p["q_strides"][0]), np.int64(p["q_strides"][1]),
+            np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]))
+    kern = _rotary_kernel(qa.dtype, csa.dtype, bool(is_neox), p["vec"])
+    launch(kern, LaunchConfig((p["tokens"],), (128,)), args, device=qa.device, stream=A.stream_of(qa))
+    return q, k
+
+
+# -- gated activations ------------------------------------------------------------------------------------------
+def _plan_gated(xa, oa) -> dict:
+    A.check_dtype(xa, A.FLOAT_DTYPES)
+    A.check_same_dtype(xa, oa)
+    A.check_same_device(xa, oa)
+    if xa.ndim == 0 or xa.shape[-1] % 2 or xa.shape[-1] == 0:
+        raise ValueError(f"x: the last dimension must be even and non-zero (2 * d), got shape {xa.shape}")
+    d = xa.shape[-1] // 2
+    rows, x_stride = xa.rows()
+    out_shape = tuple(xa.shape[:-1]) + (d,)
+    if oa is not None:
+        A.check_shape(oa, out_shape)
+        A.check_no_overlap(oa, xa)
+    return dict(d=d, rows=rows, x_stride=x_stride, out_shape=out_shape)
+
+
+def _gated(x, out, act: str):
+    xa = A.wrap(x, "x")
+    oa = A.wrap(out, "out", optional=True)
+    p = _plan_gated(xa, oa)
+    if oa is None:
+        oa = A.empty(xa, p["out_shape"], xa.dtype)
+    _, o_stride = oa.rows()
+    d, rows = p["d"], p["rows"]
+    if rows == 0:
+        return oa.obj
+    n = 16 // xa.itemsize
+    vec = d % n == 0 and _aligned16(xa, (p["x_stride"],)) and _aligned16(oa, (o_stride,))
+    cols = d // n if vec else d
+    if -(-cols // 256) >= 2 ** 16:
+        raise ValueError(f"x: d = {d} is too large (at most {(2 ** 16 - 1) * 256 * (n if vec else 1)})")
+    args = (oa.ptr, xa.ptr, np.int32(d), np.int64(p["x_stride"]), np.int64(o_stride))
+    launch(_act_kernel(xa.dtype, act, vec), LaunchConfig((rows, -(-cols // 256)), (256,)), args, device=xa.device,
+           stream=A.stream_of(xa))
+    return oa.obj
+
+
+def silu_and_mul(x, *, out=None):
+    """SwiGLU gate: ``silu(x[..., :d]) * x[..., d:]`` for x of shape (..., 2d), as vLLM's ``silu_and_mul``.
+
+    Parameters
+    ----------
+    x : shape (..., 2d); float16, bfloat16 or float32; last dim contiguous, leading dims collapsible to one
+        row stride.
+    out : optional, shape (..., d), x's dtype; written and returned.
+
+    Returns
+    -------
+    out (computed in float32, rounded once), an array of x's library on the caller's current stream.
+    """
+    return _gated(x, out, "silu")
+
+
+def gelu_and_mul(x, *, out=None):
+    """GeGLU gate: ``gelu(x[..., :d]) * x[..., d:]`` with the exact (erf) GELU, as vLLM's ``gelu_and_mul``.
+
+    Parameters and result as :func:`silu_and_mul`.
+    """
+    return _gated(x, out, "gelu")
