@@ -1,0 +1,404 @@
+// FlashAttention-2 forward for sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async, online softmax.
+//
+// One CTA of 4 warps computes one BM-row tile of queries of one (batch, head).  Each warp owns 16*MT
+// consecutive query rows and streams the whole key range of the tile through shared memory, BN keys at a
+// time, double buffered: the cp.async copies of tile j+1 are issued right after the barrier that opens
+// tile j, so a whole tile of math hides each load.  S = Q K^T and O += P V run on tensor cores with fp32
+// accumulators; P never leaves registers (the S accumulator layout of m16n8k16 is the A-operand layout once
+// packed to 16 bits).  Softmax is online, in base 2, with the softmax scale folded into one FFMA per score.
+//
+// Shared memory rows are padded by 16 bytes (PITCH = D + 8 elements): the 8 row addresses of one ldmatrix
+// phase then fall on 8 distinct 16-byte bank groups for every head dim, including 96 and 192 whose rows are
+// not a multiple of 128 bytes (an XOR swizzle would need a power-of-two row).
+//
+// Masking (causal, sliding window, the end of the key sequence) is one rule: key j is visible to query i iff
+// lo(i) <= j < hi(i) with lo = max(0, i + sk - sq - left) and hi = min(sk, i + sk - sq + right + 1), i.e. the
+// diagonal aligned to the bottom-right corner as in flash-attn 2.1+; causal is right = 0, "unbounded" is a
+// large number.  The CTA only visits the key tiles that intersect [lo(first row), hi(last row)), and only
+// tiles crossing a boundary pay for the per-element mask (a warp-uniform branch).
+#include "common/types.cuh"
+#include "common/mma.cuh"
+
+#ifndef FA_LAZY_RESCALE
+#define FA_LAZY_RESCALE 1
+#endif
+
+namespace fa {
+
+constexpr int NUM_WARPS = 4;
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+constexpr float LN2 = 0.6931471805599453f;
+
+template <typename T> __device__ __forceinline__ unsigned pack_f32x2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack_f32x2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);  // one cvt.rn.f16x2.f32
+  return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack_f32x2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // one cvt.rn.bf16x2.f32
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// An opaque copy of x: values derived from it inside a loop are not hoisted out of the loop and kept live in
+// registers (the load addresses below are cheap to recompute and would otherwise hold ~50 registers).
+__device__ __forceinline__ int opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Copy ROWS x D elements (rows of `row_stride` elements in global memory; ROWS * row_stride < 2^31) into
+// shared rows of PITCH elements with 16-byte cp.async.  Rows at or past `rows_valid` and 16-byte chunks at
+// or past `chunks_valid` are zero-filled, so partial tiles and padded head dims read as zeros.
+template <typename T, int ROWS, int D, int PITCH>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int row_stride, int rows_valid,
+                                                int chunks_valid, int tid) {
+  constexpr int CHUNKS = D / 8;
+  constexpr int TOTAL = ROWS * CHUNKS;
+  const int stride = opaque(row_stride);
+#pragma unroll
+  for (int i = 0; i < (TOTAL + NUM_THREADS - 1) / NUM_THREADS; ++i) {
+    const int c = tid + i * NUM_THREADS;
+    if (TOTAL % NUM_THREADS == 0 || c < TOTAL) {
+      const int r = c / CHUNKS, ch = c % CHUNKS;
+      const bool ok = r < rows_valid && ch < chunks_valid;
+      // a zero-filled copy reads nothing, but its address still has to be a valid one
+      const T* src = gmem + (ok ? r * stride + ch * 8 : 0);
+      sc::cp_async16(smem + r * PITCH + ch * 8, src, ok);
+    }
+  }
+}
+
+}  // namespace fa
+
+// out, q: rows of one (batch, head) are `*_row_stride` apart; k, v: likewise with head kv_head = head /
+// heads_per_kv.  With cu_seqlens_q/k (varlen) the batch strides are 0 and sequence b spans rows
+// [cu[b], cu[b+1]) (clamped to total_q / total_k so that a bad cu_seqlens cannot read out of bounds).
+// lse (optional): float32 at lse + b * lse_batch_stride + h * lse_head_stride + (row offset of b) + i.
+// MIN_CTAS caps the registers so that this many CTAs fit on one SM (2: 255 registers, 3: 168).
+// scale_log2 multiplies raw scores (softmax_scale * log2 e, or 1 with softcap, whose transform already
+// yields base-2 scores); softcap_pre = 2 log2(e) softmax_scale / softcap, softcap_post = softcap log2(e).
+template <typename T, int D, int BN, int MT, int MIN_CTAS>
+__global__ void __launch_bounds__(fa::NUM_THREADS, MIN_CTAS) flash_fwd_kernel(
+    T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ q, const T* __restrict__ k,
+    const T* __restrict__ v, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+    long long q_batch_stride, long long q_row_stride, long long q_head_stride, long long k_batch_stride,
+    long long k_row_stride, long long k_head_stride, long long v_batch_stride, long long v_row_stride,
+    long long v_head_stride, long long o_batch_stride, long long o_row_stride, long long o_head_stride,
+    long long lse_batch_stride, long long lse_head_stride, int seqlen_q, int seqlen_k, int total_q, int total_k,
+    int head_dim, int heads_per_kv, int window_left, int window_right, float scale_log2, float softcap_pre,
+    float softcap_post, int reverse_m) {
+  using namespace fa;
+  constexpr int BM = 16 * MT * NUM_WARPS;
+  constexpr int PITCH = D + 8;
+  constexpr int KV_TILE = BN * PITCH;  // elements of one K or V tile
+  constexpr int STAGE = 2 * KV_TILE;   // K then V
+  // Q fragments stay in registers for the whole CTA when they are few; then Q is staged through the
+  // second pipeline stage before the first key tile needs it, and costs no shared memory of its own.
+  constexpr bool Q_IN_REGS = MT * D <= 128;
+  constexpr int NKS = D / 16;    // k-steps of Q K^T
+  constexpr int NNT = BN / 8;    // n-tiles of S
+  constexpr int NDT = D / 8;     // n-tiles of O
+  static_assert(D % 16 == 0 && BN % 16 == 0, "tile shapes");
+  static_assert(!Q_IN_REGS || BM <= 2 * BN, "Q is staged in one pipeline stage");
+  static_assert(BM <= 4 * BN, "the O tile is staged in the two pipeline stages");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const smem = reinterpret_cast<T*>(smem_raw);
+  T* const sQ = Q_IN_REGS ? smem + STAGE : smem + 2 * STAGE;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int m_block = reverse_m ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int kv_head = head / heads_per_kv;
+
+  int q_off = 0, k_off = 0, sq = seqlen_q, sk = seqlen_k;
+  if (cu_seqlens_q != nullptr) {
+    q_off = min(max(cu_seqlens_q[batch], 0), total_q);
+    sq = min(max(cu_seqlens_q[batch + 1], q_off), total_q) - q_off;
+    k_off = min(max(cu_seqlens_k[batch], 0), total_k);
+    sk = min(max(cu_seqlens_k[batch + 1], k_off), total_k) - k_off;
+  }
+  const int m0 = m_block * BM;
+  if (m0 >= sq) return;
+
+  const T* const q_base = q + batch * q_batch_stride + (long long)(q_off + m0) * q_row_stride + head * q_head_stride;
+  const T* const k_base = k + batch * k_batch_stride + (long long)k_off * k_row_stride + kv_head * k_head_stride;
+  const T* const v_base = v + batch * v_batch_stride + (long long)k_off * v_row_stride + kv_head * v_head_stride;
+  T* const o_base = out + batch * o_batch_stride + (long long)(q_off + m0) * o_row_stride + head * o_head_stride;
+  float* const lse_base = lse == nullptr ? nullptr : lse + batch * lse_batch_stride + head * lse_head_stride + q_off + m0;
+  const int chunks_valid = head_dim >> 3;
+  const int rows_q = min(BM, sq - m0);
+
+  // Key range of this tile of queries, and the part of it that needs no mask.
+  const int diag = sk - sq;
+  const int m_last = m0 + rows_q - 1;
+  const int lo_first = max(0, m0 + diag - window_left);
+  const int lo_last = max(0, m_last + diag - window_left);
+  const int hi_first = min(sk, m0 + diag + window_right + 1);
+  const int hi_last = min(sk, m_last + diag + window_right + 1);
+  const int n_begin = lo_first / BN;
+  const int n_end = hi_last > lo_first ? (hi_last + BN - 1) / BN : n_begin;
+
+  const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: row group, thread in group
+  const int warp_row0 = warp * 16 * MT;
+
+  if (n_begin >= n_end) {  // no query row of this tile sees any key: zeros, lse = -inf
+    for (int c = tid; c < rows_q * chunks_valid; c += NUM_THREADS) {
+      const int r = c / chunks_valid, ch = c % chunks_valid;
+      *reinterpret_cast<uint4*>(o_base + (long long)r * o_row_stride + ch * 8) = make_uint4(0, 0, 0, 0);
+    }
+    if (lse_base != nullptr)
+      for (int r = tid; r < rows_q; r += NUM_THREADS) lse_base[r] = neg_inf();
+    return;
+  }
+
+  // Prologue: Q (its own cp.async group), then the first key tile.
+  load_tile_async<T, BM, D, PITCH>(sQ, q_base, (int)q_row_stride, rows_q, chunks_valid, tid);
+  sc::cp_async_commit();
+  // Key tiles are visited from the last to the first: the tiles crossing the causal diagonal come first.
+  int n_block = n_end - 1;
+  {
+    const int rows_k = sk - n_block * BN;
+    load_tile_async<T, BN, D, PITCH>(smem, k_base + (long long)n_block * BN * k_row_stride, (int)k_row_stride, rows_k,
+                                     chunks_valid, tid);
+    load_tile_async<T, BN, D, PITCH>(smem + KV_TILE, v_base + (long long)n_block * BN * v_row_stride, (int)v_row_stride,
+                                     rows_k, chunks_valid, tid);
+    sc::cp_async_commit();
+  }
+
+  // Per-lane ldmatrix offsets (elements) inside a tile.
+  //  Q (A operand, x4): lanes 0-15 rows 0-15 at column 0, lanes 16-31 the same rows at column 8.
+  //  K (B operand of S, x4): matrices (keys 0-7, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 0-7), (keys 8-15, d 8-15).
+  //  V (B operand of O, x4.trans): matrices (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15).
+  const int q_lane = (lane & 15) * PITCH + (lane >> 4) * 8;
+  const int k_lane = ((lane >> 4) * 8 + (lane & 7)) * PITCH + ((lane >> 3) & 1) * 8;
+  const int v_lane = (((lane >> 3) & 1) * 8 + (lane & 7)) * PITCH + (lane >> 4) * 8;
+
+  unsigned q_frag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? NKS : 1][4];
+  if constexpr (Q_IN_REGS) {
+    sc::cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < NKS; ++ks)
+        sc::ldmatrix_x4(q_frag[mt][ks][0], q_frag[mt][ks][1], q_frag[mt][ks][2], q_frag[mt][ks][3],
+                        sQ + (warp_row0 + mt * 16) * PITCH + q_lane + ks * 16);
+  }
+
+  float o_acc[MT][NDT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NDT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][nt][e] = 0.f;
+  float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mt][h] = neg_inf();
+      row_sum[mt][h] = 0.f;
+    }
+
+  const bool has_softcap = softcap_pre != 0.f;
+  int stage = 0;
+  for (; n_block >= n_begin; --n_block) {
+    sc::cp_async_wait<0>();
+    __syncthreads();  // tile n_block is in shared memory, and every warp is done with the other stage
+    if (n_block > n_begin) {
+      const int nb = n_block - 1;
+      T* const dst = smem + (stage ^ 1) * STAGE;
+      load_tile_async<T, BN, D, PITCH>(dst, k_base + (long long)nb * BN * k_row_stride, (int)k_row_stride, BN,
+                                       chunks_valid, tid);
+      load_tile_async<T, BN, D, PITCH>(dst + KV_TILE, v_base + (long long)nb * BN * v_row_stride, (int)v_row_stride, BN,
+                                       chunks_valid, tid);
+      sc::cp_async_commit();
+    }
+    const T* const sK = smem + stage * STAGE;
+    const T* const sV = sK + KV_TILE;
+
+    // S = Q K^T
+    float s[MT][NNT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < NKS; ++ks) {
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Q_IN_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
+        } else {
+          sc::ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], sQ + (warp_row0 + mt * 16) * PITCH + q_lane + ks * 16);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NNT / 2; ++np) {
+        unsigned b[4];
+        sc::ldmatrix_x4(b[0], b[1], b[2], b[3], sK + np * 16 * PITCH + k_lane + ks * 16);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          sc::mma_16816<T>(s[mt][2 * np], a[mt], b);
+          sc::mma_16816<T>(s[mt][2 * np + 1], a[mt], b + 2);
+        }
+      }
+    }
+
+    if (has_softcap) {  // softcap * tanh(x), tanh(x) = 1 - 2 / (1 + e^(2x)): absolute error ~1e-7
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mt][nt][e] = fmaf(-2.f * softcap_post, fast_rcp(1.f + sc::fast_exp2(s[mt][nt][e] * softcap_pre)),
+                                softcap_post);
+    }
+
+    const int n0 = n_block * BN;
+    if (n0 < lo_last || n0 + BN > hi_first) {  // a boundary tile
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + warp_row0 + mt * 16 + g + 8 * h;
+          const int lo = max(0, row + diag - window_left) - n0;
+          const int hi = min(sk, row + diag + window_right + 1) - n0;
+#pragma unroll
+          for (int nt = 0; nt < NNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = nt * 8 + 2 * t + e;
+              if (col < lo || col >= hi) s[mt][nt][2 * h + e] = neg_inf();
+            }
+        }
+    }
+
+    // Online softmax; P overwrites S in place, rounded to T as the A operand of P V.
+    float tile_max[MT][2];
+    bool grow = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = s[mt][0][2 * h];
+#pragma unroll
+        for (int nt = 0; nt < NNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        tile_max[mt][h] = mx;
+#if FA_LAZY_RESCALE
+        // The running max may lag the true one by up to 8 (base 2): P <= 256 stays exact enough in fp32 sums
+        // and in 16-bit P, and O is rescaled only when some row of the warp outgrows that (rarely, after the
+        // first tiles).  -inf - -inf is NaN, which compares false: a row with no key yet needs nothing.
+        grow |= (mx - row_max[mt][h]) * scale_log2 > 8.f;
+#else
+        grow |= mx > row_max[mt][h];
+#endif
+      }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m_new = fmaxf(row_max[mt][h], tile_max[mt][h]);
+          // a row that has seen no key keeps max -inf and has nothing to rescale
+          const float corr = m_new == neg_inf() ? 1.f : sc::fast_exp2((row_max[mt][h] - m_new) * scale_log2);
+          row_max[mt][h] = m_new;
+          row_sum[mt][h] *= corr;
+#pragma unroll
+          for (int nt = 0; nt < NDT; ++nt) {
+            o_acc[mt][nt][2 * h] *= corr;
+            o_acc[mt][nt][2 * h + 1] *= corr;
+          }
+        }
+    }
+    unsigned p[MT][BN / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // subtract 0 rather than -inf for a row with no key yet, so that exp2 gives 0, not NaN
+        const float m_scaled = row_max[mt][h] == neg_inf() ? 0.f : row_max[mt][h] * scale_log2;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = sc::fast_exp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -m_scaled));
+            s[mt][nt][2 * h + e] = pv;
+            sum += pv;
+          }
+        row_sum[mt][h] += sum;
+      }
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        p[mt][kk][0] = pack_f32x2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        p[mt][kk][1] = pack_f32x2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        p[mt][kk][2] = pack_f32x2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        p[mt][kk][3] = pack_f32x2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+    }
+
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        unsigned b[4];
+        sc::ldmatrix_x4_trans(b[0], b[1], b[2], b[3], sV + kk * 16 * PITCH + v_lane + dp * 16);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          sc::mma_16816<T>(o_acc[mt][2 * dp], p[mt][kk], b);
+          sc::mma_16816<T>(o_acc[mt][2 * dp + 1], p[mt][kk], b + 2);
+        }
+      }
+    }
+    stage ^= 1;
+  }
+
+  // Epilogue: normalize, stage O through shared memory for 16-byte stores, write lse.
+  __syncthreads();  // every warp is done reading K and V
+  T* const sO = smem;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = row_sum[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int r = warp_row0 + mt * 16 + g + 8 * h;
+#pragma unroll
+      for (int nt = 0; nt < NDT; ++nt)
+        *reinterpret_cast<unsigned*>(sO + r * PITCH + nt * 8 + 2 * t) =
+            pack_f32x2<T>(o_acc[mt][nt][2 * h] * inv, o_acc[mt][nt][2 * h + 1] * inv);
+      if (lse_base != nullptr && t == 0 && r < rows_q)
+        lse_base[r] = l > 0.f ? (row_max[mt][h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
+    }
+  __syncwarp();
+  constexpr int WARP_CHUNKS = 16 * MT * (D / 8);
+#pragma unroll
+  for (int i = 0; i < WARP_CHUNKS / 32; ++i) {
+    const int c = lane + i * 32;
+    const int r = warp_row0 + c / (D / 8), ch = c % (D / 8);
+    if (r < rows_q && ch < chunks_valid)
+      *reinterpret_cast<uint4*>(o_base + (long long)r * o_row_stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(sO + r * PITCH + ch * 8);
+  }
+}
