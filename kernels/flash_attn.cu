@@ -1,6 +1,6 @@
 // FlashAttention-2 forward for sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async, online softmax.
 //
-// One CTA of 4 warps computes one BM-row tile of queries of one (batch, head).  Each warp owns 16*MT
+// One CTA of NUM_WARPS warps (4, or 8) computes one BM-row tile of queries of one (batch, head).  Each warp owns 16*MT
 // consecutive query rows and streams the whole key range of the tile through shared memory, BN keys at a
 // time, double buffered: the cp.async copies of tile j+1 are issued right after the barrier that opens
 // tile j, so a whole tile of math hides each load.  S = Q K^T and O += P V run on tensor cores with fp32
@@ -25,8 +25,6 @@
 
 namespace fa {
 
-constexpr int NUM_WARPS = 4;
-constexpr int NUM_THREADS = NUM_WARPS * 32;
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 constexpr float LN2 = 0.6931471805599453f;
 
@@ -57,7 +55,7 @@ __device__ __forceinline__ int opaque(int x) {
 // Copy ROWS x D elements (rows of `row_stride` elements in global memory; ROWS * row_stride < 2^31) into
 // shared rows of PITCH elements with 16-byte cp.async.  Rows at or past `rows_valid` and 16-byte chunks at
 // or past `chunks_valid` are zero-filled, so partial tiles and padded head dims read as zeros.
-template <typename T, int ROWS, int D, int PITCH>
+template <typename T, int ROWS, int D, int PITCH, int NUM_THREADS>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int row_stride, int rows_valid,
                                                 int chunks_valid, int tid) {
   constexpr int CHUNKS = D / 8;
@@ -82,11 +80,11 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int row_
 // heads_per_kv.  With cu_seqlens_q/k (varlen) the batch strides are 0 and sequence b spans rows
 // [cu[b], cu[b+1]) (clamped to total_q / total_k so that a bad cu_seqlens cannot read out of bounds).
 // lse (optional): float32 at lse + b * lse_batch_stride + h * lse_head_stride + (row offset of b) + i.
-// MIN_CTAS caps the registers so that this many CTAs fit on one SM (2: 255 registers, 3: 168).
+// MIN_CTAS caps the registers so that this many CTAs fit on one SM (4 warps: 2 -> 255 registers, 3 -> 168).
 // scale_log2 multiplies raw scores (softmax_scale * log2 e, or 1 with softcap, whose transform already
 // yields base-2 scores); softcap_pre = 2 log2(e) softmax_scale / softcap, softcap_post = softcap log2(e).
-template <typename T, int D, int BN, int MT, int MIN_CTAS>
-__global__ void __launch_bounds__(fa::NUM_THREADS, MIN_CTAS) flash_fwd_kernel(
+template <typename T, int D, int BN, int MT, int NUM_WARPS, int MIN_CTAS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
     T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
     long long q_batch_stride, long long q_row_stride, long long q_head_stride, long long k_batch_stride,
@@ -96,6 +94,7 @@ __global__ void __launch_bounds__(fa::NUM_THREADS, MIN_CTAS) flash_fwd_kernel(
     int head_dim, int heads_per_kv, int window_left, int window_right, float scale_log2, float softcap_pre,
     float softcap_post, int reverse_m) {
   using namespace fa;
+  constexpr int NUM_THREADS = NUM_WARPS * 32;
   constexpr int BM = 16 * MT * NUM_WARPS;
   constexpr int PITCH = D + 8;
   constexpr int KV_TILE = BN * PITCH;  // elements of one K or V tile
@@ -161,15 +160,15 @@ __global__ void __launch_bounds__(fa::NUM_THREADS, MIN_CTAS) flash_fwd_kernel(
   }
 
   // Prologue: Q (its own cp.async group), then the first key tile.
-  load_tile_async<T, BM, D, PITCH>(sQ, q_base, (int)q_row_stride, rows_q, chunks_valid, tid);
+  load_tile_async<T, BM, D, PITCH, NUM_THREADS>(sQ, q_base, (int)q_row_stride, rows_q, chunks_valid, tid);
   sc::cp_async_commit();
   // Key tiles are visited from the last to the first: the tiles crossing the causal diagonal come first.
   int n_block = n_end - 1;
   {
     const int rows_k = sk - n_block * BN;
-    load_tile_async<T, BN, D, PITCH>(smem, k_base + (long long)n_block * BN * k_row_stride, (int)k_row_stride, rows_k,
+    load_tile_async<T, BN, D, PITCH, NUM_THREADS>(smem, k_base + (long long)n_block * BN * k_row_stride, (int)k_row_stride, rows_k,
                                      chunks_valid, tid);
-    load_tile_async<T, BN, D, PITCH>(smem + KV_TILE, v_base + (long long)n_block * BN * v_row_stride, (int)v_row_stride,
+    load_tile_async<T, BN, D, PITCH, NUM_THREADS>(smem + KV_TILE, v_base + (long long)n_block * BN * v_row_stride, (int)v_row_stride,
                                      rows_k, chunks_valid, tid);
     sc::cp_async_commit();
   }
@@ -218,9 +217,9 @@ __global__ void __launch_bounds__(fa::NUM_THREADS, MIN_CTAS) flash_fwd_kernel(
     if (n_block > n_begin) {
       const int nb = n_block - 1;
       T* const dst = smem + (stage ^ 1) * STAGE;
-      load_tile_async<T, BN, D, PITCH>(dst, k_base + (long long)nb * BN * k_row_stride, (int)k_row_stride, BN,
+      load_tile_async<T, BN, D, PITCH, NUM_THREADS>(dst, k_base + (long long)nb * BN * k_row_stride, (int)k_row_stride, BN,
                                        chunks_valid, tid);
-      load_tile_async<T, BN, D, PITCH>(dst + KV_TILE, v_base + (long long)nb * BN * v_row_stride, (int)v_row_stride, BN,
+      load_tile_async<T, BN, D, PITCH, NUM_THREADS>(dst + KV_TILE, v_base + (long long)nb * BN * v_row_stride, (int)v_row_stride, BN,
                                        chunks_valid, tid);
       sc::cp_async_commit();
     }

@@ -18,8 +18,6 @@ from ._compile import Kernel
 from ._launch import LaunchConfig, device_info, launch
 
 SOURCE = "flash_attn.cu"
-NUM_WARPS = 4
-NUM_THREADS = 32 * NUM_WARPS
 # The kernel's head dims; any multiple of 8 up to 256 runs on the next one up (zero-padded in shared memory).
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = 256
@@ -27,9 +25,11 @@ MAX_HEAD_DIM = 256
 UNBOUNDED = 1 << 29
 MAX_SEQLEN = 1 << 28
 _LOG2E = 1.4426950408889634
-# (keys per tile BN, 16-row m-tiles per warp MT, CTAs per SM the registers are capped for) per kernel head dim.
-# Q rows per CTA = 64 * MT.  Every entry compiles without spills for sm_80 and sm_90 (tests/test_compile.py).
-_TILES = {32: (128, 1, 3), 64: (64, 1, 3), 96: (64, 1, 2), 128: (64, 1, 2), 192: (32, 1, 2), 256: (32, 1, 2)}
+# (keys per tile BN, 16-row m-tiles per warp MT, warps per CTA, CTAs per SM the registers are capped for) per
+# kernel head dim.  Q rows per CTA BM = 16 * MT * warps.  Every entry compiles without spills for sm_80 and
+# sm_90 (tests/test_compile.py).
+_TILES = {32: (128, 1, 4, 3), 64: (64, 1, 4, 3), 96: (64, 1, 4, 2), 128: (64, 1, 4, 2), 192: (32, 1, 4, 2),
+          256: (32, 1, 4, 2)}
 # Strides are int32 inside a tile (rows * stride < 2^31).
 MAX_ROW_STRIDE = 1 << 23
 
@@ -42,40 +42,40 @@ def kernel_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} is above {MAX_HEAD_DIM}")
 
 
-def smem_bytes(head_dim: int, block_n: int, m_tiles: int) -> int:
+def smem_bytes(head_dim: int, block_n: int, m_tiles: int, warps: int) -> int:
     """Dynamic shared memory of one CTA: two stages of K and V tiles (rows padded by 16 bytes), plus the Q
     tile where Q does not stay in registers (see kernels/flash_attn.cu)."""
     pitch = head_dim + 8
     stages = 2 * 2 * block_n * pitch * 2
     q_in_regs = m_tiles * head_dim <= 128
-    return stages + (0 if q_in_regs else 16 * m_tiles * NUM_WARPS * pitch * 2)
+    return stages + (0 if q_in_regs else block_m(m_tiles, warps) * pitch * 2)
 
 
 @lru_cache(maxsize=None)
 def flash_attn_config(head_dim: int, smem_per_block: int = 227 * 1024) -> tuple:
-    """(kernel head dim D, keys per tile BN, m-tiles per warp MT, CTAs per SM) for a head dim.
+    """(kernel head dim D, keys per tile BN, m-tiles per warp MT, warps per CTA, CTAs per SM) for a head dim.
 
-    Each warp owns 16 * MT query rows (BM = 64 * MT per CTA of 4 warps) and keeps them in registers with the
+    Each warp owns 16 * MT query rows (BM = 16 * MT * warps per CTA) and keeps them in registers with the
     O accumulator; BN is the largest key tile that leaves the registers for two or three CTAs per SM without
     spills, and BN = 32 for the large head dims keeps the double-buffered K/V tiles small.  BN shrinks if the
     device has less shared memory per block.
     """
     d = kernel_head_dim(head_dim)
-    bn, mt, ctas = _TILES[d]
-    while smem_bytes(d, bn, mt) > smem_per_block and bn > 16:
+    bn, mt, warps, ctas = _TILES[d]
+    while smem_bytes(d, bn, mt, warps) > smem_per_block and bn > 16:
         bn //= 2
-    return d, bn, mt, ctas
+    return d, bn, mt, warps, ctas
 
 
-def block_m(m_tiles: int) -> int:
-    return 16 * m_tiles * NUM_WARPS
+def block_m(m_tiles: int, warps: int) -> int:
+    return 16 * m_tiles * warps
 
 
 _OPTIONS = ()  # extra NVRTC options for every variant (experiments: ("-DFA_LAZY_RESCALE=0",))
 
 
-def _kernel(dtype: str, d: int, bn: int, mt: int, ctas: int) -> Kernel:
-    return Kernel(SOURCE, f"flash_fwd_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {mt}, {ctas}>", _OPTIONS)
+def _kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int) -> Kernel:
+    return Kernel(SOURCE, f"flash_fwd_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {mt}, {warps}, {ctas}>", _OPTIONS)
 
 
 def all_kernels() -> list:
@@ -196,8 +196,8 @@ def _check_out(oa, qa, ka, va):
 def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
             varlen, nheads, nheads_kv, head_dim, softmax_scale, left, right, softcap, causal, config=None):
     dev = device_info(qa.device)
-    d, bn, mt, ctas = config or flash_attn_config(head_dim, dev.smem_per_block_optin)
-    bm = block_m(mt)
+    d, bn, mt, warps, ctas = config or flash_attn_config(head_dim, dev.smem_per_block_optin)
+    bm = block_m(mt, warps)
     num_m = -(-max_seqlen_q // bm)
     if num_m == 0 or batch == 0 or nheads == 0:
         return
@@ -230,8 +230,8 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
             np.int32(nheads // nheads_kv), np.int32(left if left >= 0 else UNBOUNDED),
             np.int32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(softcap_pre),
             np.float32(softcap_post), np.int32(reverse))
-    cfg = LaunchConfig((num_m, nheads, batch), (NUM_THREADS,), smem_bytes(d, bn, mt))
-    launch(_kernel(qa.dtype, d, bn, mt, ctas), cfg, args, device=qa.device, stream=A.stream_of(qa))
+    cfg = LaunchConfig((num_m, nheads, batch), (32 * warps,), smem_bytes(d, bn, mt, warps))
+    launch(_kernel(qa.dtype, d, bn, mt, warps, ctas), cfg, args, device=qa.device, stream=A.stream_of(qa))
 
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
