@@ -19,6 +19,28 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
   return y;
 }
 
+// 16-byte cp.async of one K/V row chunk.  HINT 0: plain; 1: with an L2 prefetch of the surrounding 256 bytes
+// (a K/V row of one head is 128 to 512 contiguous bytes); 2: with an L2 evict-first policy (K/V are read once).
+template <int HINT>
+__device__ __forceinline__ void cp_async_kv(void* smem, const void* gmem, bool pred, unsigned long long policy) {
+  if constexpr (HINT == 1) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(sc::smem_addr(smem)), "l"(gmem),
+                 "r"(pred ? 16 : 0)
+                 : "memory");
+  } else if constexpr (HINT == 2) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(sc::smem_addr(smem)),
+                 "l"(gmem), "r"(pred ? 16 : 0), "l"(policy)
+                 : "memory");
+  } else {
+    sc::cp_async16(smem, gmem, pred);
+  }
+}
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+
 // tanh through exp2: 1 - 2 / (e^2x + 1).  Absolute error ~1e-7, where tanh.approx.f32's ~5e-4 relative error,
 // multiplied by a softcap of 30 or 50, would move logits by 1e-2.
 __device__ __forceinline__ float tanh_exp(float x) {
@@ -47,7 +69,7 @@ __device__ __forceinline__ float tanh_exp(float x) {
 //
 // With num_splits > 1 the CTA writes its normalized partial output (fp32) and its log-sum-exp to the
 // workspace, and decode_merge_kernel combines the splits.
-template <typename T, int D, int WARPS, int STAGES>
+template <typename T, int D, int WARPS, int STAGES, int HINT = 0>
 __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ part_out, float* __restrict__ part_lse,
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -106,6 +128,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
   const T* vbase = v_cache + (long long)kvh * c_stride_head;
   const int* bt_row = block_table + (long long)b * bt_stride;
   uint4* ring = smem + warp * (STAGES * 2 * TILE);
+  const unsigned long long policy = HINT == 2 ? dec::evict_first_policy() : 0ull;
 
   // This warp's tiles: t_begin + warp + j * WARPS for j < njobs.
   const int first = t_begin + warp;
@@ -140,8 +163,8 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
       for (int cc = 0; cc < CPR / LPR; ++cc) {
         const int chunk = c + cc * LPR;
         const int dst = row * CPR + (chunk ^ (row & 7));
-        sc::cp_async16(ks + dst, kbase + roff + chunk * 8, rok);
-        sc::cp_async16(vs + dst, vbase + roff + chunk * 8, rok);
+        dec::cp_async_kv<HINT>(ks + dst, kbase + roff + chunk * 8, rok, policy);
+        dec::cp_async_kv<HINT>(vs + dst, vbase + roff + chunk * 8, rok, policy);
       }
     }
   };
@@ -370,14 +393,15 @@ __global__ void __launch_bounds__(128) reshape_and_cache_kernel(
   const long long t = blockIdx.x;
   const int i = blockIdx.y * 128 + threadIdx.x;
   if (i >= heads * words_per_head) return;
+  const int h = i / words_per_head, w = i - h * words_per_head;
+  // The three loads are independent: issue K and V before the slot decides whether they are stored.
+  const W kw = k[t * k_stride_tok + h * k_stride_head + w];
+  const W vw = v[t * v_stride_tok + h * v_stride_head + w];
   const long long slot = slot_is_64 ? static_cast<const long long*>(slot_mapping)[t]
                                     : (long long) static_cast<const int*>(slot_mapping)[t];
   if (slot < 0 || slot >= num_slots) return;
-  const int h = i / words_per_head, w = i - h * words_per_head;
   const int blk = (int)slot / block_size, off = (int)slot - blk * block_size;  // num_slots < 2**31
   const long long dst = blk * c_stride_block + off * c_stride_tok + h * c_stride_head + w;
-  const W kw = k[t * k_stride_tok + h * k_stride_head + w];
-  const W vw = v[t * v_stride_tok + h * v_stride_head + w];
   k_cache[dst] = kw;
   v_cache[dst] = vw;
 }
@@ -389,7 +413,7 @@ __global__ void __launch_bounds__(128) reshape_and_cache_kernel(
 // and shared by all its heads.  VEC moves 16-byte words of the head (needs rot/2 (NEOX) or rot (GPT-J) a
 // multiple of the word and aligned rows); otherwise one pair per step.
 template <typename T, typename CS, bool NEOX, bool VEC>
-__global__ void __launch_bounds__(128) rotary_embedding_kernel(
+__global__ void __launch_bounds__(1024) rotary_embedding_kernel(
     T* __restrict__ q, T* __restrict__ k, const void* __restrict__ positions, int pos_is_64,
     const CS* __restrict__ cos_sin, long long cs_stride, int rot_dim, int max_pos, int q_heads, int k_heads,
     long long q_stride_tok, long long q_stride_head, long long k_stride_tok, long long k_stride_head) {
@@ -401,7 +425,6 @@ __global__ void __launch_bounds__(128) rotary_embedding_kernel(
   pos = min(max(pos, 0LL), (long long)max_pos - 1);  // a bad position reads a wrong row, never out of bounds
   const CS* row = cos_sin + pos * cs_stride;
   for (int i = threadIdx.x; i < rot_dim; i += blockDim.x) cs[i] = sc::to_float(row[i]);
-  __syncthreads();
   const int half = rot_dim / 2;
   const float* cosv = cs;
   const float* sinv = cs + half;
@@ -410,18 +433,37 @@ __global__ void __launch_bounds__(128) rotary_embedding_kernel(
     constexpr int N = 16 / sizeof(T);
     using P = sc::Pack16<T>;
     // NEOX: a task is N consecutive pairs (x at c*N, y at half + c*N).  GPT-J: a task is one word of N
-    // elements = N/2 interleaved pairs.
+    // elements = N/2 interleaved pairs.  The host sizes the block to one task per thread when it can; the
+    // first task's words are loaded before the barrier so they are in flight with the cos/sin row.
     const int per_head = NEOX ? half / N : rot_dim / N;
-    for (int task = threadIdx.x; task < heads * per_head; task += blockDim.x) {
-      const int hh = task / per_head, c = task - hh * per_head;
-      T* base = hh < q_heads ? q + t * q_stride_tok + (long long)hh * q_stride_head
-                             : k + t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
+    const int ntask = heads * per_head;
+    uint4 wx = make_uint4(0, 0, 0, 0), wy = wx;
+    auto locate = [&](int task, int& c) -> T* {
+      const int hh = task / per_head;
+      c = task - hh * per_head;
+      return hh < q_heads ? q + t * q_stride_tok + (long long)hh * q_stride_head
+                          : k + t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
+    };
+    int c0 = 0;
+    T* base0 = nullptr;
+    if ((int)threadIdx.x < ntask) {
+      base0 = locate(threadIdx.x, c0);
+      wx = *reinterpret_cast<const uint4*>(base0 + c0 * N);
+      if constexpr (NEOX) wy = *reinterpret_cast<const uint4*>(base0 + half + c0 * N);
+    }
+    __syncthreads();
+    for (int task = threadIdx.x; task < ntask; task += blockDim.x) {
+      int c = c0;
+      T* base = base0;
+      if (task != (int)threadIdx.x) {
+        base = locate(task, c);
+        wx = *reinterpret_cast<const uint4*>(base + c * N);
+        if constexpr (NEOX) wy = *reinterpret_cast<const uint4*>(base + half + c * N);
+      }
       if constexpr (NEOX) {
-        uint4* px = reinterpret_cast<uint4*>(base + c * N);
-        uint4* py = reinterpret_cast<uint4*>(base + half + c * N);
         float x[N], y[N];
-        P::unpack(*px, x);
-        P::unpack(*py, y);
+        P::unpack(wx, x);
+        P::unpack(wy, y);
 #pragma unroll
         for (int e = 0; e < N; ++e) {
           const float cv = cosv[c * N + e], sv = sinv[c * N + e];
@@ -429,12 +471,11 @@ __global__ void __launch_bounds__(128) rotary_embedding_kernel(
           y[e] = y[e] * cv + x[e] * sv;
           x[e] = xr;
         }
-        *px = P::pack(x);
-        *py = P::pack(y);
+        *reinterpret_cast<uint4*>(base + c * N) = P::pack(x);
+        *reinterpret_cast<uint4*>(base + half + c * N) = P::pack(y);
       } else {
-        uint4* p = reinterpret_cast<uint4*>(base + c * N);
         float x[N];
-        P::unpack(*p, x);
+        P::unpack(wx, x);
 #pragma unroll
         for (int e = 0; e < N / 2; ++e) {
           const float cv = cosv[c * (N / 2) + e], sv = sinv[c * (N / 2) + e];
@@ -442,10 +483,11 @@ __global__ void __launch_bounds__(128) rotary_embedding_kernel(
           x[2 * e] = a * cv - bb * sv;
           x[2 * e + 1] = bb * cv + a * sv;
         }
-        *p = P::pack(x);
+        *reinterpret_cast<uint4*>(base + c * N) = P::pack(x);
       }
     }
   } else {
+    __syncthreads();
     for (int task = threadIdx.x; task < heads * half; task += blockDim.x) {
       const int hh = task / half, i = task - hh * half;
       T* base = hh < q_heads ? q + t * q_stride_tok + (long long)hh * q_stride_head

@@ -413,8 +413,17 @@ def _plan_rotary(pa, qa, ka, csa, is_neox) -> dict:
     n = 16 // qa.itemsize
     span = rot_dim // 2 if is_neox else rot_dim
     vec = span % n == 0 and all(_aligned16(a, strides[a.name]) for a in (qa, ka) if a is not None)
+    tasks = (q_heads + k_heads) * (span // n if vec else rot_dim // 2)
     return dict(tokens=tokens, q_heads=q_heads, k_heads=k_heads, rot_dim=rot_dim, max_pos=max_pos, vec=vec,
+                threads=rotary_threads(tasks),
                 q_strides=strides["q"], k_strides=strides.get("k", (0, 0)))
+
+
+@lru_cache(maxsize=1024)
+def rotary_threads(tasks: int) -> int:
+    """Threads per token's CTA: one task (a 16-byte word or pair of words, or one scalar pair) per thread up to
+    1024, so each thread's loads are issued before the barrier that publishes the cos/sin row."""
+    return min(1024, max(64, -(-tasks // 32) * 32))
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
@@ -450,7 +459,7 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
             np.int32(p["k_heads"]), np.int64(p["q_strides"][0]), np.int64(p["q_strides"][1]),
             np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]))
     kern = _rotary_kernel(qa.dtype, csa.dtype, bool(is_neox), p["vec"])
-    launch(kern, LaunchConfig((p["tokens"],), (128,)), args, device=qa.device, stream=A.stream_of(qa))
+    launch(kern, LaunchConfig((p["tokens"],), (p["threads"],)), args, device=qa.device, stream=A.stream_of(qa))
     return q, k
 
 
