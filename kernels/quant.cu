@@ -1,0 +1,578 @@
+// Weight-only quantized linear layers: y = x @ dequant(W) for INT4 AWQ / GPTQ checkpoints as stored, and INT8.
+//
+// Main kernel (quant_mma_kernel): small-M, memory-bound on the weights.  The tensor cores compute the
+// transposed product y^T = W^T x^T with mma.m16n8k16: the dequantized weights are the A operand (16 output
+// channels x 16 k), the activations the B operand (16 k x 8 rows of x), so M = 1 wastes 7/8 of an mma that is
+// cheap anyway, and M = 64 uses 8 of them per weight fragment.  The contraction over k does not care in which
+// order k is summed, so each thread's k slots in the mma fragments are mapped to whatever k its packed words
+// hold, and the activations are read in the same order: no repacking of AWQ or GPTQ checkpoints is needed.
+//
+// CTA: 256 threads = 8 warps side by side along N, 64 output channels each (512 per CTA); every warp walks the
+// whole k-tile.  Weight tiles (16 KB), activation tiles, scales and zeros stream through a 4-stage cp.async
+// pipeline in shared memory (swizzled or padded so that the fragment reads are bank-conflict free).  Dequant
+// happens in registers: 4-bit values become fp16/bf16 by OR-ing them into the mantissa of a magic number
+// (1024 for fp16, 128 for bf16), then one fma removes magic + zero point exactly and one multiplies by the scale.
+// Split-K over the grid fills the GPU at M = 1; the last CTA of an output tile (counted with an atomic ticket)
+// sums the fp32 partials, so the whole op is one launch.
+//
+// Thread (warp wn, lane = 4 g + c) owns output channels n = 64 wn + 8 g + o, o = 2 t + h (mma tile t = 0..3,
+// row g + 8 h of that tile) for every format, so scales/zeros of one thread are 8 consecutive channels and
+// its outputs are 16-byte stores.
+#include "common/types.cuh"
+#include "common/mma.cuh"
+
+namespace quant {
+
+enum : int { AWQ = 0, GPTQ = 1, INT8 = 2 };
+constexpr int kThreads = 256;
+constexpr int kWarps = 8;
+constexpr int kBN = 64 * kWarps;  // output channels per CTA
+constexpr int kStages = 4;
+constexpr int kWBytes = 16384;     // weight bytes per stage
+
+template <int FMT> struct Layout {
+  static constexpr int BK = FMT == INT8 ? 32 : 64;  // k per stage
+  // Padding (in elements) of a staged activation row so that the fragment loads of 8 rows hit distinct banks.
+  static constexpr int X_STRIDE = BK + (FMT == AWQ ? 16 : (FMT == GPTQ ? 32 : 64));
+  static constexpr int SCALE_ROWS = FMT == INT8 ? 0 : 2;  // a 64-deep k-tile spans at most 2 groups (group >= 32)
+  static constexpr int S_BYTES = SCALE_ROWS * kBN * 2;
+  static constexpr int Z_BYTES = SCALE_ROWS * (kBN / 8) * 4;
+};
+
+template <int FMT, int MT> struct Smem {
+  using L = Layout<FMT>;
+  static constexpr int X_BYTES = MT * 8 * L::X_STRIDE * 2;
+  static constexpr int STAGE = kWBytes + X_BYTES + L::S_BYTES + L::Z_BYTES;
+  static constexpr int TOTAL = STAGE * kStages;
+};
+
+template <typename T> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<__half> { static constexpr bool value = true; };
+
+__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c, __half*) {
+  unsigned d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c, __nv_bfloat16*) {
+  unsigned d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+template <typename T> __device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
+  return fma2(a, b, c, static_cast<T*>(nullptr));
+}
+
+template <typename T> struct Bits;
+template <> struct Bits<__half> {
+  static constexpr unsigned ONE = 0x3c003c00u;
+  static constexpr unsigned NEG_ZERO = 0x80008000u;
+  static constexpr unsigned SIXTEENTH = 0x2c002c00u;
+};
+template <> struct Bits<__nv_bfloat16> {
+  static constexpr unsigned ONE = 0x3f803f80u;
+  static constexpr unsigned NEG_ZERO = 0x80008000u;
+};
+
+// Per-channel dequant constants of one group, as 2x16-bit words with both halves equal.
+struct GroupConst {
+  unsigned scale[8];
+  unsigned zlo[8];  // -(magic + z): removes magic and zero point from (magic + q)
+  unsigned zhi[8];  // fp16 only: -(64 + z), for nibbles read as (1024 + 16 q) and scaled by 1/16
+};
+
+// Pair P (0..3) of a packed word: the 4-bit values at bits [4P, 4P+4) and [16+4P, 16+4P+4) become (q - z) in
+// the low and high half, exactly, then are scaled (one rounding, as (q - z) * s rounded to T).
+template <typename T, int P>
+__device__ __forceinline__ unsigned dequant_pair(unsigned v, unsigned scale, unsigned zlo, unsigned zhi) {
+  unsigned r;
+  if constexpr (is_half<T>::value) {
+    const unsigned s = (P >= 2) ? (v >> 8) : v;
+    if constexpr (P % 2 == 0) {
+      r = fma2<T>((s & 0x000f000fu) | 0x64006400u, Bits<T>::ONE, zlo);
+    } else {
+      r = fma2<T>((s & 0x00f000f0u) | 0x64006400u, Bits<T>::SIXTEENTH, zhi);
+    }
+  } else {
+    r = fma2<T>(((v >> (4 * P)) & 0x000f000fu) | 0x43004300u, Bits<T>::ONE, zlo);
+  }
+  return fma2<T>(r, scale, Bits<T>::NEG_ZERO);
+}
+
+// Two signed bytes (selected by SEL from u) to an exact pair of T.
+template <typename T, unsigned SEL> __device__ __forceinline__ unsigned int8_pair(unsigned u) {
+  if constexpr (is_half<T>::value) {
+    // 1024 + (b + 128) in fp16, minus 1152.
+    const unsigned p = __byte_perm(u ^ 0x80808080u, 0x64646464u, SEL);
+    return fma2<T>(p, Bits<T>::ONE, 0xe480e480u);
+  } else {
+    // bf16 holds 128 + (7 low bits) exactly; the sign bit lands on the exponent's lowest bit: 128 or 256.
+    const unsigned p = __byte_perm(u, 0x43434343u, SEL);
+    return fma2<T>(p & 0xff7fff7fu, Bits<T>::ONE, (p & 0xff80ff80u) ^ 0x80008000u);
+  }
+}
+
+template <typename T, int FMT>
+__device__ __forceinline__ void load_group(GroupConst& gc, const unsigned char* stage_s, const unsigned char* stage_z,
+                                           int row, int wn, int g) {
+  const uint4 sv = *reinterpret_cast<const uint4*>(stage_s + (row * kBN + 64 * wn + 8 * g) * 2);
+  const unsigned zw = reinterpret_cast<const unsigned*>(stage_z)[row * (kBN / 8) + 8 * wn + g];
+#pragma unroll
+  for (int o = 0; o < 8; ++o) {
+    const unsigned sw = sc::word(sv, o / 2);
+    gc.scale[o] = __byte_perm(sw, 0u, (o & 1) ? 0x3232u : 0x1010u);
+    // AWQ packs channel offsets [0, 2, 4, 6, 1, 3, 5, 7] at nibbles 0..7; GPTQ in plain order, zero - 1.
+    const int nib = FMT == AWQ ? ((o & 1) ? 4 + o / 2 : o / 2) : o;
+    const unsigned z = ((zw >> (4 * nib)) & 15u) + (FMT == GPTQ ? 1u : 0u);
+    if constexpr (is_half<T>::value) {
+      gc.zlo[o] = (0xe400u | z) * 0x10001u;         // -(1024 + z)
+      gc.zhi[o] = (0xd400u | (z << 4)) * 0x10001u;  // -(64 + z)
+    } else {
+      gc.zlo[o] = (0xc300u | z) * 0x10001u;  // -(128 + z)
+      gc.zhi[o] = 0u;
+    }
+  }
+}
+
+__device__ __forceinline__ unsigned lds32(const void* p) { return *reinterpret_cast<const unsigned*>(p); }
+__device__ __forceinline__ uint2 lds64(const void* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// y[m, n] = sum_k x[m, k] * W[k, n] for rows [m0, m0 + 8 MT) of x and one split of the k-tiles.
+//   AWQ:  qw int32 (K, N/8) packed along N;   qz int32 (K/G, N/8);      scales T (K/G, N)
+//   GPTQ: qw int32 (K/8, N) packed along K;   qz int32 (ceil(K/G), N/8); scales T (ceil(K/G), N)
+//   INT8: qw int8 (N, K);                     scales T (N) per channel (applied in the epilogue)
+// Requires N % 64 == 0, K % 8 == 0 (INT8: K % 16 == 0), group == 32 or group % 64 == 0, 16-byte aligned rows.
+template <typename T, int FMT, int MT>
+__global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
+    T* __restrict__ y, float* __restrict__ partial, int* __restrict__ tickets, const T* __restrict__ x,
+    const void* __restrict__ qw, const int* __restrict__ qz, const T* __restrict__ scales, const T* __restrict__ bias,
+    int M, int N, int K, int group, long long ldx, long long ldq, long long ldz, long long lds, int n_tiles,
+    int m_chunks, int tiles_per_split) {
+  using L = Layout<FMT>;
+  using S = Smem<FMT, MT>;
+  constexpr int BK = L::BK;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int wn = warp;
+
+  int bid = blockIdx.x;
+  const int mc = bid % m_chunks;
+  bid /= m_chunks;
+  const int nt = bid % n_tiles;
+  const int split = bid / n_tiles;
+  const int splits = gridDim.x / (m_chunks * n_tiles);
+  const int m0 = mc * MT * 8, n0 = nt * kBN;
+  const int k_tiles = (K + BK - 1) / BK;
+  const int kt_begin = split * tiles_per_split;
+  const int kt_end = min(k_tiles, kt_begin + tiles_per_split);
+  const int nk = kt_end - kt_begin;
+  const int num_groups = (K + group - 1) / group;
+
+  auto stage_w = [&](int s) { return smem + s * S::STAGE; };
+  auto stage_x = [&](int s) { return reinterpret_cast<T*>(smem + s * S::STAGE + kWBytes); };
+  auto stage_s = [&](int s) { return smem + s * S::STAGE + kWBytes + S::X_BYTES; };
+  auto stage_z = [&](int s) { return smem + s * S::STAGE + kWBytes + S::X_BYTES + L::S_BYTES; };
+
+  // A stage needs scale rows when its k-tile starts a group (or the split): the compute side reloads its
+  // constants exactly there.
+  auto needs_scales = [&](int kt) { return group < BK || kt == kt_begin || (kt * BK) % group == 0; };
+
+  auto load_stage = [&](int s, int kt) {
+    const int k0 = kt * BK;
+    unsigned char* ws = stage_w(s);
+    if constexpr (FMT == AWQ) {
+      // 64 rows (k) x 64 words (512 channels): 16 chunks per row.  Chunk q of row k is stored at q ^ 2((k>>2)&3).
+      const int* src = static_cast<const int*>(qw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int id = tid + i * kThreads;
+        const int row = id >> 4, q = id & 15;
+        const bool ok = (k0 + row < K) && (n0 + 32 * q < N);
+        const int* gp = ok ? src + (long long)(k0 + row) * ldq + n0 / 8 + 4 * q : src;
+        sc::cp_async16_evict_first(ws + row * 256 + 16 * (q ^ (((row >> 2) & 3) << 1)), gp, ok);
+      }
+    } else if constexpr (FMT == GPTQ) {
+      // 8 rows (8 k each) x 512 words: 128 chunks per row.  Chunk q of row r is stored at q ^ sw(r & 3).
+      const int* src = static_cast<const int*>(qw);
+      const int r0 = k0 / 8;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int id = tid + i * kThreads;
+        const int row = id >> 7, q = id & 127;
+        const bool ok = (8 * (r0 + row) < K) && (n0 + 4 * q < N);
+        const int* gp = ok ? src + (long long)(r0 + row) * ldq + n0 + 4 * q : src;
+        const int swz = (row & 1) | ((row & 2) << 1);
+        sc::cp_async16_evict_first(ws + row * 2048 + 16 * (q ^ swz), gp, ok);
+      }
+    } else {
+      // 512 rows (channels) x 32 bytes: unit u = 2 n + q stored at u ^ 2((n>>3)&3).
+      const signed char* src = static_cast<const signed char*>(qw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int id = tid + i * kThreads;
+        const int n = id >> 1, q = id & 1;
+        const bool ok = (n0 + n < N) && (k0 + 16 * q < K);
+        const signed char* gp = ok ? src + (long long)(n0 + n) * ldq + k0 + 16 * q : src;
+        sc::cp_async16_evict_first(ws + 16 * ((2 * n + q) ^ (((n >> 3) & 3) << 1)), gp, ok);
+      }
+    }
+    // Activations: 8 MT rows x BK elements (rows past M and k past K read as zeros).
+    {
+      constexpr int CPR = BK / 8;  // 16-byte chunks per row
+      constexpr int CHUNKS = MT * 8 * CPR;
+      T* xs = stage_x(s);
+#pragma unroll
+      for (int i = 0; i < (CHUNKS + kThreads - 1) / kThreads; ++i) {
+        const int id = tid + i * kThreads;
+        if (CHUNKS % kThreads == 0 || id < CHUNKS) {
+          const int row = id / CPR, q = id % CPR;
+          const bool ok = (m0 + row < M) && (k0 + 8 * q < K);
+          const T* gp = ok ? x + (long long)(m0 + row) * ldx + k0 + 8 * q : x;
+          sc::cp_async16(xs + row * L::X_STRIDE + 8 * q, gp, ok);
+        }
+      }
+    }
+    if constexpr (FMT != INT8) {
+      if (needs_scales(kt)) {
+        const int grp0 = k0 / group;
+        // rows x (64 scale chunks + 16 zero chunks)
+        if (tid < L::SCALE_ROWS * 80) {
+          const int row = tid / 80, q = tid % 80;
+          const int grp = grp0 + row;
+          if (q < 64) {
+            const bool ok = grp < num_groups && (row == 0 || group < BK) && (n0 + 8 * q < N);
+            const T* gp = ok ? scales + (long long)grp * lds + n0 + 8 * q : scales;
+            sc::cp_async16(stage_s(s) + row * kBN * 2 + 16 * q, gp, ok);
+          } else {
+            const int qq = q - 64;
+            const bool ok = grp < num_groups && (row == 0 || group < BK) && (n0 + 32 * qq < N);
+            const int* gp = ok ? qz + (long long)grp * ldz + n0 / 8 + 4 * qq : qz;
+            sc::cp_async16(stage_z(s) + row * (kBN / 8) * 4 + 16 * qq, gp, ok);
+          }
+        }
+      }
+    }
+  };
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][t][j] = 0.f;
+
+  GroupConst gc;
+  int cur_group = -1;
+  // Warps whose 64 channels lie past N skip the math (their loads are predicated off anyway).
+  const bool warp_active = n0 + 64 * wn < N;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nk) load_stage(s, kt_begin + s);
+    sc::cp_async_commit();
+  }
+
+  for (int i = 0; i < nk; ++i) {
+    sc::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    {
+      const int nxt = i + kStages - 1;
+      if (nxt < nk) load_stage(nxt % kStages, kt_begin + nxt);
+      sc::cp_async_commit();
+    }
+    if (!warp_active) continue;
+    const int s = i % kStages;
+    const int kt = kt_begin + i;
+    const unsigned char* ws = stage_w(s);
+    const T* xs = stage_x(s);
+
+    if constexpr (FMT == AWQ) {
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const int sr = group < BK ? step / 2 : 0;
+        const int grp = (kt * BK + 16 * step) / group;
+        if (grp != cur_group) {
+          load_group<T, AWQ>(gc, stage_s(s), stage_z(s), sr, wn, g);
+          cur_group = grp;
+        }
+        unsigned w[4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const int row = 16 * step + 4 * c + kk;
+          w[kk] = lds32(ws + row * 256 + 16 * ((2 * wn + (g >> 2)) ^ (2 * c)) + 4 * (g & 3));
+        }
+        // Words of k rows 4c..4c+3, 8 channels each.  Byte-permute so that each 32-bit word holds one
+        // channel's nibbles for two consecutive k (low half: first k), as an A-fragment register wants.
+        const unsigned lo01 = __byte_perm(w[0], w[1], 0x5410), hi01 = __byte_perm(w[0], w[1], 0x7632);
+        const unsigned lo23 = __byte_perm(w[2], w[3], 0x5410), hi23 = __byte_perm(w[2], w[3], 0x7632);
+        unsigned a[4][4];
+#define SC_AWQ_TILE(t)                                                                          \
+  a[t][0] = dequant_pair<T, t>(lo01, gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);             \
+  a[t][1] = dequant_pair<T, t>(hi01, gc.scale[2 * t + 1], gc.zlo[2 * t + 1], gc.zhi[2 * t + 1]); \
+  a[t][2] = dequant_pair<T, t>(lo23, gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);             \
+  a[t][3] = dequant_pair<T, t>(hi23, gc.scale[2 * t + 1], gc.zlo[2 * t + 1], gc.zhi[2 * t + 1]);
+        SC_AWQ_TILE(0)
+        SC_AWQ_TILE(1)
+        SC_AWQ_TILE(2)
+        SC_AWQ_TILE(3)
+#undef SC_AWQ_TILE
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint2 xv = lds64(xs + (mt * 8 + g) * L::X_STRIDE + 16 * step + 4 * c);
+          const unsigned b[2] = {xv.x, xv.y};
+#pragma unroll
+          for (int t = 0; t < 4; ++t) sc::mma_16816<T>(acc[mt][t], a[t], b);
+        }
+      }
+    } else if constexpr (FMT == GPTQ) {
+#pragma unroll
+      for (int pp = 0; pp < 2; ++pp) {
+        const int sr = group < BK ? pp : 0;
+        const int grp = (kt * BK + 32 * pp) / group;
+        if (grp != cur_group) {
+          load_group<T, GPTQ>(gc, stage_s(s), stage_z(s), sr, wn, g);
+          cur_group = grp;
+        }
+        // Row r = 4 pp + c holds k = 8 r .. 8 r + 7 of 512 channels; this thread's 8 channels are 2 chunks.
+        const int row = 4 * pp + c;
+        const int swz = (c & 1) | ((c & 2) << 1);
+        const int q = 16 * wn + 2 * g;
+        const uint4 w0 = lds128(ws + row * 2048 + 16 * (q ^ swz));
+        const uint4 w1 = lds128(ws + row * 2048 + 16 * ((q + 1) ^ swz));
+        const unsigned w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+        unsigned xw[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint4 xv = lds128(xs + (mt * 8 + g) * L::X_STRIDE + 32 * pp + 8 * c);
+          xw[mt][0] = xv.x; xw[mt][1] = xv.y; xw[mt][2] = xv.z; xw[mt][3] = xv.w;
+        }
+        // mma step s uses nibble pairs (2s, 2s+4) and (2s+1, 2s+5) of each word, i.e. k offsets
+        // {2s, 2s+4} and {2s+1, 2s+5}; the activations are permuted to match.
+#define SC_GPTQ_STEP(st)                                                                                        \
+  {                                                                                                            \
+    unsigned a[4][4];                                                                                          \
+    _Pragma("unroll") for (int t = 0; t < 4; ++t) {                                                            \
+      a[t][0] = dequant_pair<T, 2 * st>(w[2 * t], gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);               \
+      a[t][1] = dequant_pair<T, 2 * st>(w[2 * t + 1], gc.scale[2 * t + 1], gc.zlo[2 * t + 1], gc.zhi[2 * t + 1]); \
+      a[t][2] = dequant_pair<T, 2 * st + 1>(w[2 * t], gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);           \
+      a[t][3] = dequant_pair<T, 2 * st + 1>(w[2 * t + 1], gc.scale[2 * t + 1], gc.zlo[2 * t + 1],              \
+                                            gc.zhi[2 * t + 1]);                                                \
+    }                                                                                                          \
+    _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) {                                                        \
+      const unsigned b[2] = {__byte_perm(xw[mt][st], xw[mt][st + 2], 0x5410),                                  \
+                             __byte_perm(xw[mt][st], xw[mt][st + 2], 0x7632)};                                 \
+      _Pragma("unroll") for (int t = 0; t < 4; ++t) sc::mma_16816<T>(acc[mt][t], a[t], b);                     \
+    }                                                                                                          \
+  }
+        SC_GPTQ_STEP(0)
+        SC_GPTQ_STEP(1)
+#undef SC_GPTQ_STEP
+      }
+    } else {
+      // INT8: channel rows n = 64 wn + 8 g + o, bytes 8c .. 8c+7 of the 32-deep k-tile.
+      uint2 w[8];
+#pragma unroll
+      for (int o = 0; o < 8; ++o) {
+        const int n = 64 * wn + 8 * g + o;
+        const int u = (2 * n + (c >> 1)) ^ (((n >> 3) & 3) << 1);
+        w[o] = lds64(ws + 16 * u + 8 * (c & 1));
+      }
+      unsigned xw[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4 xv = lds128(xs + (mt * 8 + g) * L::X_STRIDE + 8 * c);
+        xw[mt][0] = xv.x; xw[mt][1] = xv.y; xw[mt][2] = xv.z; xw[mt][3] = xv.w;
+      }
+#pragma unroll
+      for (int st = 0; st < 2; ++st) {
+        unsigned a[4][4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const unsigned u0 = st ? w[2 * t].y : w[2 * t].x;
+          const unsigned u1 = st ? w[2 * t + 1].y : w[2 * t + 1].x;
+          a[t][0] = int8_pair<T, 0x4140u>(u0);
+          a[t][1] = int8_pair<T, 0x4140u>(u1);
+          a[t][2] = int8_pair<T, 0x4342u>(u0);
+          a[t][3] = int8_pair<T, 0x4342u>(u1);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const unsigned b[2] = {xw[mt][2 * st], xw[mt][2 * st + 1]};
+#pragma unroll
+          for (int t = 0; t < 4; ++t) sc::mma_16816<T>(acc[mt][t], a[t], b);
+        }
+      }
+    }
+  }
+  sc::cp_async_wait<0>();
+
+  // Epilogue.  acc[mt][t][2h + e] is (channel n0 + 64 wn + 8 g + 2t + h, row m0 + 8 mt + 2c + e).
+  const int nb = n0 + 64 * wn + 8 * g;
+  const bool n_ok = warp_active;  // N % 64 == 0: a warp's channels are all in range or all out
+  auto finish = [&](const float* v, int n, float* out8) {
+#pragma unroll
+    for (int o = 0; o < 8; ++o) {
+      float f = v[o];
+      if constexpr (FMT == INT8) f *= sc::to_float(scales[n + o]);
+      if (bias != nullptr) f += sc::to_float(bias[n + o]);
+      out8[o] = f;
+    }
+  };
+  const int splits_total = splits;
+  if (splits_total == 1) {
+    if (!n_ok) return;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = m0 + mt * 8 + 2 * c + e;
+        if (m < M) {
+          float v[8], f[8];
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            v[2 * t] = acc[mt][t][e];
+            v[2 * t + 1] = acc[mt][t][2 + e];
+          }
+          finish(v, nb, f);
+          *reinterpret_cast<uint4*>(y + (long long)m * N + nb) = sc::Pack16<T>::pack(f);
+        }
+      }
+    return;
+  }
+
+  // Split-K: publish this split's fp32 partial, then the last CTA of the tile sums all of them.
+  if (n_ok) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = m0 + mt * 8 + 2 * c + e;
+        if (m < M) {
+          float4* p = reinterpret_cast<float4*>(partial + ((long long)split * M + m) * N + nb);
+          __stcg(p, make_float4(acc[mt][0][e], acc[mt][0][2 + e], acc[mt][1][e], acc[mt][1][2 + e]));
+          __stcg(p + 1, make_float4(acc[mt][2][e], acc[mt][2][2 + e], acc[mt][3][e], acc[mt][3][2 + e]));
+        }
+      }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  const int ticket_id = mc + m_chunks * nt;
+  if (tid == 0) {
+    const int prev = atomicAdd(tickets + ticket_id, 1);
+    is_last = prev == splits_total - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // Sum the splits: `lanes` adjacent threads share one 8-channel chunk, each summing every lanes-th split with
+  // 4 independent loads in flight, then combine through shuffles (M = 1 has only 64 chunks per tile).
+  const int rows = min(MT * 8, M - m0);
+  const int chunks_per_row = min(kBN, N - n0) / 8;
+  const int items = rows * chunks_per_row;
+  int lanes = 1;
+  while (lanes < 32 && 2 * lanes * items <= kThreads && 2 * lanes <= splits_total) lanes *= 2;
+  for (int base = 0; base < items * lanes; base += kThreads) {
+    const int id = base + tid;
+    const int item = id / lanes, sub = id % lanes;
+    const bool valid = item < items;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const int m = m0 + (valid ? item / chunks_per_row : 0);
+    const int n = n0 + 8 * (valid ? item % chunks_per_row : 0);
+    if (valid) {
+      for (int sp0 = sub; sp0 < splits_total; sp0 += 4 * lanes) {
+        float4 a[4], b[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int sp = sp0 + u * lanes;
+          if (sp < splits_total) {
+            const float4* p = reinterpret_cast<const float4*>(partial + ((long long)sp * M + m) * N + n);
+            a[u] = __ldcg(p);
+            b[u] = __ldcg(p + 1);
+          } else {
+            a[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            b[u] = a[u];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          v[0] += a[u].x; v[1] += a[u].y; v[2] += a[u].z; v[3] += a[u].w;
+          v[4] += b[u].x; v[5] += b[u].y; v[6] += b[u].z; v[7] += b[u].w;
+        }
+      }
+    }
+    for (int off = 1; off < lanes; off <<= 1)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], off);
+    if (valid && sub == 0) {
+      float f[8];
+      finish(v, n, f);
+      *reinterpret_cast<uint4*>(y + (long long)m * N + n) = sc::Pack16<T>::pack(f);
+    }
+  }
+  if (tid == 0) tickets[ticket_id] = 0;  // ready for the next launch on this stream
+}
+
+// Dense dequantization W[k, n] = (q - z) * s, rounded once to T (bit-exact with the NumPy references).
+// One thread per (k, 8 consecutive channels).  g_idx (GPTQ, may be null) gives each k's group.
+template <typename T, int FMT>
+__global__ void __launch_bounds__(256) dequant_int4_kernel(T* __restrict__ out, const int* __restrict__ qw,
+                                                           const int* __restrict__ qz, const T* __restrict__ scales,
+                                                           const int* __restrict__ g_idx, int K, int N, int group,
+                                                           long long ldq, long long ldz, long long lds) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int jn = N / 8;
+  if (idx >= (long long)K * jn) return;
+  const int k = (int)(idx / jn), j = (int)(idx % jn);
+  const int grp = g_idx != nullptr ? g_idx[k] : k / group;
+  const unsigned zw = (unsigned)qz[(long long)grp * ldz + j];
+  float f[8];
+#pragma unroll
+  for (int o = 0; o < 8; ++o) {
+    unsigned q, z;
+    if constexpr (FMT == AWQ) {
+      const int nib = (o & 1) ? 4 + o / 2 : o / 2;
+      q = ((unsigned)qw[(long long)k * ldq + j] >> (4 * nib)) & 15u;
+      z = (zw >> (4 * nib)) & 15u;
+    } else {
+      q = ((unsigned)qw[(long long)(k / 8) * ldq + 8 * j + o] >> (4 * (k % 8))) & 15u;
+      z = ((zw >> (4 * o)) & 15u) + 1u;
+    }
+    f[o] = ((float)q - (float)z) * sc::to_float(scales[(long long)grp * lds + 8 * j + o]);
+  }
+  *reinterpret_cast<uint4*>(out + (long long)k * N + 8 * j) = sc::Pack16<T>::pack(f);
+}
+
+// out[m, k] = x[m, perm[k]]: activations in the k order of an act-order GPTQ weight repacked by g_idx.
+template <typename T>
+__global__ void __launch_bounds__(256) gather_columns_kernel(T* __restrict__ out, const T* __restrict__ x,
+                                                             const int* __restrict__ perm, int M, int K,
+                                                             long long ldx) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)M * K) return;
+  const int m = (int)(idx / K), k = (int)(idx % K);
+  out[idx] = x[(long long)m * ldx + perm[k]];
+}
+
+// GPTQ qweight rows permuted along k: out nibble k = in nibble perm[k] (both packed 8 per int32 along k).
+__global__ void __launch_bounds__(256) gptq_permute_k_kernel(int* __restrict__ out, const int* __restrict__ qw,
+                                                             const int* __restrict__ perm, int K, int N,
+                                                             long long ldq) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)(K / 8) * N) return;
+  const int r = (int)(idx / N), n = (int)(idx % N);
+  unsigned word = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int src = perm[8 * r + i];
+    const unsigned q = ((unsigned)qw[(long long)(src / 8) * ldq + n] >> (4 * (src % 8))) & 15u;
+    word |= q << (4 * i);
+  }
+  out[idx] = (int)word;
+}
+
+}  // namespace quant

@@ -1,0 +1,973 @@
+"""Weight-only quantized linear layers (kernels/quant.cu): INT4 AWQ and GPTQ checkpoints as stored, and INT8.
+
+Formats (bit-exact; ``y = x @ W`` with ``W`` of shape (K, N), K = in_features, N = out_features):
+
+* AWQ "GEMM" (AutoAWQ / llm-awq, 4 bits, zero points): ``qweight`` int32 (K, N/8) packs 8 values along N in the
+  order [0, 2, 4, 6, 1, 3, 5, 7] (``qweight[k, j] |= q[k, 8j + AWQ_ORDER[i]] << 4i``); ``qzeros`` int32
+  (K/G, N/8) packed the same way; ``scales`` (K/G, N).  ``W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``.
+* GPTQ (AutoGPTQ, checkpoint_format "gptq"): ``qweight`` int32 (K/8, N) packs 8 values along K in plain order;
+  ``qzeros`` int32 (ceil(K/G), N/8) packs along N in plain order and stores zero - 1; ``scales`` (ceil(K/G), N);
+  ``g_idx`` int32 (K) (act-order when it is not ``k // G``).
+  ``W[k, n] = s[g_idx[k], n] * (q[k, n] - (zeros[g_idx[k], n] + 1))``.
+* INT8 weight-only: ``weight`` int8 (N, K) (the nn.Linear layout), one scale per output channel:
+  ``W[k, n] = weight[n, k] * scales[n]``.
+
+This module also holds round-to-nearest quantizers producing exactly these formats from a float weight (N, K),
+NumPy reference dequantizers, a safetensors reader, and GPU dequantizers.  NumPy-only functions need no GPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from . import _arrays as A
+from ._compile import Kernel
+from ._launch import LaunchConfig, device_info, launch
+
+SOURCE = "quant.cu"
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_AWQ_POS = tuple(AWQ_ORDER.index(i) for i in range(8))  # nibble position of channel offset i
+
+FMT_AWQ, FMT_GPTQ, FMT_INT8 = 0, 1, 2
+_FMT_NAMES = {FMT_AWQ: "awq", FMT_GPTQ: "gptq", FMT_INT8: "int8"}
+
+# Must match kernels/quant.cu.
+THREADS = 256
+BLOCK_N = 512
+STAGES = 4
+W_STAGE_BYTES = 16384
+MT_CHOICES = (1, 2, 4, 8)   # 8-row tiles of x per CTA: M <= 8, 16, 32, 64 per chunk
+MAX_MMA_M = 512             # above this (and where a dense matmul is available) dequantize + cuBLAS
+_ITEM = {"float16": 2, "bfloat16": 2}
+
+
+def _block_k(fmt: int) -> int:
+    return 32 if fmt == FMT_INT8 else 64
+
+
+def _x_stride(fmt: int) -> int:
+    return _block_k(fmt) + {FMT_AWQ: 16, FMT_GPTQ: 32, FMT_INT8: 64}[fmt]
+
+
+def smem_bytes(fmt: int, mt: int) -> int:
+    """Dynamic shared memory of quant_mma_kernel<T, fmt, mt> (the layout in kernels/quant.cu)."""
+    x_bytes = mt * 8 * _x_stride(fmt) * 2
+    s_bytes = 0 if fmt == FMT_INT8 else 2 * BLOCK_N * 2 + 2 * (BLOCK_N // 8) * 4
+    return STAGES * (W_STAGE_BYTES + x_bytes + s_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NumPy: packing, quantizers, reference dequantizers, safetensors
+# ---------------------------------------------------------------------------------------------------------------
+
+def pack_awq(q) -> np.ndarray:
+    """(R, N) values 0..15 -> int32 (R, N/8) in AWQ's interleaved order."""
+    q = np.asarray(q)
+    r, n = q.shape
+    if n % 8:
+        raise ValueError(f"q: the packed dimension must be a multiple of 8, got {n}")
+    q = q.astype(np.uint32).reshape(r, n // 8, 8)
+    out = np.zeros((r, n // 8), np.uint32)
+    for i, o in enumerate(AWQ_ORDER):
+        out |= (q[:, :, o] & 15) << np.uint32(4 * i)
+    return np.ascontiguousarray(out).view(np.int32)
+
+
+def unpack_awq(packed) -> np.ndarray:
+    """int32 (R, N/8) in AWQ order -> uint8 (R, N)."""
+    p = np.asarray(packed).view(np.uint32) if np.asarray(packed).dtype == np.int32 else np.asarray(packed, np.uint32)
+    r, j = p.shape
+    out = np.empty((r, j, 8), np.uint8)
+    for i, o in enumerate(AWQ_ORDER):
+        out[:, :, o] = (p >> np.uint32(4 * i)) & 15
+    return out.reshape(r, 8 * j)
+
+
+def pack_rows(q) -> np.ndarray:
+    """(K, N) values 0..15 -> int32 (K/8, N), 8 consecutive rows per word in plain order (GPTQ qweight)."""
+    q = np.asarray(q)
+    k, n = q.shape
+    if k % 8:
+        raise ValueError(f"q: the packed dimension must be a multiple of 8, got {k}")
+    q = q.astype(np.uint32).reshape(k // 8, 8, n)
+    out = np.zeros((k // 8, n), np.uint32)
+    for i in range(8):
+        out |= (q[:, i, :] & 15) << np.uint32(4 * i)
+    return out.view(np.int32)
+
+
+def unpack_rows(packed) -> np.ndarray:
+    """int32 (K/8, N) -> uint8 (K, N)."""
+    p = np.ascontiguousarray(packed).view(np.uint32)
+    r, n = p.shape
+    out = np.empty((r, 8, n), np.uint8)
+    for i in range(8):
+        out[:, i, :] = (p >> np.uint32(4 * i)) & 15
+    return out.reshape(8 * r, n)
+
+
+def pack_cols(q) -> np.ndarray:
+    """(R, N) values 0..15 -> int32 (R, N/8), 8 consecutive columns per word in plain order (GPTQ qzeros)."""
+    q = np.asarray(q)
+    r, n = q.shape
+    if n % 8:
+        raise ValueError(f"q: the packed dimension must be a multiple of 8, got {n}")
+    q = q.astype(np.uint32).reshape(r, n // 8, 8)
+    out = np.zeros((r, n // 8), np.uint32)
+    for i in range(8):
+        out |= (q[:, :, i] & 15) << np.uint32(4 * i)
+    return out.view(np.int32)
+
+
+def unpack_cols(packed) -> np.ndarray:
+    """int32 (R, N/8) plain order -> uint8 (R, N)."""
+    p = np.ascontiguousarray(packed).view(np.uint32)
+    r, j = p.shape
+    out = np.empty((r, j, 8), np.uint8)
+    for i in range(8):
+        out[:, :, i] = (p >> np.uint32(4 * i)) & 15
+    return out.reshape(r, 8 * j)
+
+
+def _group(group_size: int, k: int) -> int:
+    g = int(group_size)
+    if g == -1:
+        return k
+    if g <= 0:
+        raise ValueError(f"group_size: must be positive (or -1 for one group per column), got {group_size}")
+    return g
+
+
+def _np_float(dtype):
+    if dtype in ("float16", np.float16):
+        return np.float16
+    if dtype in ("bfloat16",):
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    if dtype in ("float32", np.float32):
+        return np.float32
+    return np.dtype(dtype).type
+
+
+def quantize_awq(weight, group_size: int = 128, *, scale_dtype="float16"):
+    """Round-to-nearest asymmetric 4-bit quantization of ``weight`` (N, K) into the AWQ GEMM format.
+
+    Returns ``(qweight int32 (K, N/8), qzeros int32 (K/G, N/8), scales (K/G, N))``, NumPy arrays; per group
+    of G input rows and output channel: ``s = (max - min) / 15`` (rounded to ``scale_dtype``),
+    ``z = clip(round(-min / s), 0, 15)``, ``q = clip(round(w / s) + z, 0, 15)``.  K must be a multiple of G and
+    N of 8; ``group_size=-1`` is one group (per-channel).
+    """
+    w = np.asarray(weight, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"weight: expected (N, K), got shape {w.shape}")
+    n, k = w.shape
+    g = _group(group_size, k)
+    if k % g:
+        raise ValueError(f"weight: K={k} is not a multiple of group_size={g}")
+    if n % 8:
+        raise ValueError(f"weight: N={n} is not a multiple of 8")
+    wt = w.T.reshape(k // g, g, n)
+    lo, hi = wt.min(1), wt.max(1)
+    s = (hi - lo) / 15.0
+    s = np.where(s > 0, s, 1.0).astype(_np_float(scale_dtype)).astype(np.float32)
+    z = np.clip(np.rint(-lo / s), 0, 15)
+    q = np.clip(np.rint(wt / s[:, None, :]) + z[:, None, :], 0, 15).astype(np.uint8).reshape(k, n)
+    return pack_awq(q), pack_awq(z.astype(np.uint8)), np.ascontiguousarray(s.astype(_np_float(scale_dtype)))
+
+
+def quantize_gptq(weight, group_size: int = 128, *, perm=None, sym: bool = True, scale_dtype="float16"):
+    """Round-to-nearest 4-bit quantization of ``weight`` (N, K) into AutoGPTQ's format (no Hessian updates).
+
+    ``perm`` (optional, a permutation of range(K)) gives an act-order: input rows are grouped in the order
+    ``perm`` (``g_idx[perm[i]] = i // G``), as GPTQ with ``desc_act=True`` does.  ``sym=True``: zero 8 and
+    ``s = max|w| / 7.5``-style symmetric scales (``s = 2 max|w| / 15``); ``sym=False``: min/max scales with
+    zeros in 1..15.  K must be a multiple of 8 and N of 8; the last group may be short (ceil(K/G) groups).
+
+    Returns ``(qweight int32 (K/8, N), qzeros int32 (ceil(K/G), N/8), scales (ceil(K/G), N), g_idx int32 (K))``.
+    """
+    w = np.asarray(weight, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"weight: expected (N, K), got shape {w.shape}")
+    n, k = w.shape
+    g = _group(group_size, k)
+    if k % 8 or n % 8:
+        raise ValueError(f"weight: N={n} and K={k} must be multiples of 8")
+    order = np.arange(k) if perm is None else np.asarray(perm, np.int64)
+    if sorted(order.tolist()) != list(range(k)):
+        raise ValueError("perm: must be a permutation of range(K)")
+    g_idx = np.empty(k, np.int32)
+    g_idx[order] = np.arange(k) // g
+    groups = -(-k // g)
+    wt = w.T  # (K, N)
+    scales = np.empty((groups, n), np.float32)
+    zeros = np.empty((groups, n), np.float32)
+    for j in range(groups):
+        rows = wt[g_idx == j]
+        if sym:
+            amax = np.abs(rows).max(0)
+            s = 2 * amax / 15.0
+            z = np.full(n, 8.0, np.float32)
+        else:
+            lo, hi = np.minimum(rows.min(0), 0), np.maximum(rows.max(0), 0)
+            s = (hi - lo) / 15.0
+            z = None
+        s = np.where(s > 0, s, 1.0).astype(_np_float(scale_dtype)).astype(np.float32)
+        if z is None:
+            z = np.clip(np.rint(-lo / s), 1, 15)
+        scales[j], zeros[j] = s, z
+    q = np.clip(np.rint(wt / scales[g_idx]) + zeros[g_idx], 0, 15).astype(np.uint8)
+    qzeros = pack_cols((zeros - 1).astype(np.uint8))
+    return pack_rows(q), qzeros, np.ascontiguousarray(scales.astype(_np_float(scale_dtype))), g_idx
+
+
+def quantize_int8(weight, *, scale_dtype="float16"):
+    """Symmetric per-output-channel INT8: ``s = max|w| / 127``, ``q = clip(round(w / s), -127, 127)``.
+
+    ``weight`` (N, K) -> ``(weight int8 (N, K), scales (N,))`` NumPy arrays.
+    """
+    w = np.asarray(weight, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"weight: expected (N, K), got shape {w.shape}")
+    s = np.abs(w).max(1) / 127.0
+    s = np.where(s > 0, s, 1.0).astype(_np_float(scale_dtype)).astype(np.float32)
+    q = np.clip(np.rint(w / s[:, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(q), np.ascontiguousarray(s.astype(_np_float(scale_dtype)))
+
+
+def dequantize_awq_reference(qweight, qzeros, scales, group_size: int = 128) -> np.ndarray:
+    """The AWQ weight W (K, N) in float32, exactly ``(q - z) * s``."""
+    q = unpack_awq(np.asarray(qweight))
+    k, n = q.shape
+    g = _group(group_size, k)
+    z = unpack_awq(np.asarray(qzeros)).astype(np.float32)
+    s = np.asarray(scales).astype(np.float32)
+    grp = np.arange(k) // g
+    return (q.astype(np.float32) - z[grp]) * s[grp]
+
+
+def dequantize_gptq_reference(qweight, qzeros, scales, g_idx=None, group_size: int = 128) -> np.ndarray:
+    """The GPTQ weight W (K, N) in float32, exactly ``s[g] * (q - (zeros[g] + 1))`` with ``g = g_idx[k]``."""
+    q = unpack_rows(np.asarray(qweight))
+    k, n = q.shape
+    g = _group(group_size, k)
+    z = unpack_cols(np.asarray(qzeros)).astype(np.float32) + 1
+    s = np.asarray(scales).astype(np.float32)
+    grp = np.arange(k) // g if g_idx is None else np.asarray(g_idx, np.int64)
+    return s[grp] * (q.astype(np.float32) - z[grp])
+
+
+def dequantize_int8_reference(weight, scales) -> np.ndarray:
+    """The INT8 weight as W (K, N) in float32: ``weight.T * scales``."""
+    return np.asarray(weight).astype(np.float32).T * np.asarray(scales).astype(np.float32)[None, :]
+
+
+_ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I8": "int8",
+              "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool"}
+
+
+def load_safetensors(path, prefix: str = "") -> dict:
+    """The tensors of a ``.safetensors`` file whose names start with ``prefix``, as NumPy arrays keyed by the
+    rest of the name (``load_safetensors(f, "model.layers.0.mlp.down_proj.")`` -> ``{"qweight": ...,
+    "qzeros": ..., "scales": ..., "g_idx": ...}``).  bfloat16 comes back as ``ml_dtypes.bfloat16``.  Reads the
+    format directly (8-byte header length, JSON header, raw little-endian data); no extra dependency.
+    """
+    out = {}
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 << 20:
+            raise ValueError(f"{path}: not a safetensors file (header of {n} bytes)")
+        header = json.loads(f.read(n))
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__" or not name.startswith(prefix):
+                continue
+            dt = _ST_DTYPES.get(info["dtype"])
+            if dt is None:
+                raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+            start, end = info["data_offsets"]
+            f.seek(base + start)
+            raw = f.read(end - start)
+            arr = np.frombuffer(raw, dtype=_np_float(dt) if dt == "bfloat16" else np.dtype(dt).newbyteorder("<"))
+            out[name[len(prefix):]] = arr.reshape(info["shape"]).copy()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch configuration
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MMAConfig:
+    mt: int               # 8-row tiles of x per CTA
+    m_chunks: int         # CTAs along M (each re-reads the weights, from L2 when they fit)
+    n_tiles: int          # CTAs along N (512 channels each)
+    splits: int           # CTAs along K
+    tiles_per_split: int  # k-tiles per split
+    smem: int             # dynamic shared memory per CTA
+
+    @property
+    def grid(self) -> int:
+        return self.m_chunks * self.n_tiles * self.splits
+
+
+@lru_cache(maxsize=8192)
+def mma_config(m: int, n: int, k: int, fmt: int, sms: int) -> MMAConfig:
+    """Tile and split-K choice for quant_mma_kernel (a pure function of the problem and the SM count).
+
+    M goes in chunks of up to 64 rows (the smallest 8-row multiple that holds M).  Split-K is chosen by a
+    small cost model: waves of CTAs times k-tiles per CTA (plus a pipeline fill of 2 tiles), plus the fp32
+    partials each split writes and the last CTA reads back, in the same units (16 KB weight tiles streamed by
+    all resident CTAs at once).
+    """
+    rows = min(m, 64)
+    mt = next(t for t in MT_CHOICES if 8 * t >= rows)
+    m_chunks = -(-m // (8 * mt))
+    n_tiles = -(-n // BLOCK_N)
+    k_tiles = -(-k // _block_k(fmt))
+    per_sm = 2 if mt <= 2 else 1
+    slots = sms * per_sm
+    base = m_chunks * n_tiles
+    best = None
+    for s in range(1, min(k_tiles, 64) + 1):
+        tps = -(-k_tiles // s)
+        s_eff = -(-k_tiles // tps)
+        waves = -(-(base * s_eff) // slots)
+        partial = 0.0 if s_eff == 1 else s_eff * m * n * 8 / (W_STAGE_BYTES * slots)
+        cost = waves * (tps + 2) + partial
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, s_eff, tps)
+    _, splits, tps = best
+    return MMAConfig(mt, m_chunks, n_tiles, splits, tps, smem_bytes(fmt, mt))
+
+
+def _mma_kernel(dtype: str, fmt: int, mt: int) -> Kernel:
+    return Kernel(SOURCE, f"quant::quant_mma_kernel<{A.CTYPE[dtype]}, {fmt}, {mt}>")
+
+
+def _dequant_kernel(dtype: str, fmt: int) -> Kernel:
+    return Kernel(SOURCE, f"quant::dequant_int4_kernel<{A.CTYPE[dtype]}, {fmt}>")
+
+
+def _gather_kernel(dtype: str) -> Kernel:
+    return Kernel(SOURCE, f"quant::gather_columns_kernel<{A.CTYPE[dtype]}>")
+
+
+_PERMUTE_KERNEL = Kernel(SOURCE, "quant::gptq_permute_k_kernel")
+
+
+def all_kernels() -> list:
+    """Every variant this module can launch (for ``python -m speedcore compile``)."""
+    out = []
+    for dtype in A.HALF_DTYPES:
+        for fmt in (FMT_AWQ, FMT_GPTQ, FMT_INT8):
+            for mt in MT_CHOICES:
+                out.append(_mma_kernel(dtype, fmt, mt))
+        for fmt in (FMT_AWQ, FMT_GPTQ):
+            out.append(_dequant_kernel(dtype, fmt))
+        out.append(_gather_kernel(dtype))
+    out.append(_PERMUTE_KERNEL)
+    return out
+
+
+def use_dense(m: int, lib: str, dtype: str) -> bool:
+    """Dispatch: dequantize once and call cuBLAS (torch.matmul / cupy.matmul) for M above MAX_MMA_M, where the
+    GEMM is compute-bound and the one-time dequantization is amortized.  CuPy has no bfloat16 matmul, so
+    CuPy bfloat16 always takes the tensor-core kernel."""
+    if m <= MAX_MMA_M:
+        return False
+    return lib == "torch" or dtype == "float16"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prepacked weights
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AWQWeight:
+    """An AWQ layer checked once (``prepack_awq``): the stored tensors, scales in the activation dtype."""
+    qweight: object
+    qzeros: object
+    scales: object
+    group_size: int
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class GPTQWeight:
+    """A GPTQ layer prepared once (``prepack_gptq``).  Act-order checkpoints have their k rows repacked in
+    group order (``perm``: new row i is old row ``perm[i]``); ``g_idx`` is kept only when its groups are not
+    G consecutive rows after sorting (then only the dense path can use it)."""
+    qweight: object
+    qzeros: object
+    scales: object
+    group_size: int
+    in_features: int
+    out_features: int
+    perm: object = None
+    g_idx: object = None
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    weight: object
+    scales: object
+    in_features: int
+    out_features: int
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers shared by the public functions
+# ---------------------------------------------------------------------------------------------------------------
+
+def _lib_module(a):
+    if a.lib == "torch":
+        import torch
+
+        return torch
+    import cupy
+
+    return cupy
+
+
+def _as_dtype(a, dtype: str, name: str):
+    """``a`` converted to ``dtype`` (a new array of its library); ``a`` itself when it already is."""
+    if a.dtype == dtype:
+        return a
+    if a.lib == "torch":
+        import torch
+
+        return A.wrap(a.obj.to(getattr(torch, dtype)), name)
+    try:
+        return A.wrap(a.obj.astype(A._cupy_dtype(dtype)), name)
+    except Exception as e:
+        raise TypeError(f"{name}: dtype {a.dtype} cannot be converted to {dtype} with CuPy ({e}); pass {name} "
+                        f"in {dtype}") from None
+
+
+def _check_matrix(a, dtype, shape, what: str) -> None:
+    A.check_dtype(a, (dtype,) if isinstance(dtype, str) else dtype, what)
+    A.check_shape(a, shape)
+    if a.ndim == 2 and a.shape[1] > 1 and a.strides[1] != 1:
+        raise ValueError(f"{a.name}: the last dimension must be contiguous (stride 1), got strides {a.strides}")
+
+
+def _row_stride(a) -> int:
+    return a.strides[0] if a.shape[0] > 1 else a.shape[1]
+
+
+def _aligned_rows(a) -> bool:
+    return a.aligned(16) and (_row_stride(a) * a.itemsize) % 16 == 0
+
+
+def _check_aligned(a) -> None:
+    if not _aligned_rows(a):
+        raise ValueError(f"{a.name}: rows must start at 16-byte boundaries (pointer {a.ptr:#x}, row stride "
+                         f"{_row_stride(a)} elements); pass a contiguous copy")
+
+
+def _rows_copy(xa, rows: int, k: int):
+    """A contiguous (rows, K) copy of x (for views whose rows are not 16-byte aligned)."""
+    obj = xa.obj
+    if xa.lib == "torch":
+        c = obj.reshape(rows, k).clone(memory_format=__import__("torch").contiguous_format)
+    else:
+        import cupy
+
+        c = cupy.array(obj.reshape(rows, k), copy=True, order="C")
+    return A.wrap(c, "x")
+
+
+def _x_rows(x, k_expected=None):
+    xa = A.wrap(x, "x")
+    A.check_dtype(xa, A.HALF_DTYPES)
+    if xa.ndim == 0:
+        raise ValueError("x: expected shape (..., K), got a scalar")
+    k = xa.shape[-1]
+    if k_expected is not None and k != k_expected:
+        raise ValueError(f"x: last dimension must be in_features={k_expected}, got {k}")
+    rows, ldx = xa.rows()
+    return xa, rows, k, ldx
+
+
+_tickets: dict = {}
+
+
+def _ticket_buffer(xa, stream, count: int):
+    """Zeroed int32 counters for the split-K reduction, one buffer per (library, device, stream); each CTA that
+    finishes a tile resets its counter, so the buffer stays zero between launches on that stream."""
+    key = (xa.lib, xa.device, getattr(stream, "ptr", 0))
+    buf = _tickets.get(key)
+    if buf is None or buf.numel < count:
+        n = max(4096, 1 << (count - 1).bit_length())
+        if xa.lib == "torch":
+            import torch
+
+            obj = torch.zeros(n, dtype=torch.int32, device=xa.obj.device)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(xa.device):
+                obj = cupy.zeros(n, dtype=cupy.int32)
+        buf = A.wrap(obj, "tickets")
+        _tickets[key] = buf
+    return buf
+
+
+def _launch_mma(fmt, xa, rows, k, ldx, qw, ldq, qz, ldz, scales, lds, bias, n, group):
+    """Allocate y (rows, N) and run quant_mma_kernel; returns the wrapped output."""
+    ya = A.empty(xa, (rows, n), xa.dtype, name="out")
+    if rows == 0:
+        return ya
+    dev = device_info(xa.device)
+    cfg = mma_config(rows, n, k, fmt, dev.sms)
+    stream = A.stream_of(xa)
+    partial_ptr = 0
+    tickets_ptr = 0
+    keep = None
+    if cfg.splits > 1:
+        keep = A.empty(xa, (cfg.splits, rows, n), "float32", name="partial")
+        partial_ptr = keep.ptr
+        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_chunks * cfg.n_tiles).ptr
+    args = (ya.ptr, partial_ptr, tickets_ptr, xa.ptr, qw.ptr, qz.ptr if qz is not None else 0, scales.ptr,
+            bias.ptr if bias is not None else 0, np.int32(rows), np.int32(n), np.int32(k), np.int32(group),
+            np.int64(ldx), np.int64(ldq), np.int64(ldz), np.int64(lds), np.int32(cfg.n_tiles),
+            np.int32(cfg.m_chunks), np.int32(cfg.tiles_per_split))
+    launch(_mma_kernel(xa.dtype, fmt, cfg.mt), LaunchConfig((cfg.grid,), (THREADS,), cfg.smem), args,
+           device=xa.device, stream=stream)
+    del keep  # the caching allocators keep the memory stream-ordered
+    return ya
+
+
+def _finish(xa, ya, rows, n):
+    """Reshape y (rows, N) to x's leading shape."""
+    return ya.obj.reshape(tuple(xa.shape[:-1]) + (n,))
+
+
+def _dense_int4(fmt, xa, rows, k, ldx, qw, qz, scales, g_idx, bias, n, group):
+    w = _dequant_launch(fmt, xa, qw, qz, scales, g_idx, k, n, group)
+    x2 = xa.obj.reshape(rows, k) if xa.is_contiguous() else _rows_copy(xa, rows, k).obj
+    lib = _lib_module(xa)
+    if bias is not None and xa.lib == "torch":
+        return lib.addmm(bias.obj, x2, w.obj)
+    y = lib.matmul(x2, w.obj)
+    if bias is not None:
+        y += bias.obj
+    return y
+
+
+def _dequant_launch(fmt, ref, qw, qz, scales, g_idx, k, n, group):
+    wa = A.empty(ref, (k, n), scales.dtype, name="weight")
+    total = k * (n // 8)
+    if total:
+        args = (wa.ptr, qw.ptr, qz.ptr, scales.ptr, g_idx.ptr if g_idx is not None else 0, np.int32(k),
+                np.int32(n), np.int32(group), np.int64(_row_stride(qw)), np.int64(_row_stride(qz)),
+                np.int64(_row_stride(scales)))
+        launch(_dequant_kernel(scales.dtype, fmt), LaunchConfig((-(-total // 256),), (256,)), args,
+               device=ref.device, stream=A.stream_of(ref))
+    return wa
+
+
+def _check_common(xa, others, bias, n):
+    A.check_same_device(xa, *others, bias)
+    if bias is not None:
+        A.check_dtype(bias, (xa.dtype,), " (bias must have x's dtype)")
+        A.check_shape(bias, (n,))
+        if n > 1 and bias.strides[0] != 1:
+            raise ValueError(f"bias: must be contiguous, got stride {bias.strides[0]}")
+
+
+def _fast_group_ok(group: int) -> bool:
+    return group == 32 or group % 64 == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AWQ
+# ---------------------------------------------------------------------------------------------------------------
+
+def _validate_awq(qweight, qzeros, scales, group_size, k=None):
+    qa = A.wrap(qweight, "qweight")
+    A.check_dtype(qa, ("int32",), " (AWQ qweight is packed int32)")
+    if qa.ndim != 2:
+        raise ValueError(f"qweight: expected shape (K, N/8), got {tuple(qa.shape)}")
+    kk, n8 = qa.shape
+    if k is not None and kk != k:
+        raise ValueError(f"qweight: expected {k} rows (x's last dimension K), got shape {tuple(qa.shape)}")
+    k, n = kk, 8 * n8
+    if k == 0 or n == 0:
+        raise ValueError(f"qweight: empty weight of shape {tuple(qa.shape)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+        raise TypeError(f"group_size: expected an int, got {type(group_size).__name__}")
+    g = _group(group_size, k)
+    if k % g:
+        raise ValueError(f"group_size: K={k} is not a multiple of group_size={g}")
+    za = A.wrap(qzeros, "qzeros")
+    sa = A.wrap(scales, "scales")
+    _check_matrix(qa, "int32", (k, n8), "")
+    _check_matrix(za, "int32", (k // g, n8), " (AWQ qzeros is packed int32)")
+    _check_matrix(sa, A.HALF_DTYPES, (k // g, n), "")
+    A.check_same_device(qa, za, sa)
+    return qa, za, sa, k, n, g
+
+
+def prepack_awq(qweight, qzeros, scales, *, group_size: int = 128, dtype=None) -> AWQWeight:
+    """Check an AWQ layer once and convert its scales to the activation dtype (``dtype``: "float16" or
+    "bfloat16", default the scales' dtype).  The kernels read AWQ's stored layout directly, so nothing is
+    repacked; ``awq_linear(x, prepack_awq(...))`` skips the per-call checks' conversions."""
+    qa, za, sa, k, n, g = _validate_awq(qweight, qzeros, scales, group_size)
+    if dtype is not None:
+        dtype = str(dtype).replace("torch.", "")
+        if dtype not in A.HALF_DTYPES:
+            raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
+        sa = _as_dtype(sa, dtype, "scales")
+    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n)
+
+
+def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, bias=None):
+    """``y = x @ W (+ bias)`` for an AWQ 4-bit weight (GEMM format, zero points) as stored in the checkpoint.
+
+    Parameters
+    ----------
+    x : torch.Tensor or cupy.ndarray, shape (..., K), float16 or bfloat16, on a CUDA device.  The last
+        dimension must be contiguous; leading dimensions may be any view that collapses to one row stride.
+    qweight : int32 (K, N/8), AWQ-packed (order [0, 2, 4, 6, 1, 3, 5, 7] along N); or an :class:`AWQWeight`
+        from :func:`prepack_awq` (then ``qzeros``/``scales``/``group_size`` are taken from it).
+    qzeros : int32 (K/G, N/8), packed the same way.
+    scales : float16 or bfloat16 (K/G, N); converted to x's dtype per call if it differs (prepack to avoid).
+    group_size : G, default 128; -1 means one group over K.  K must be a multiple of G.
+    bias : optional (N,), x's dtype.
+
+    Returns
+    -------
+    (..., N) in x's dtype and library, on the caller's current stream.
+
+    Notes
+    -----
+    M = prod(x.shape[:-1]) <= 512 (or CuPy bfloat16): one tensor-core kernel that streams the packed weights
+    once per 64 rows of x.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernel needs
+    N % 64 == 0 and G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy float16).
+    """
+    if isinstance(qweight, AWQWeight):
+        pw = qweight
+        if qzeros is not None or scales is not None:
+            raise TypeError("awq_linear: pass either an AWQWeight or (qweight, qzeros, scales), not both")
+        qweight, qzeros, scales, group_size = pw.qweight, pw.qzeros, pw.scales, pw.group_size
+    elif qzeros is None or scales is None:
+        raise TypeError("awq_linear: qzeros and scales are required with a stored qweight")
+    xa, rows, k, ldx = _x_rows(x)
+    qa, za, sa, k, n, g = _validate_awq(qweight, qzeros, scales, group_size, k)
+    ba = A.wrap(bias, "bias", optional=True)
+    _check_common(xa, (qa, za, sa), ba, n)
+    sa = _as_dtype(sa, xa.dtype, "scales")
+    fast = n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0
+    if not fast or use_dense(rows, xa.lib, xa.dtype):
+        if not fast and xa.lib != "torch" and xa.dtype != "float16":
+            raise ValueError(f"awq_linear: N={n}, group_size={g} needs the dense path, which needs torch or "
+                             f"float16 with CuPy (the fast kernel needs N % 64 == 0 and G == 32 or G % 64 == 0)")
+        for a in (qa, za, sa):
+            if not a.is_contiguous():
+                raise ValueError(f"{a.name}: must be contiguous for this shape")
+        if rows == 0:
+            return _finish(xa, A.empty(xa, (0, n), xa.dtype), 0, n)
+        y = _dense_int4(FMT_AWQ, xa, rows, k, ldx, qa, za, sa, None, ba, n, g)
+        return y.reshape(tuple(xa.shape[:-1]) + (n,))
+    for a in (qa, za, sa):
+        _check_aligned(a)
+    if rows and not (_aligned_rows_x(xa, ldx)):
+        xa = _rows_copy(xa, rows, k)
+        ldx = k
+    ya = _launch_mma(FMT_AWQ, xa, rows, k, ldx, qa, _row_stride(qa), za, _row_stride(za), sa, _row_stride(sa),
+                     ba, n, g)
+    return _finish(xa, ya, rows, n)
+
+
+def _aligned_rows_x(xa, ldx) -> bool:
+    return xa.aligned(16) and (ldx * xa.itemsize) % 16 == 0 and xa.shape[-1] % 8 == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPTQ
+# ---------------------------------------------------------------------------------------------------------------
+
+def _validate_gptq(qweight, qzeros, scales, g_idx, group_size, k=None):
+    qa = A.wrap(qweight, "qweight")
+    A.check_dtype(qa, ("int32",), " (GPTQ qweight is packed int32)")
+    if qa.ndim != 2:
+        raise ValueError(f"qweight: expected shape (K/8, N), got {tuple(qa.shape)}")
+    k8, n = qa.shape
+    if k is not None:
+        if k % 8:
+            raise ValueError(f"x: K={k} must be a multiple of 8 for GPTQ (8 values per int32 along K)")
+        if k8 * 8 != k:
+            raise ValueError(f"qweight: expected shape (K/8, N) = ({k // 8}, N) for K={k}, got {tuple(qa.shape)}")
+    k = 8 * k8
+    if k == 0 or n == 0:
+        raise ValueError(f"qweight: empty weight of shape {tuple(qa.shape)}")
+    if n % 8:
+        raise ValueError(f"qweight: N={n} must be a multiple of 8 (qzeros packs 8 channels per int32)")
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+        raise TypeError(f"group_size: expected an int, got {type(group_size).__name__}")
+    g = _group(group_size, k)
+    groups = -(-k // g)
+    za = A.wrap(qzeros, "qzeros")
+    sa = A.wrap(scales, "scales")
+    _check_matrix(qa, "int32", (k8, n), "")
+    _check_matrix(za, "int32", (groups, n // 8), " (GPTQ qzeros is packed int32)")
+    _check_matrix(sa, A.HALF_DTYPES, (groups, n), "")
+    ga = A.wrap(g_idx, "g_idx", optional=True)
+    if ga is not None:
+        A.check_dtype(ga, ("int32",))
+        A.check_shape(ga, (k,))
+        if k > 1 and ga.strides[0] != 1:
+            raise ValueError(f"g_idx: must be contiguous, got stride {ga.strides[0]}")
+    A.check_same_device(qa, za, sa, ga)
+    return qa, za, sa, ga, k, n, g
+
+
+def _classify_g_idx(ga, k, g):
+    """'plain' (g_idx == k // G), 'act' (G consecutive rows per group after a stable sort; returns the
+    permutation as a device array), or 'irregular'.  Copies g_idx to the host (a synchronization)."""
+    if ga.lib == "torch":
+        host = ga.obj.detach().cpu().numpy()
+    else:
+        host = ga.obj.get()
+    groups = -(-k // g)
+    if host.min(initial=0) < 0 or host.max(initial=0) >= groups:
+        raise ValueError(f"g_idx: values must be in [0, {groups}), got [{host.min()}, {host.max()}]")
+    expect = np.arange(k, dtype=np.int64) // g
+    if np.array_equal(host, expect):
+        return "plain", None
+    perm = np.argsort(host, kind="stable").astype(np.int32)
+    if np.array_equal(host[perm], expect):
+        return "act", perm
+    return "irregular", None
+
+
+def _to_device_like(ref, arr):
+    if ref.lib == "torch":
+        import torch
+
+        return A.wrap(torch.from_numpy(np.ascontiguousarray(arr)).to(ref.obj.device), "perm")
+    import cupy
+
+    with cupy.cuda.Device(ref.device):
+        return A.wrap(cupy.asarray(arr), "perm")
+
+
+def _permute_gptq(qa, perm_a, k, n):
+    out = A.empty(qa, (k // 8, n), "int32", name="qweight")
+    total = (k // 8) * n
+    launch(_PERMUTE_KERNEL, LaunchConfig((-(-total // 256),), (256,)),
+           (out.ptr, qa.ptr, perm_a.ptr, np.int32(k), np.int32(n), np.int64(_row_stride(qa))),
+           device=qa.device, stream=A.stream_of(qa))
+    return out
+
+
+def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, dtype=None) -> GPTQWeight:
+    """Prepare a GPTQ layer once for :func:`gptq_linear`.
+
+    Without act-order (``g_idx`` None or ``k // G``) nothing is repacked.  With act-order, the k rows of
+    ``qweight`` are repacked in group order (a nibble gather on the GPU) and the permutation is kept, so each
+    call only gathers the columns of x (M x K elements) and runs the fast kernel.  ``dtype`` converts the
+    scales to the activation dtype once.  Copies g_idx to the host (a synchronization).
+    """
+    qa, za, sa, ga, k, n, g = _validate_gptq(qweight, qzeros, scales, g_idx, group_size)
+    if dtype is not None:
+        dtype = str(dtype).replace("torch.", "")
+        if dtype not in A.HALF_DTYPES:
+            raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
+        sa = _as_dtype(sa, dtype, "scales")
+    if ga is None:
+        return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n)
+    kind, perm = _classify_g_idx(ga, k, g)
+    if kind == "plain":
+        return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n)
+    if kind == "irregular":
+        return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, g_idx=ga.obj)
+    perm_a = _to_device_like(qa, perm)
+    qp = _permute_gptq(qa, perm_a, k, n)
+    return GPTQWeight(qp.obj, za.obj, sa.obj, g, k, n, perm=perm_a.obj)
+
+
+def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size: int = 128, bias=None):
+    """``y = x @ W (+ bias)`` for a GPTQ 4-bit weight (AutoGPTQ "gptq" format) as stored, act-order included.
+
+    Parameters
+    ----------
+    x : torch.Tensor or cupy.ndarray, shape (..., K), float16 or bfloat16; K % 8 == 0.
+    qweight : int32 (K/8, N) packed along K; or a :class:`GPTQWeight` from :func:`prepack_gptq` (then the
+        other weight arguments come from it).
+    qzeros : int32 (ceil(K/G), N/8), packed along N, storing zero - 1.
+    scales : float16 or bfloat16 (ceil(K/G), N); converted to x's dtype per call if it differs.
+    g_idx : optional int32 (K).  ``k // G`` (or None) is the plain layout.  An act-order g_idx works as stored
+        but is classified on the host and the weight repacked on every call: use :func:`prepack_gptq` once.
+    group_size : G, default 128 (-1: one group).  The last group may be short.
+    bias : optional (N,), x's dtype.
+
+    Returns
+    -------
+    (..., N) in x's dtype and library.
+    """
+    perm = None
+    if isinstance(qweight, GPTQWeight):
+        pw = qweight
+        if qzeros is not None or scales is not None or g_idx is not None:
+            raise TypeError("gptq_linear: pass either a GPTQWeight or (qweight, qzeros, scales, g_idx), not both")
+        qweight, qzeros, scales, g_idx, group_size, perm = (pw.qweight, pw.qzeros, pw.scales, pw.g_idx,
+                                                             pw.group_size, pw.perm)
+    elif qzeros is None or scales is None:
+        raise TypeError("gptq_linear: qzeros and scales are required with a stored qweight")
+    xa, rows, k, ldx = _x_rows(x)
+    qa, za, sa, ga, k, n, g = _validate_gptq(qweight, qzeros, scales, g_idx, group_size, k)
+    ba = A.wrap(bias, "bias", optional=True)
+    pa = A.wrap(perm, "perm", optional=True)
+    _check_common(xa, (qa, za, sa, ga, pa), ba, n)
+    sa = _as_dtype(sa, xa.dtype, "scales")
+    irregular = False
+    if ga is not None and pa is None:
+        kind, host_perm = _classify_g_idx(ga, k, g)
+        if kind == "act":
+            pa = _to_device_like(qa, host_perm)
+            qa = _permute_gptq(qa, pa, k, n)
+            ga = None
+        elif kind == "plain":
+            ga = None
+        else:
+            irregular = True
+    fast = not irregular and n % 64 == 0 and _fast_group_ok(g)
+    if not fast or use_dense(rows, xa.lib, xa.dtype):
+        if not fast and xa.lib != "torch" and xa.dtype != "float16":
+            raise ValueError(f"gptq_linear: this layer (N={n}, group_size={g}, irregular g_idx={irregular}) needs "
+                             f"the dense path, which needs torch or float16 with CuPy")
+        for a in (qa, za, sa):
+            if not a.is_contiguous():
+                raise ValueError(f"{a.name}: must be contiguous for this shape")
+        if rows == 0:
+            return _finish(xa, A.empty(xa, (0, n), xa.dtype), 0, n)
+        if pa is not None:
+            # Repacked act-order weight: dequantize it in sorted order, then put the rows back in x's order.
+            xa = _gather_x(xa, rows, k, ldx, pa)
+            ldx = k
+        y = _dense_int4(FMT_GPTQ, xa, rows, k, ldx, qa, za, sa, ga, ba, n, g)
+        return y.reshape(tuple(x.shape[:-1]) + (n,))
+    for a in (qa, za, sa):
+        _check_aligned(a)
+    out_shape = tuple(xa.shape[:-1]) + (n,)
+    if pa is not None:
+        if rows:
+            xa = _gather_x(xa, rows, k, ldx, pa)
+            ldx = k
+    elif rows and not _aligned_rows_x(xa, ldx):
+        xa = _rows_copy(xa, rows, k)
+        ldx = k
+    ya = _launch_mma(FMT_GPTQ, xa, rows, k, ldx, qa, _row_stride(qa), za, _row_stride(za), sa, _row_stride(sa),
+                     ba, n, g)
+    return ya.obj.reshape(out_shape)
+
+
+def _gather_x(xa, rows, k, ldx, pa):
+    out = A.empty(xa, (rows, k), xa.dtype, name="x")
+    total = rows * k
+    launch(_gather_kernel(xa.dtype), LaunchConfig((-(-total // 256),), (256,)),
+           (out.ptr, xa.ptr, pa.ptr, np.int32(rows), np.int32(k), np.int64(ldx)),
+           device=xa.device, stream=A.stream_of(xa))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# INT8
+# ---------------------------------------------------------------------------------------------------------------
+
+def int8_linear(x, weight, scales, *, bias=None):
+    """``y = (x @ weight.T) * scales (+ bias)`` for an INT8 weight-only layer.
+
+    Parameters
+    ----------
+    x : (..., K), float16 or bfloat16, CUDA.
+    weight : int8 (N, K) (nn.Linear layout), rows 16-byte aligned; K % 16 == 0 and N % 64 == 0 for the fast
+        kernel (other shapes: dense path, torch or CuPy float16).
+    scales : (N,) one per output channel, float16, bfloat16 or float32 (used in x's dtype).
+    bias : optional (N,), x's dtype.
+
+    Returns
+    -------
+    (..., N) in x's dtype and library.
+    """
+    xa, rows, k, ldx = _x_rows(x)
+    wa = A.wrap(weight, "weight")
+    A.check_dtype(wa, ("int8",))
+    if wa.ndim != 2 or wa.shape[1] != k:
+        raise ValueError(f"weight: expected shape (N, K) with K={k} (x's last dimension), got {tuple(wa.shape)}")
+    n = wa.shape[0]
+    if n == 0 or k == 0:
+        raise ValueError(f"weight: empty weight of shape {tuple(wa.shape)}")
+    if k > 1 and wa.strides[1] != 1:
+        raise ValueError(f"weight: the last dimension must be contiguous, got strides {wa.strides}")
+    sa = A.wrap(scales, "scales")
+    A.check_dtype(sa, A.FLOAT_DTYPES)
+    A.check_shape(sa, (n,))
+    if n > 1 and sa.strides[0] != 1:
+        raise ValueError(f"scales: must be contiguous, got stride {sa.strides[0]}")
+    ba = A.wrap(bias, "bias", optional=True)
+    _check_common(xa, (wa, sa), ba, n)
+    sa = _as_dtype(sa, xa.dtype, "scales")
+    fast = n % 64 == 0 and k % 16 == 0 and _aligned_rows(wa)
+    if not fast or use_dense(rows, xa.lib, xa.dtype):
+        if not fast and xa.lib != "torch" and xa.dtype != "float16":
+            raise ValueError(f"int8_linear: N={n}, K={k} needs the dense path, which needs torch or float16 "
+                             f"with CuPy (the fast kernel needs N % 64 == 0, K % 16 == 0, 16-byte aligned rows)")
+        if rows == 0:
+            return _finish(xa, A.empty(xa, (0, n), xa.dtype), 0, n)
+        x2 = xa.obj.reshape(rows, k) if xa.is_contiguous() else _rows_copy(xa, rows, k).obj
+        if xa.lib == "torch":
+            import torch
+
+            w = wa.obj.to(getattr(torch, xa.dtype))
+            y = torch.matmul(x2, w.t()) * sa.obj
+        else:
+            w = wa.obj.astype(xa.dtype)
+            y = (x2 @ w.T) * sa.obj
+        if ba is not None:
+            y += ba.obj
+        return y.reshape(tuple(xa.shape[:-1]) + (n,))
+    if rows and not _aligned_rows_x(xa, ldx):
+        xa = _rows_copy(xa, rows, k)
+        ldx = k
+    ya = _launch_mma(FMT_INT8, xa, rows, k, ldx, wa, _row_stride(wa), None, 0, sa, 0, ba, n, 1 << 30)
+    return _finish(xa, ya, rows, n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU dequantizers (the dense path; bit-exact with the NumPy references rounded to the scales' dtype)
+# ---------------------------------------------------------------------------------------------------------------
+
+def dequantize_awq(qweight, qzeros, scales, *, group_size: int = 128):
+    """W (K, N) in the scales' dtype on the GPU: ``(q - z) * s`` computed in float32, rounded once."""
+    qa, za, sa, k, n, g = _validate_awq(qweight, qzeros, scales, group_size)
+    for a in (qa, za, sa):
+        if not a.is_contiguous():
+            raise ValueError(f"{a.name}: must be contiguous")
+    return _dequant_launch(FMT_AWQ, qa, qa, za, sa, None, k, n, g).obj
+
+
+def dequantize_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128):
+    """W (K, N) in the scales' dtype on the GPU: ``s[g] * (q - (zeros[g] + 1))`` in float32, rounded once."""
+    qa, za, sa, ga, k, n, g = _validate_gptq(qweight, qzeros, scales, g_idx, group_size)
+    for a in (qa, za, sa):
+        if not a.is_contiguous():
+            raise ValueError(f"{a.name}: must be contiguous")
+    if ga is not None:
+        host = ga.obj.detach().cpu().numpy() if ga.lib == "torch" else ga.obj.get()
+        groups = -(-k // g)
+        if host.min(initial=0) < 0 or host.max(initial=0) >= groups:
+            raise ValueError(f"g_idx: values must be in [0, {groups})")
+    return _dequant_launch(FMT_GPTQ, qa, qa, za, sa, ga, k, n, g).obj

@@ -1,0 +1,467 @@
+"""Weight-only quantized linear layers: formats (CPU, bit-exact), heuristics, and the GPU kernels."""
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from speedcore import quant as Q
+
+RNG = np.random.default_rng(1234)
+
+
+# ------------------------------------------------------------------------------------------------ formats (CPU)
+
+def test_awq_packing_order_hand_made():
+    # channel n of the 8 in a word holds value n: nibble i must hold channel AWQ_ORDER[i]
+    q = np.arange(8, dtype=np.uint8)[None, :]
+    word = Q.pack_awq(q).view(np.uint32)[0, 0]
+    assert word == 0x75316420
+    assert np.array_equal(Q.unpack_awq(np.array([[0x75316420]], np.uint32).view(np.int32)), q)
+    # one non-zero channel at a time
+    for n in range(8):
+        q = np.zeros((1, 8), np.uint8)
+        q[0, n] = 0xF
+        w = int(Q.pack_awq(q).view(np.uint32)[0, 0])
+        assert w == 0xF << (4 * Q.AWQ_ORDER.index(n))
+
+
+def test_gptq_packing_order_hand_made():
+    q = np.arange(8, dtype=np.uint8)[:, None] * np.ones((1, 2), np.uint8)
+    q[:, 1] = 15 - q[:, 1]
+    words = Q.pack_rows(q).view(np.uint32)
+    assert words[0, 0] == 0x76543210 and words[0, 1] == 0x89ABCDEF
+    z = np.arange(8, dtype=np.uint8)[None, :]
+    assert Q.pack_cols(z).view(np.uint32)[0, 0] == 0x76543210
+    assert np.array_equal(Q.unpack_rows(Q.pack_rows(q)), q)
+    assert np.array_equal(Q.unpack_cols(Q.pack_cols(z)), z)
+
+
+def test_pack_roundtrip_random():
+    q = RNG.integers(0, 16, size=(64, 48), dtype=np.uint8)
+    assert np.array_equal(Q.unpack_awq(Q.pack_awq(q)), q)
+    assert np.array_equal(Q.unpack_rows(Q.pack_rows(q)), q)
+    assert np.array_equal(Q.unpack_cols(Q.pack_cols(q)), q)
+    assert Q.pack_awq(q).dtype == np.int32 and Q.pack_awq(q).shape == (64, 6)
+    assert Q.pack_rows(q).shape == (8, 48)
+
+
+def test_awq_reference_hand_made():
+    # K=2, N=8, G=1: W[k, n] = (q - z) * s
+    q = np.array([[0, 1, 2, 3, 4, 5, 6, 7], [15, 14, 13, 12, 11, 10, 9, 8]], np.uint8)
+    z = np.array([[1] * 8, [8] * 8], np.uint8)
+    s = np.array([[0.5] * 8, [2.0] * 8], np.float16)
+    w = Q.dequantize_awq_reference(Q.pack_awq(q), Q.pack_awq(z), s, group_size=1)
+    expect = (q.astype(np.float32) - z) * s.astype(np.float32)
+    assert np.array_equal(w, expect)
+    assert w[0, 0] == -0.5 and w[1, 7] == 0.0 and w[1, 0] == 14.0
+
+
+def test_gptq_reference_hand_made_zero_minus_one_and_g_idx():
+    k, n = 8, 8
+    q = np.full((k, n), 9, np.uint8)
+    stored = np.array([[7] * 8, [3] * 8], np.uint8)  # zeros 8 and 4
+    s = np.array([[1.0] * 8, [0.25] * 8], np.float16)
+    g_idx = np.array([0, 1, 0, 1, 0, 1, 0, 1], np.int32)
+    w = Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(stored), s, g_idx, group_size=4)
+    assert np.array_equal(w[0::2], np.full((4, 8), 1.0, np.float32))      # (9 - 8) * 1
+    assert np.array_equal(w[1::2], np.full((4, 8), 1.25, np.float32))     # (9 - 4) * 0.25
+    w2 = Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(stored), s, None, group_size=4)
+    assert np.array_equal(w2[:4], np.full((4, 8), 1.0, np.float32))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+def test_quantize_awq_roundtrip(group):
+    w = RNG.standard_normal((64, 256)).astype(np.float32)
+    qw, qz, s = Q.quantize_awq(w, group)
+    g = 256 if group == -1 else group
+    assert qw.shape == (256, 8) and qz.shape == (256 // g, 8) and s.shape == (256 // g, 64)
+    assert qw.dtype == np.int32 and qz.dtype == np.int32 and s.dtype == np.float16
+    wd = Q.dequantize_awq_reference(qw, qz, s, g)
+    err = np.abs(wd - w.T)
+    bound = s.astype(np.float32)[np.arange(256) // g] * 0.5 + 1e-3 + np.abs(w.T) * 2e-3
+    assert (err <= bound).all()
+    # the dequantizer is bit-exact with (q - z) * s over the unpacked values
+    q, z = Q.unpack_awq(qw).astype(np.float32), Q.unpack_awq(qz).astype(np.float32)
+    grp = np.arange(256) // g
+    assert np.array_equal(wd, (q - z[grp]) * s.astype(np.float32)[grp])
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_quantize_gptq_roundtrip(sym, act_order):
+    k, n, g = 320, 64, 128  # last group short
+    w = RNG.standard_normal((n, k)).astype(np.float32)
+    perm = RNG.permutation(k) if act_order else None
+    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=perm, sym=sym)
+    assert qw.shape == (40, 64) and qz.shape == (3, 8) and s.shape == (3, 64) and g_idx.shape == (k,)
+    if act_order:
+        assert not np.array_equal(g_idx, np.arange(k) // g)
+        assert np.bincount(g_idx).tolist() == [128, 128, 64]
+    else:
+        assert np.array_equal(g_idx, np.arange(k) // g)
+    wd = Q.dequantize_gptq_reference(qw, qz, s, g_idx, g)
+    err = np.abs(wd - w.T)
+    assert (err <= s.astype(np.float32)[g_idx] * 0.5 + 1e-3 + np.abs(w.T) * 2e-3).all()
+    if sym:
+        assert (Q.unpack_cols(qz) == 7).all()
+
+
+def test_quantize_int8_roundtrip():
+    w = RNG.standard_normal((48, 80)).astype(np.float32)
+    q, s = Q.quantize_int8(w)
+    assert q.dtype == np.int8 and s.shape == (48,)
+    wd = Q.dequantize_int8_reference(q, s)
+    assert wd.shape == (80, 48)
+    assert np.array_equal(wd, q.T.astype(np.float32) * s.astype(np.float32))
+    assert (np.abs(wd - w.T) <= s.astype(np.float32) * 0.5 + 1e-4).all()
+
+
+def test_quantizer_errors():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        Q.quantize_awq(np.zeros((8, 100), np.float32), 64)
+    with pytest.raises(ValueError):
+        Q.quantize_awq(np.zeros((12, 128), np.float32), 64)
+    with pytest.raises(ValueError, match="permutation"):
+        Q.quantize_gptq(np.zeros((8, 16), np.float32), 8, perm=[0] * 16)
+    with pytest.raises(ValueError, match="group_size"):
+        Q.quantize_awq(np.zeros((8, 128), np.float32), 0)
+
+
+def _write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    names = {"float16": "F16", "float32": "F32", "int32": "I32", "int8": "I8", "bfloat16": "BF16"}
+    for name, arr in tensors.items():
+        raw = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": names[str(arr.dtype)], "shape": list(arr.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    header["__metadata__"] = {"format": "pt"}
+    h = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def test_load_safetensors(tmp_path):
+    import ml_dtypes
+
+    w = RNG.standard_normal((64, 256)).astype(np.float32)
+    qw, qz, s = Q.quantize_awq(w, 128)
+    other = RNG.standard_normal((3, 5)).astype(ml_dtypes.bfloat16)
+    path = tmp_path / "layer.safetensors"
+    _write_safetensors(path, {"model.l0.q.qweight": qw, "model.l0.q.qzeros": qz, "model.l0.q.scales": s,
+                              "model.l1.q.qweight": qw[:8], "other": other})
+    got = Q.load_safetensors(path, "model.l0.q.")
+    assert set(got) == {"qweight", "qzeros", "scales"}
+    assert np.array_equal(got["qweight"], qw) and got["qweight"].dtype == np.int32
+    assert np.array_equal(got["scales"], s) and got["scales"].dtype == np.float16
+    o = Q.load_safetensors(path, "other")
+    assert o[""].dtype == other.dtype and np.array_equal(o[""].astype(np.float32), other.astype(np.float32))
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        return
+    p2 = tmp_path / "b.safetensors"
+    save_file({"x.qzeros": qz, "x.scales": s}, str(p2))
+    got = Q.load_safetensors(p2, "x.")
+    assert np.array_equal(got["qzeros"], qz) and np.array_equal(got["scales"], s)
+
+
+def test_load_safetensors_rejects_garbage(tmp_path):
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="not a safetensors"):
+        Q.load_safetensors(p)
+
+
+# ------------------------------------------------------------------------------------------------ heuristics (CPU)
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 32, 64, 100, 512])
+@pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (192, 96), (512, 4096)])
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8])
+def test_mma_config_is_consistent(m, n, k, fmt):
+    cfg = Q.mma_config(m, n, k, fmt, 132)
+    k_tiles = -(-k // (32 if fmt == Q.FMT_INT8 else 64))
+    assert 8 * cfg.mt * cfg.m_chunks >= m and 8 * cfg.mt * (cfg.m_chunks - 1) < m
+    assert cfg.n_tiles * Q.BLOCK_N >= n
+    assert cfg.splits * cfg.tiles_per_split >= k_tiles
+    assert (cfg.splits - 1) * cfg.tiles_per_split < k_tiles  # no empty split
+    assert cfg.smem <= 227 * 1024
+    if cfg.mt <= 2:
+        assert 2 * (cfg.smem + 1024) <= 228 * 1024  # two CTAs per SM fit
+    assert cfg.grid < 2 ** 31
+
+
+def test_mma_config_fills_the_gpu_at_m1():
+    for n, k in [(8192, 8192), (28672, 8192), (8192, 28672)]:
+        cfg = Q.mma_config(1, n, k, Q.FMT_AWQ, 132)
+        assert cfg.grid >= 132, (n, k, cfg)
+
+
+def test_all_kernels_listed():
+    names = [k.name for k in Q.all_kernels()]
+    assert len(names) == len(set(names)) == 31
+    assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
+
+
+def test_dispatch():
+    assert not Q.use_dense(1, "torch", "bfloat16")
+    assert not Q.use_dense(Q.MAX_MMA_M, "torch", "float16")
+    assert Q.use_dense(Q.MAX_MMA_M + 1, "torch", "bfloat16")
+    assert not Q.use_dense(4096, "cupy", "bfloat16")
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _rel_err(y, ref):
+    y = y.float().cpu().numpy().astype(np.float64)
+    return np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30), np.isfinite(y).all()
+
+
+def _ref(x, w_kn, bias=None):
+    r = x.float().cpu().numpy().astype(np.float64) @ w_kn.astype(np.float64)
+    if bias is not None:
+        r = r + bias.float().cpu().numpy()
+    return r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k,g", [(1, 512, 1024, 128), (3, 192, 384, 64), (16, 1024, 512, 32), (33, 576, 256, -1),
+                                     (64, 512, 2048, 128), (100, 256, 640, 128), (7, 512, 4096, 128)])
+def test_awq_linear_small(dtype, m, n, k, g):
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 7 + n)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    qw, qz, s = Q.quantize_awq(w, g)
+    s = (s.astype(np.float32) * 0.05).astype(np.float16)
+    s_t = torch.from_numpy(s).cuda().to(td)
+    ref_w = Q.dequantize_awq_reference(qw, qz, s_t.float().cpu().numpy(), g)
+    x = torch.randn(m, k, device="cuda", dtype=td)
+    bias = torch.randn(n, device="cuda", dtype=td) if m % 2 else None
+    y = Q.awq_linear(x, torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g, bias=bias)
+    assert y.shape == (m, n) and y.dtype == td
+    err, finite = _rel_err(y, _ref(x, ref_w, bias))
+    assert finite and err < 1e-2, err
+    # repeated call (split-K tickets must have been reset) gives the same bits
+    y2 = Q.awq_linear(x, torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g, bias=bias)
+    assert torch.equal(y, y2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("m,n,k,g", [(1, 512, 1024, 128), (5, 192, 320, 128), (16, 512, 512, 32), (64, 256, 1024, 64),
+                                     (2, 1024, 4096, 128)])
+def test_gptq_linear_small(dtype, act_order, m, n, k, g):
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 11 + k)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    perm = rng.permutation(k) if act_order else None
+    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=perm, sym=not act_order)
+    s_t = torch.from_numpy((s.astype(np.float32) * 0.05).astype(np.float16)).cuda().to(td)
+    ref_w = Q.dequantize_gptq_reference(qw, qz, s_t.float().cpu().numpy(), g_idx, g)
+    x = torch.randn(m, k, device="cuda", dtype=td)
+    ref = _ref(x, ref_w)
+    args = (torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, torch.from_numpy(g_idx).cuda())
+    y = Q.gptq_linear(x, *args, group_size=g)
+    err, finite = _rel_err(y, ref)
+    assert finite and err < 1e-2, err
+    packed = Q.prepack_gptq(*args, group_size=g)
+    assert (packed.perm is not None) == act_order
+    y2 = Q.gptq_linear(x, packed)
+    err2, finite2 = _rel_err(y2, ref)
+    assert finite2 and err2 < 1e-2, err2
+    if not act_order:
+        y3 = Q.gptq_linear(x, *args[:3], group_size=g)
+        assert torch.equal(y, y3)
+
+
+@pytest.mark.gpu
+def test_gptq_irregular_g_idx_small():
+    torch = _torch()
+    rng = np.random.default_rng(5)
+    k, n, g = 256, 128, 64
+    qw = Q.pack_rows(rng.integers(0, 16, (k, n)))
+    qz = Q.pack_cols(rng.integers(0, 16, (k // g, n)))
+    s = (rng.random((k // g, n)) * 0.05 + 0.01).astype(np.float16)
+    g_idx = rng.integers(0, k // g, k).astype(np.int32)  # groups of unequal sizes
+    x = torch.randn(3, k, device="cuda", dtype=torch.float16)
+    t = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
+    y = Q.gptq_linear(x, t(qw), t(qz), t(s), t(g_idx), group_size=g)
+    err, finite = _rel_err(y, _ref(x, Q.dequantize_gptq_reference(qw, qz, s, g_idx, g)))
+    assert finite and err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k", [(1, 512, 1024), (5, 192, 96), (16, 1024, 2048), (64, 512, 512), (70, 256, 4096)])
+def test_int8_linear_small(dtype, m, n, k):
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m + n + k)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    q, s = Q.quantize_int8(w)
+    s_t = torch.from_numpy(s).cuda().to(td)
+    ref_w = Q.dequantize_int8_reference(q, s_t.float().cpu().numpy())
+    x = torch.randn(m, k, device="cuda", dtype=td)
+    bias = torch.randn(n, device="cuda", dtype=td)
+    y = Q.int8_linear(x, torch.from_numpy(q).cuda(), s_t, bias=bias)
+    err, finite = _rel_err(y, _ref(x, ref_w, bias))
+    assert finite and err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_int8_extreme_bytes_small():
+    # every byte value in every position: the magic-number conversions must be exact
+    torch = _torch()
+    n, k = 64, 256
+    q = ((np.arange(n * k) * 37) % 256 - 128).astype(np.int8).reshape(n, k)
+    for td in (torch.float16, torch.bfloat16):
+        s = torch.ones(n, device="cuda", dtype=td)
+        eye = torch.eye(k, device="cuda", dtype=td)[:64]
+        y = Q.int8_linear(eye, torch.from_numpy(q).cuda(), s)  # rows of W^T picked out exactly
+        assert torch.equal(y.float().cpu(), torch.from_numpy(q.T[:64].astype(np.float32)))
+
+
+@pytest.mark.gpu
+def test_int4_exact_rows_small():
+    # x = one-hot rows pick rows of W exactly (every nibble, zero and scale position)
+    torch = _torch()
+    rng = np.random.default_rng(9)
+    k, n, g = 128, 512, 32
+    q = rng.integers(0, 16, (k, n))
+    z = rng.integers(0, 16, (k // g, n))
+    s = (2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)
+    for td in (torch.float16, torch.bfloat16):
+        eye = torch.eye(k, device="cuda", dtype=td)[:64]
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+        y = Q.awq_linear(eye, t(Q.pack_awq(q)), t(Q.pack_awq(z)), t(s).to(td), group_size=g)
+        ref = Q.dequantize_awq_reference(Q.pack_awq(q), Q.pack_awq(z), s, g)[:64]
+        assert np.array_equal(y.float().cpu().numpy(), ref)
+        zg = np.minimum(z, 14)
+        y = Q.gptq_linear(eye, t(Q.pack_rows(q)), t(Q.pack_cols(zg)), t(s).to(td), group_size=g)
+        ref = Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(zg), s, None, g)[:64]
+        assert np.array_equal(y.float().cpu().numpy(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_dequantizers_bit_exact_small(dtype):
+    torch = _torch()
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    td = getattr(torch, dtype)
+    npd = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(3)
+    k, n, g = 256, 192, 64
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    qw, qz, s = Q.quantize_awq(w, g)
+    s_t = torch.from_numpy(s).cuda().to(td)
+    got = Q.dequantize_awq(torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g)
+    ref = Q.dequantize_awq_reference(qw, qz, s_t.float().cpu().numpy(), g).astype(npd)
+    assert np.array_equal(got.cpu().view(torch.int16).numpy(), ref.view(np.int16))
+    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=rng.permutation(k), sym=False)
+    s_t = torch.from_numpy(s).cuda().to(td)
+    got = Q.dequantize_gptq(torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t,
+                            torch.from_numpy(g_idx).cuda(), group_size=g)
+    ref = Q.dequantize_gptq_reference(qw, qz, s_t.float().cpu().numpy(), g_idx, g).astype(npd)
+    assert np.array_equal(got.cpu().view(torch.int16).numpy(), ref.view(np.int16))
+
+
+@pytest.mark.gpu
+def test_views_batch_dims_and_dense_path_small():
+    torch = _torch()
+    rng = np.random.default_rng(4)
+    n, k, g = 256, 512, 128
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    qw, qz, s = Q.quantize_awq(w, g)
+    s = (s.astype(np.float32) * 0.05).astype(np.float16)
+    ref_w = Q.dequantize_awq_reference(qw, qz, s, g)
+    args = (torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), torch.from_numpy(s).cuda())
+    big = torch.randn(2, 3, k + 24, device="cuda", dtype=torch.float16)
+    x = big[..., :k]                      # row-strided view
+    y = Q.awq_linear(x, *args, group_size=g)
+    assert y.shape == (2, 3, n)
+    err, ok = _rel_err(y.reshape(6, n), _ref(x.reshape(6, k), ref_w))
+    assert ok and err < 1e-2
+    flat = torch.randn(5 * k + 1, device="cuda", dtype=torch.float16)
+    xm = flat[1:].view(5, k)              # rows not 16-byte aligned: copied
+    err, ok = _rel_err(Q.awq_linear(xm, *args, group_size=g), _ref(xm, ref_w))
+    assert ok and err < 1e-2
+    xl = torch.randn(Q.MAX_MMA_M + 3, k, device="cuda", dtype=torch.float16)  # dense path
+    err, ok = _rel_err(Q.awq_linear(xl, *args, group_size=g), _ref(xl, ref_w))
+    assert ok and err < 1e-2
+    packed = Q.prepack_awq(*args, group_size=g, dtype="bfloat16")
+    xb = x.to(torch.bfloat16)
+    err, ok = _rel_err(Q.awq_linear(xb, packed).reshape(6, n), _ref(xb.reshape(6, k), ref_w))
+    assert ok and err < 1e-2
+    assert Q.awq_linear(x[:0], *args, group_size=g).shape == (0, 3, n)
+
+
+@pytest.mark.gpu
+def test_cupy_inputs_small():
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(6)
+    n, k, g = 512, 256, 128
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    qw, qz, s = Q.quantize_awq(w, g)
+    s = (s.astype(np.float32) * 0.05).astype(np.float16)
+    x = rng.standard_normal((3, k)).astype(np.float16)
+    y = Q.awq_linear(cupy.asarray(x), cupy.asarray(qw), cupy.asarray(qz), cupy.asarray(s), group_size=g)
+    assert isinstance(y, cupy.ndarray)
+    ref = x.astype(np.float64) @ Q.dequantize_awq_reference(qw, qz, s, g)
+    yh = cupy.asnumpy(y).astype(np.float64)
+    assert np.linalg.norm(yh - ref) / np.linalg.norm(ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_bad_input_small():
+    torch = _torch()
+    k, n, g = 256, 128, 128
+    qw = torch.zeros(k, n // 8, dtype=torch.int32, device="cuda")
+    qz = torch.zeros(k // g, n // 8, dtype=torch.int32, device="cuda")
+    s = torch.ones(k // g, n, dtype=torch.float16, device="cuda")
+    x = torch.randn(2, k, dtype=torch.float16, device="cuda")
+    with pytest.raises(TypeError, match="x"):
+        Q.awq_linear(x.float(), qw, qz, s)
+    with pytest.raises(TypeError, match="qweight"):
+        Q.awq_linear(x, qw.float(), qz, s)
+    with pytest.raises(ValueError, match="qweight"):
+        Q.awq_linear(x[:, :128], qw, qz, s)
+    with pytest.raises(ValueError, match="group_size"):
+        Q.awq_linear(x, qw, qz, s, group_size=96)
+    with pytest.raises(ValueError, match="scales"):
+        Q.awq_linear(x, qw, qz, s[:, :64])
+    with pytest.raises(ValueError, match="qzeros"):
+        Q.awq_linear(x, qw, qz[:, :4], s)
+    with pytest.raises(TypeError, match="qzeros"):
+        Q.awq_linear(x, qw, qz.to(torch.int64), s)
+    with pytest.raises(ValueError, match="bias"):
+        Q.awq_linear(x, qw, qz, s, bias=torch.zeros(n + 1, dtype=torch.float16, device="cuda"))
+    with pytest.raises(TypeError, match="bias"):
+        Q.awq_linear(x, qw, qz, s, bias=torch.zeros(n, dtype=torch.float32, device="cuda"))
+    with pytest.raises(TypeError):
+        Q.awq_linear(x, qw.cpu(), qz, s)
+    gq = torch.zeros(k // 8, n, dtype=torch.int32, device="cuda")
+    gz = torch.zeros(2, n // 8, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="qweight"):
+        Q.gptq_linear(x, gq.t().contiguous(), gz, s)
+    with pytest.raises(ValueError, match="g_idx"):
+        Q.gptq_linear(x, gq, gz, s, torch.zeros(k - 1, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="g_idx"):
+        Q.gptq_linear(x, gq, gz, s, torch.full((k,), 7, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="x"):
+        Q.gptq_linear(torch.randn(2, 260, dtype=torch.float16, device="cuda"), gq, gz, s)
+    w8 = torch.zeros(n, k, dtype=torch.int8, device="cuda")
+    with pytest.raises(ValueError, match="weight"):
+        Q.int8_linear(x, w8[:, :128], torch.ones(n, device="cuda"))
+    with pytest.raises(ValueError, match="scales"):
+        Q.int8_linear(x, w8, torch.ones(n + 1, device="cuda"))
+    with pytest.raises(TypeError, match="weight"):
+        Q.int8_linear(x, w8.to(torch.uint8), torch.ones(n, device="cuda"))
