@@ -22,6 +22,7 @@ def cases(b):
             out.append((f"matmul {s}^3 {d}", lambda b, s=s, dtype=dtype: _matmul(b, s, s, s, dtype)))
         out.append((f"linear[ampere] 8192^3 {d}",
                     lambda b, dtype=dtype: _linear(b, 8192, 8192, 8192, dtype, path="ampere")))
+        out.append((f"matmul 16x14336x4096 {d}", lambda b, dtype=dtype: _matmul(b, 16, 14336, 4096, dtype)))
         out.append((f"linear+bias+silu 4096x14336x4096 {d}",
                     lambda b, dtype=dtype: _linear(b, 4096, 14336, 4096, dtype, act="silu")))
         for n, k in NK:
