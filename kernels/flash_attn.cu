@@ -52,24 +52,68 @@ __device__ __forceinline__ int opaque(int x) {
   return y;
 }
 
-// Copy ROWS x D elements (rows of `row_stride` elements in global memory; ROWS * row_stride < 2^31) into
-// shared rows of PITCH elements with 16-byte cp.async.  Rows at or past `rows_valid` and 16-byte chunks at
-// or past `chunks_valid` are zero-filled, so partial tiles and padded head dims read as zeros.
-template <typename T, int ROWS, int D, int PITCH, int NUM_THREADS>
-__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int row_stride, int rows_valid,
+// 16-byte cp.async to a shared-memory address given as a 32-bit offset (so that per-chunk offsets fold into
+// the instruction's immediate instead of holding one register each), zero-filled when pred is false.
+__device__ __forceinline__ void cp_async16_to(unsigned saddr, const void* gmem, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(pred ? 16 : 0)
+               : "memory");
+}
+
+// ldmatrix from 32-bit shared addresses: constant offsets from one base register fold into the
+// instruction's immediate (generic pointers would cost an address computation per ldmatrix).
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned saddr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(saddr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned saddr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(saddr));
+}
+
+// Copy ROWS x D elements (rows of `row_stride` elements in global memory; ROWS * row_stride < 2^31) to the
+// shared rows of PITCH elements at `saddr` with 16-byte cp.async.  Rows at or past `rows_valid` and 16-byte
+// chunks at or past `chunks_valid` are zero-filled, so partial tiles and padded head dims read as zeros.
+// FULL (rows_valid >= ROWS, known at compile time) drops the per-row predicate: the loop-resident loads then
+// cost one 64-bit add per 16-byte copy.
+template <typename T, int ROWS, int D, int PITCH, int NUM_THREADS, bool FULL>
+__device__ __forceinline__ void load_tile_async(unsigned saddr, const T* gmem, int row_stride, int rows_valid,
                                                 int chunks_valid, int tid) {
   constexpr int CHUNKS = D / 8;
   constexpr int TOTAL = ROWS * CHUNKS;
   const int stride = opaque(row_stride);
+  if constexpr (NUM_THREADS % CHUNKS == 0) {
+    // every pass covers whole rows: the same chunk of rows RSTEP apart
+    constexpr int RSTEP = NUM_THREADS / CHUNKS;
+    const int r0 = tid / CHUNKS, ch = tid % CHUNKS;
+    const bool ch_ok = ch < chunks_valid;
+    // 32-bit byte offsets from the tile's base (ROWS * row_stride < 2^31 elements): one add and one wide
+    // multiply-add per copy.  A zero-filled copy reads nothing, but its address still has to be a valid
+    // one: chunk 0 of row 0.
+    const char* const base = reinterpret_cast<const char*>(gmem);
+    const unsigned off0 = (unsigned)(r0 * stride + (ch_ok ? ch * 8 : 0)) * (unsigned)sizeof(T);
+    const unsigned step = (unsigned)(RSTEP * stride) * (unsigned)sizeof(T);
+    const unsigned dst0 = saddr + (unsigned)(r0 * PITCH + ch * 8) * (unsigned)sizeof(T);
 #pragma unroll
-  for (int i = 0; i < (TOTAL + NUM_THREADS - 1) / NUM_THREADS; ++i) {
-    const int c = tid + i * NUM_THREADS;
-    if (TOTAL % NUM_THREADS == 0 || c < TOTAL) {
-      const int r = c / CHUNKS, ch = c % CHUNKS;
-      const bool ok = r < rows_valid && ch < chunks_valid;
-      // a zero-filled copy reads nothing, but its address still has to be a valid one
-      const T* src = gmem + (ok ? r * stride + ch * 8 : 0);
-      sc::cp_async16(smem + r * PITCH + ch * 8, src, ok);
+    for (int i = 0; i < (TOTAL + NUM_THREADS - 1) / NUM_THREADS; ++i) {
+      const int r = r0 + i * RSTEP;
+      if (TOTAL % NUM_THREADS == 0 || r < ROWS) {
+        const bool row_ok = FULL || r < rows_valid;
+        const char* src = base + (row_ok ? off0 + i * step : 0u);
+        cp_async16_to(dst0 + i * RSTEP * PITCH * (int)sizeof(T), src, row_ok && ch_ok);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < (TOTAL + NUM_THREADS - 1) / NUM_THREADS; ++i) {
+      const int c = tid + i * NUM_THREADS;
+      if (TOTAL % NUM_THREADS == 0 || c < TOTAL) {
+        const int r = c / CHUNKS, ch = c % CHUNKS;
+        const bool ok = (FULL || r < rows_valid) && ch < chunks_valid;
+        const T* src = gmem + (ok ? r * stride + ch * 8 : 0);
+        cp_async16_to(saddr + (unsigned)(r * PITCH + ch * 8) * (unsigned)sizeof(T), src, ok);
+      }
     }
   }
 }
@@ -80,10 +124,11 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int row_
 // heads_per_kv.  With cu_seqlens_q/k (varlen) the batch strides are 0 and sequence b spans rows
 // [cu[b], cu[b+1]) (clamped to total_q / total_k so that a bad cu_seqlens cannot read out of bounds).
 // lse (optional): float32 at lse + b * lse_batch_stride + h * lse_head_stride + (row offset of b) + i.
+// HAS_SOFTCAP: a template flag because its registers are needed only when it is used.
 // MIN_CTAS caps the registers so that this many CTAs fit on one SM (4 warps: 2 -> 255 registers, 3 -> 168).
 // scale_log2 multiplies raw scores (softmax_scale * log2 e, or 1 with softcap, whose transform already
 // yields base-2 scores); softcap_pre = 2 log2(e) softmax_scale / softcap, softcap_post = softcap log2(e).
-template <typename T, int D, int BN, int MT, int NUM_WARPS, int MIN_CTAS>
+template <typename T, int D, int BN, int MT, int NUM_WARPS, int MIN_CTAS, bool HAS_SOFTCAP, int Q_REG_KS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
     T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
@@ -99,10 +144,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
   constexpr int PITCH = D + 8;
   constexpr int KV_TILE = BN * PITCH;  // elements of one K or V tile
   constexpr int STAGE = 2 * KV_TILE;   // K then V
+  constexpr int NKS = D / 16;    // k-steps of Q K^T
   // Q fragments stay in registers for the whole CTA when they are few; then Q is staged through the
   // second pipeline stage before the first key tile needs it, and costs no shared memory of its own.
+  // Otherwise Q keeps its own tile in shared memory, and its first Q_REG_KS k-steps are held in registers
+  // (fewer ldmatrix per MMA in Q K^T, where registers allow).
   constexpr bool Q_IN_REGS = MT * D <= 128;
-  constexpr int NKS = D / 16;    // k-steps of Q K^T
+  constexpr int Q_KS = Q_IN_REGS ? NKS : Q_REG_KS;
+  static_assert(Q_KS >= 0 && Q_KS <= NKS, "Q k-steps in registers");
   constexpr int NNT = BN / 8;    // n-tiles of S
   constexpr int NDT = D / 8;     // n-tiles of O
   static_assert(D % 16 == 0 && BN % 16 == 0, "tile shapes");
@@ -112,6 +161,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
   T* const sQ = Q_IN_REGS ? smem + STAGE : smem + 2 * STAGE;
+  constexpr int ES = (int)sizeof(T);
+  const unsigned smem_u32 = sc::smem_addr(smem);
+  const unsigned sQ_u32 = sc::smem_addr(sQ);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int m_block = reverse_m ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
@@ -131,8 +183,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
   const T* const q_base = q + batch * q_batch_stride + (long long)(q_off + m0) * q_row_stride + head * q_head_stride;
   const T* const k_base = k + batch * k_batch_stride + (long long)k_off * k_row_stride + kv_head * k_head_stride;
   const T* const v_base = v + batch * v_batch_stride + (long long)k_off * v_row_stride + kv_head * v_head_stride;
-  T* const o_base = out + batch * o_batch_stride + (long long)(q_off + m0) * o_row_stride + head * o_head_stride;
-  float* const lse_base = lse == nullptr ? nullptr : lse + batch * lse_batch_stride + head * lse_head_stride + q_off + m0;
+  // Output pointers are formed where they are used, so that they do not hold registers through the main loop.
+  auto o_tile = [&]() {
+    return out + batch * o_batch_stride + (long long)(q_off + m0) * o_row_stride + head * o_head_stride;
+  };
+  auto lse_tile = [&]() { return lse + batch * lse_batch_stride + head * lse_head_stride + q_off + m0; };
   const int chunks_valid = head_dim >> 3;
   const int rows_q = min(BM, sq - m0);
 
@@ -150,25 +205,26 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
   const int warp_row0 = warp * 16 * MT;
 
   if (n_begin >= n_end) {  // no query row of this tile sees any key: zeros, lse = -inf
+    T* const o_base = o_tile();
     for (int c = tid; c < rows_q * chunks_valid; c += NUM_THREADS) {
       const int r = c / chunks_valid, ch = c % chunks_valid;
       *reinterpret_cast<uint4*>(o_base + (long long)r * o_row_stride + ch * 8) = make_uint4(0, 0, 0, 0);
     }
-    if (lse_base != nullptr)
-      for (int r = tid; r < rows_q; r += NUM_THREADS) lse_base[r] = neg_inf();
+    if (lse != nullptr)
+      for (int r = tid; r < rows_q; r += NUM_THREADS) lse_tile()[r] = neg_inf();
     return;
   }
 
   // Prologue: Q (its own cp.async group), then the first key tile.
-  load_tile_async<T, BM, D, PITCH, NUM_THREADS>(sQ, q_base, (int)q_row_stride, rows_q, chunks_valid, tid);
+  load_tile_async<T, BM, D, PITCH, NUM_THREADS, false>(sQ_u32, q_base, (int)q_row_stride, rows_q, chunks_valid, tid);
   sc::cp_async_commit();
   // Key tiles are visited from the last to the first: the tiles crossing the causal diagonal come first.
   int n_block = n_end - 1;
   {
     const int rows_k = sk - n_block * BN;
-    load_tile_async<T, BN, D, PITCH, NUM_THREADS>(smem, k_base + (long long)n_block * BN * k_row_stride, (int)k_row_stride, rows_k,
+    load_tile_async<T, BN, D, PITCH, NUM_THREADS, false>(smem_u32, k_base + (long long)n_block * BN * k_row_stride, (int)k_row_stride, rows_k,
                                      chunks_valid, tid);
-    load_tile_async<T, BN, D, PITCH, NUM_THREADS>(smem + KV_TILE, v_base + (long long)n_block * BN * v_row_stride, (int)v_row_stride,
+    load_tile_async<T, BN, D, PITCH, NUM_THREADS, false>(smem_u32 + KV_TILE * ES, v_base + (long long)n_block * BN * v_row_stride, (int)v_row_stride,
                                      rows_k, chunks_valid, tid);
     sc::cp_async_commit();
   }
@@ -180,17 +236,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
   const int q_lane = (lane & 15) * PITCH + (lane >> 4) * 8;
   const int k_lane = ((lane >> 4) * 8 + (lane & 7)) * PITCH + ((lane >> 3) & 1) * 8;
   const int v_lane = (((lane >> 3) & 1) * 8 + (lane & 7)) * PITCH + (lane >> 4) * 8;
+  const unsigned q_addr = sQ_u32 + ((warp_row0 * PITCH) + q_lane) * ES;
 
-  unsigned q_frag[Q_IN_REGS ? MT : 1][Q_IN_REGS ? NKS : 1][4];
-  if constexpr (Q_IN_REGS) {
+  unsigned q_frag[MT][Q_KS > 0 ? Q_KS : 1][4];
+  if constexpr (Q_KS > 0) {
     sc::cp_async_wait<1>();
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int ks = 0; ks < NKS; ++ks)
-        sc::ldmatrix_x4(q_frag[mt][ks][0], q_frag[mt][ks][1], q_frag[mt][ks][2], q_frag[mt][ks][3],
-                        sQ + (warp_row0 + mt * 16) * PITCH + q_lane + ks * 16);
+      for (int ks = 0; ks < Q_KS; ++ks)
+        ldsm_x4(q_frag[mt][ks], q_addr + ((mt * 16) * PITCH + ks * 16) * ES);
   }
 
   float o_acc[MT][NDT][4];
@@ -209,22 +265,21 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
       row_sum[mt][h] = 0.f;
     }
 
-  const bool has_softcap = softcap_pre != 0.f;
   int stage = 0;
   for (; n_block >= n_begin; --n_block) {
     sc::cp_async_wait<0>();
     __syncthreads();  // tile n_block is in shared memory, and every warp is done with the other stage
     if (n_block > n_begin) {
       const int nb = n_block - 1;
-      T* const dst = smem + (stage ^ 1) * STAGE;
-      load_tile_async<T, BN, D, PITCH, NUM_THREADS>(dst, k_base + (long long)nb * BN * k_row_stride, (int)k_row_stride, BN,
+      const unsigned dst = smem_u32 + (stage ^ 1) * STAGE * ES;
+      load_tile_async<T, BN, D, PITCH, NUM_THREADS, true>(dst, k_base + (long long)nb * BN * k_row_stride, (int)k_row_stride, BN,
                                        chunks_valid, tid);
-      load_tile_async<T, BN, D, PITCH, NUM_THREADS>(dst + KV_TILE, v_base + (long long)nb * BN * v_row_stride, (int)v_row_stride, BN,
+      load_tile_async<T, BN, D, PITCH, NUM_THREADS, true>(dst + KV_TILE * ES, v_base + (long long)nb * BN * v_row_stride, (int)v_row_stride, BN,
                                        chunks_valid, tid);
       sc::cp_async_commit();
     }
-    const T* const sK = smem + stage * STAGE;
-    const T* const sV = sK + KV_TILE;
+    const unsigned k_addr = smem_u32 + stage * STAGE * ES + k_lane * ES;
+    const unsigned v_addr = smem_u32 + (stage * STAGE + KV_TILE) * ES + v_lane * ES;
 
     // S = Q K^T
     float s[MT][NNT][4];
@@ -239,17 +294,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
       unsigned a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        if constexpr (Q_IN_REGS) {
+        if (ks < Q_KS) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks < Q_KS ? ks : 0][e];
         } else {
-          sc::ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], sQ + (warp_row0 + mt * 16) * PITCH + q_lane + ks * 16);
+          ldsm_x4(a[mt], q_addr + ((mt * 16) * PITCH + ks * 16) * ES);
         }
       }
 #pragma unroll
       for (int np = 0; np < NNT / 2; ++np) {
         unsigned b[4];
-        sc::ldmatrix_x4(b[0], b[1], b[2], b[3], sK + np * 16 * PITCH + k_lane + ks * 16);
+        ldsm_x4(b, k_addr + (np * 16 * PITCH + ks * 16) * ES);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           sc::mma_16816<T>(s[mt][2 * np], a[mt], b);
@@ -258,7 +313,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
       }
     }
 
-    if (has_softcap) {  // softcap * tanh(x), tanh(x) = 1 - 2 / (1 + e^(2x)): absolute error ~1e-7
+    if constexpr (HAS_SOFTCAP) {  // softcap * tanh(x), tanh(x) = 1 - 2 / (1 + e^(2x)): absolute error ~1e-7
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -271,21 +326,22 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
 
     const int n0 = n_block * BN;
     if (n0 < lo_last || n0 + BN > hi_first) {  // a boundary tile
+      // visible iff diag - left <= col - row <= diag + right and col < sk; the per-element offsets are
+      // compile-time constants, so the whole mask costs four live registers
+      const int col0 = n0 + 2 * t;
+      const int rel0 = col0 - (m0 + warp_row0 + g);
+      const int rel_lo = diag - window_left, rel_hi = diag + window_right, cols_left = sk - col0;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = m0 + warp_row0 + mt * 16 + g + 8 * h;
-          const int lo = max(0, row + diag - window_left) - n0;
-          const int hi = min(sk, row + diag + window_right + 1) - n0;
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int nt = 0; nt < NNT; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int col = nt * 8 + 2 * t + e;
-              if (col < lo || col >= hi) s[mt][nt][2 * h + e] = neg_inf();
+              const int rel = rel0 + (nt * 8 + e - mt * 16 - 8 * h);
+              if (rel < rel_lo || rel > rel_hi || nt * 8 + e >= cols_left) s[mt][nt][2 * h + e] = neg_inf();
             }
-        }
     }
 
     // Online softmax; P overwrites S in place, rounded to T as the A operand of P V.
@@ -360,7 +416,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         unsigned b[4];
-        sc::ldmatrix_x4_trans(b[0], b[1], b[2], b[3], sV + kk * 16 * PITCH + v_lane + dp * 16);
+        ldsm_x4_trans(b, v_addr + (kk * 16 * PITCH + dp * 16) * ES);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           sc::mma_16816<T>(o_acc[mt][2 * dp], p[mt][kk], b);
@@ -387,11 +443,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
       for (int nt = 0; nt < NDT; ++nt)
         *reinterpret_cast<unsigned*>(sO + r * PITCH + nt * 8 + 2 * t) =
             pack_f32x2<T>(o_acc[mt][nt][2 * h] * inv, o_acc[mt][nt][2 * h + 1] * inv);
-      if (lse_base != nullptr && t == 0 && r < rows_q)
-        lse_base[r] = l > 0.f ? (row_max[mt][h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
+      if (lse != nullptr && t == 0 && r < rows_q)
+        lse_tile()[r] = l > 0.f ? (row_max[mt][h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
     }
   __syncwarp();
   constexpr int WARP_CHUNKS = 16 * MT * (D / 8);
+  T* const o_base = o_tile();
 #pragma unroll
   for (int i = 0; i < WARP_CHUNKS / 32; ++i) {
     const int c = lane + i * 32;
