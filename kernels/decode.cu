@@ -311,73 +311,82 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
   }
 }
 
-// Combines the splits of one (sequence, query head) per CTA: weights exp(lse_s - max) over the split
-// log-sum-exps, threads spread over (split groups x 4-float columns) so a long split list is read with many
-// loads in flight.
-template <typename T>
-__global__ void __launch_bounds__(256, 1) decode_merge_kernel(T* __restrict__ out, float* __restrict__ lse_out,
+// Combines the splits of one (sequence, query head) per CTA with weights exp(lse_s - max).  Latency-bound
+// (a few KB per row), so there is no block-wide reduction before the loads: every warp computes the max and
+// the total of the split lse values itself (at most 256 values), warps take interleaved splits and lanes
+// 4-float columns, loads are unrolled so several splits are in flight per lane, and one shared-memory pass
+// sums the warps.  The host picks the warp count (1 to 8) from the number of splits.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, float* __restrict__ lse_out,
                                                            const float* __restrict__ part_out,
                                                            const float* __restrict__ part_lse, int num_heads,
-                                                           int num_splits, int head_dim, long long o_stride_b,
+                                                           int num_splits, long long o_stride_b,
                                                            long long o_stride_h) {
-  __shared__ float weight[256];
-  __shared__ float4 red[256];
-  __shared__ float scratch[32];
-  const long long row = blockIdx.x;
-  const int tid = threadIdx.x;
-  const float* lse = part_lse + row * num_splits;
+  constexpr int V4 = D / 4;                 // float4 columns of a row
+  constexpr int LPS = V4 < 32 ? V4 : 32;    // lanes per split row
+  constexpr int SPW = 32 / LPS;             // splits a warp reads per step
+  constexpr int VPL = V4 / LPS;             // float4 per lane
+  __shared__ float4 red[8][V4];
+  const int row = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const float* lse = part_lse + (long long)row * num_splits;
   float mx = dec::neg_inf();
-  for (int s = tid; s < num_splits; s += 256) mx = fmaxf(mx, lse[s]);
-  {
-    float v = sc::warp_max(mx);
-    if ((tid & 31) == 0) scratch[tid >> 5] = v;
-    __syncthreads();
-    v = (tid & 31) < 8 ? scratch[tid & 31] : dec::neg_inf();
-    mx = sc::warp_max(v);
-    __syncthreads();
-  }
-  float part = 0.f;
-  for (int s = tid; s < num_splits; s += 256) {
-    const float w = mx == dec::neg_inf() ? 0.f : __expf(lse[s] - mx);
-    weight[s] = w;
-    part += w;
-  }
-  const float total = sc::block_sum(part, scratch);  // its barriers also publish weight[]
-  const int vecs = head_dim / 4;
-  const int groups = 256 / vecs;
-  const int v = tid % vecs, g = tid / vecs;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (g < groups) {
-    const float4* src = reinterpret_cast<const float4*>(part_out + row * num_splits * head_dim) + v;
-    for (int s = g; s < num_splits; s += groups) {
-      const float w = weight[s];
-      const float4 x = src[(long long)s * vecs];
-      acc.x += w * x.x;
-      acc.y += w * x.y;
-      acc.z += w * x.z;
-      acc.w += w * x.w;
+  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse[s]);
+  mx = sc::warp_max(mx);
+  const bool empty = mx == dec::neg_inf();
+  float total = 0.f;
+  for (int s = lane; s < num_splits; s += 32) total += empty ? 0.f : __expf(lse[s] - mx);
+  total = sc::warp_sum(total);
+
+  const int sub = lane / LPS, v = lane - sub * LPS;
+  const float4* src = reinterpret_cast<const float4*>(part_out) + (long long)row * num_splits * V4 + v;
+  float4 acc[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int s = warp * SPW + sub; s < num_splits; s += nwarps * SPW) {
+    const float w = empty ? 0.f : __expf(lse[s] - mx);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const float4 x = src[(long long)s * V4 + i * LPS];
+      acc[i].x += w * x.x;
+      acc[i].y += w * x.y;
+      acc[i].z += w * x.z;
+      acc[i].w += w * x.w;
     }
   }
-  red[tid] = acc;
+  if constexpr (SPW == 2) {  // two splits per warp step: fold the upper half-warp into the lower
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      acc[i].x += __shfl_xor_sync(0xffffffffu, acc[i].x, 16);
+      acc[i].y += __shfl_xor_sync(0xffffffffu, acc[i].y, 16);
+      acc[i].z += __shfl_xor_sync(0xffffffffu, acc[i].z, 16);
+      acc[i].w += __shfl_xor_sync(0xffffffffu, acc[i].w, 16);
+    }
+  }
+  if (sub == 0) {
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) red[warp][v + i * LPS] = acc[i];
+  }
   __syncthreads();
-  if (tid < vecs) {
-    float4 sum = red[tid];
-    for (int gg = 1; gg < groups; ++gg) {
-      const float4 x = red[gg * vecs + tid];
+  const float inv = total > 0.f ? __frcp_rn(total) : 0.f;
+  const int b = row / num_heads, h = row - b * num_heads;
+  for (int c = threadIdx.x; c < V4; c += blockDim.x) {
+    float4 sum = red[0][c];
+    for (int w = 1; w < nwarps; ++w) {
+      const float4 x = red[w][c];
       sum.x += x.x;
       sum.y += x.y;
       sum.z += x.z;
       sum.w += x.w;
     }
-    const float inv = total > 0.f ? __frcp_rn(total) : 0.f;
-    const int b = (int)row / num_heads, h = (int)row - b * num_heads;  // 32-bit: no division subroutine
-    T* o = out + (long long)b * o_stride_b + (long long)h * o_stride_h + tid * 4;
+    T* o = out + (long long)b * o_stride_b + (long long)h * o_stride_h + c * 4;
     o[0] = sc::from_float<T>(sum.x * inv);
     o[1] = sc::from_float<T>(sum.y * inv);
     o[2] = sc::from_float<T>(sum.z * inv);
     o[3] = sc::from_float<T>(sum.w * inv);
-    if (lse_out != nullptr && tid == 0) lse_out[row] = total > 0.f ? mx + __logf(total) : dec::neg_inf();
   }
+  if (lse_out != nullptr && threadIdx.x == 0) lse_out[row] = total > 0.f ? mx + __logf(total) : dec::neg_inf();
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -409,95 +418,103 @@ __global__ void __launch_bounds__(128) reshape_and_cache_kernel(
 // ------------------------------------------------------------------------------------------------------------
 // Rotary embedding in place, vLLM semantics: cos_sin_cache[pos] = [cos(rot/2) | sin(rot/2)]; the first
 // rot_dim dims of each head rotate, the rest are untouched.  NEOX pairs x[i] with x[i + rot/2]; GPT-J pairs
-// x[2i] with x[2i+1].  One CTA per token: the token's cos/sin row is staged once in shared memory (as float)
-// and shared by all its heads.  VEC moves 16-byte words of the head (needs rot/2 (NEOX) or rot (GPT-J) a
-// multiple of the word and aligned rows); otherwise one pair per step.
+// x[2i] with x[2i+1].
+//
+// A flat grid of independent tasks (token, head, column group), one per thread, no barrier: a thread issues
+// its q/k loads at once, alongside the position and cos/sin loads (the cos/sin rows are a few KB per token,
+// re-read by every head from L1/L2, so HBM sees each once).  VEC: a task is one 16-byte word of each rotated
+// half (NEOX: N pairs x[c*N..], x[half + c*N..]; GPT-J: one word = N/2 interleaved pairs), with the matching
+// cos/sin loaded as vectors (the host checks the alignment); otherwise a task is one pair.
+namespace dec {
+// M consecutive values of CS as floats, in 16-, 8- or 4-byte loads when the byte count allows.
+template <typename CS, int M> __device__ __forceinline__ void load_floats(const CS* p, float* f) {
+  constexpr int BYTES = M * (int)sizeof(CS);
+  if constexpr (BYTES % 16 == 0) {
+    constexpr int PER = 16 / sizeof(CS);
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) sc::Pack16<CS>::unpack(__ldg(reinterpret_cast<const uint4*>(p) + i), f + i * PER);
+  } else if constexpr (BYTES == 8 && sizeof(CS) == 4) {
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+    f[0] = __uint_as_float(w.x);
+    f[1] = __uint_as_float(w.y);
+  } else if constexpr (BYTES == 8) {
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+    const float2 a = sc::unpack2<CS>(w.x), b = sc::unpack2<CS>(w.y);
+    f[0] = a.x;
+    f[1] = a.y;
+    f[2] = b.x;
+    f[3] = b.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < M; ++i) f[i] = sc::to_float(p[i]);
+  }
+}
+}  // namespace dec
+
 template <typename T, typename CS, bool NEOX, bool VEC>
-__global__ void __launch_bounds__(1024) rotary_embedding_kernel(
+__global__ void __launch_bounds__(256) rotary_embedding_kernel(
     T* __restrict__ q, T* __restrict__ k, const void* __restrict__ positions, int pos_is_64,
     const CS* __restrict__ cos_sin, long long cs_stride, int rot_dim, int max_pos, int q_heads, int k_heads,
-    long long q_stride_tok, long long q_stride_head, long long k_stride_tok, long long k_stride_head) {
-  constexpr int MAX_ROT = 1024;
-  __shared__ float cs[MAX_ROT];
-  const long long t = blockIdx.x;
+    long long q_stride_tok, long long q_stride_head, long long k_stride_tok, long long k_stride_head,
+    int num_tokens) {
+  constexpr int N = VEC ? 16 / sizeof(T) : 1;
+  const int half = rot_dim / 2;
+  // tasks per head: VEC NEOX half/N words, VEC GPT-J rot/N words, scalar half pairs
+  const int per_head = VEC ? (NEOX ? half / N : rot_dim / N) : half;
+  const int heads = q_heads + k_heads;
+  const unsigned per_token = (unsigned)(heads * per_head);
+  const unsigned g = blockIdx.x * 256u + threadIdx.x;  // host: num_tokens * per_token < 2**31
+  const unsigned t = g / per_token;
+  if ((int)t >= num_tokens) return;
+  const unsigned r = g - t * per_token;
+  const int hh = (int)(r / (unsigned)per_head), c = (int)(r - (unsigned)hh * per_head);
+  T* base = hh < q_heads ? q + (long long)t * q_stride_tok + (long long)hh * q_stride_head
+                         : k + (long long)t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
   long long pos = pos_is_64 ? static_cast<const long long*>(positions)[t]
                             : (long long) static_cast<const int*>(positions)[t];
   pos = min(max(pos, 0LL), (long long)max_pos - 1);  // a bad position reads a wrong row, never out of bounds
-  const CS* row = cos_sin + pos * cs_stride;
-  for (int i = threadIdx.x; i < rot_dim; i += blockDim.x) cs[i] = sc::to_float(row[i]);
-  const int half = rot_dim / 2;
-  const float* cosv = cs;
-  const float* sinv = cs + half;
-  const int heads = q_heads + k_heads;
+  const CS* cosr = cos_sin + pos * cs_stride;
+  const CS* sinr = cosr + half;
   if constexpr (VEC) {
-    constexpr int N = 16 / sizeof(T);
     using P = sc::Pack16<T>;
-    // NEOX: a task is N consecutive pairs (x at c*N, y at half + c*N).  GPT-J: a task is one word of N
-    // elements = N/2 interleaved pairs.  The host sizes the block to one task per thread when it can; the
-    // first task's words are loaded before the barrier so they are in flight with the cos/sin row.
-    const int per_head = NEOX ? half / N : rot_dim / N;
-    const int ntask = heads * per_head;
-    uint4 wx = make_uint4(0, 0, 0, 0), wy = wx;
-    auto locate = [&](int task, int& c) -> T* {
-      const int hh = task / per_head;
-      c = task - hh * per_head;
-      return hh < q_heads ? q + t * q_stride_tok + (long long)hh * q_stride_head
-                          : k + t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
-    };
-    int c0 = 0;
-    T* base0 = nullptr;
-    if ((int)threadIdx.x < ntask) {
-      base0 = locate(threadIdx.x, c0);
-      wx = *reinterpret_cast<const uint4*>(base0 + c0 * N);
-      if constexpr (NEOX) wy = *reinterpret_cast<const uint4*>(base0 + half + c0 * N);
-    }
-    __syncthreads();
-    for (int task = threadIdx.x; task < ntask; task += blockDim.x) {
-      int c = c0;
-      T* base = base0;
-      if (task != (int)threadIdx.x) {
-        base = locate(task, c);
-        wx = *reinterpret_cast<const uint4*>(base + c * N);
-        if constexpr (NEOX) wy = *reinterpret_cast<const uint4*>(base + half + c * N);
-      }
-      if constexpr (NEOX) {
-        float x[N], y[N];
-        P::unpack(wx, x);
-        P::unpack(wy, y);
+    if constexpr (NEOX) {
+      uint4* px = reinterpret_cast<uint4*>(base + c * N);
+      uint4* py = reinterpret_cast<uint4*>(base + half + c * N);
+      const uint4 wx = *px, wy = *py;
+      float x[N], y[N], cv[N], sv[N];
+      dec::load_floats<CS, N>(cosr + c * N, cv);
+      dec::load_floats<CS, N>(sinr + c * N, sv);
+      P::unpack(wx, x);
+      P::unpack(wy, y);
 #pragma unroll
-        for (int e = 0; e < N; ++e) {
-          const float cv = cosv[c * N + e], sv = sinv[c * N + e];
-          const float xr = x[e] * cv - y[e] * sv;
-          y[e] = y[e] * cv + x[e] * sv;
-          x[e] = xr;
-        }
-        *reinterpret_cast<uint4*>(base + c * N) = P::pack(x);
-        *reinterpret_cast<uint4*>(base + half + c * N) = P::pack(y);
-      } else {
-        float x[N];
-        P::unpack(wx, x);
-#pragma unroll
-        for (int e = 0; e < N / 2; ++e) {
-          const float cv = cosv[c * (N / 2) + e], sv = sinv[c * (N / 2) + e];
-          const float a = x[2 * e], bb = x[2 * e + 1];
-          x[2 * e] = a * cv - bb * sv;
-          x[2 * e + 1] = bb * cv + a * sv;
-        }
-        *reinterpret_cast<uint4*>(base + c * N) = P::pack(x);
+      for (int e = 0; e < N; ++e) {
+        const float xr = x[e] * cv[e] - y[e] * sv[e];
+        y[e] = y[e] * cv[e] + x[e] * sv[e];
+        x[e] = xr;
       }
+      *px = P::pack(x);
+      *py = P::pack(y);
+    } else {
+      uint4* p = reinterpret_cast<uint4*>(base + c * N);
+      const uint4 w = *p;
+      float x[N], cv[N / 2], sv[N / 2];
+      dec::load_floats<CS, N / 2>(cosr + c * (N / 2), cv);
+      dec::load_floats<CS, N / 2>(sinr + c * (N / 2), sv);
+      P::unpack(w, x);
+#pragma unroll
+      for (int e = 0; e < N / 2; ++e) {
+        const float a = x[2 * e], bb = x[2 * e + 1];
+        x[2 * e] = a * cv[e] - bb * sv[e];
+        x[2 * e + 1] = bb * cv[e] + a * sv[e];
+      }
+      *p = P::pack(x);
     }
   } else {
-    __syncthreads();
-    for (int task = threadIdx.x; task < heads * half; task += blockDim.x) {
-      const int hh = task / half, i = task - hh * half;
-      T* base = hh < q_heads ? q + t * q_stride_tok + (long long)hh * q_stride_head
-                             : k + t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
-      const int xi = NEOX ? i : 2 * i, yi = NEOX ? i + half : 2 * i + 1;
-      const float x = sc::to_float(base[xi]), y = sc::to_float(base[yi]);
-      const float cv = cosv[i], sv = sinv[i];
-      base[xi] = sc::from_float<T>(x * cv - y * sv);
-      base[yi] = sc::from_float<T>(y * cv + x * sv);
-    }
+    const int xi = NEOX ? c : 2 * c, yi = NEOX ? c + half : 2 * c + 1;
+    const float x = sc::to_float(base[xi]), y = sc::to_float(base[yi]);
+    const float cv = sc::to_float(cosr[c]), sv = sc::to_float(sinr[c]);
+    base[xi] = sc::from_float<T>(x * cv - y * sv);
+    base[yi] = sc::from_float<T>(y * cv + x * sv);
   }
 }
 

@@ -22,7 +22,8 @@ TILE_TOKENS = 16           # tokens per tile of the attention kernel (one mma M 
 QUERIES_PER_CTA = 8        # query heads of one KV head served by one CTA (the mma N dimension)
 MAX_SPLITS = 256           # the merge kernel stages one weight per split in 256 floats of shared memory
 MIN_TILES_PER_SPLIT = 32   # 512 tokens: below this a split's fixed costs (Q load, merge traffic) dominate
-WAVES = 4                  # target CTAs per resident CTA slot when the batch alone cannot fill the GPU
+WAVES = 2                  # target CTAs per resident CTA slot when the batch alone cannot fill the GPU
+L2_HINT = 2                # cp.async with an L2 evict-first policy: K/V are read once (measured +0.5-2%)
 _RESERVED_SMEM_PER_CTA = 1024
 
 
@@ -46,13 +47,15 @@ def decode_num_splits(batch: int, units: int, max_len: int, sms: int, ctas_per_s
     """How many CTAs share one (sequence, KV head, query group) along the KV length (flash-decoding).
 
     ``units`` = KV heads x query groups of 8.  When ``batch * units`` CTAs already cover the resident CTA
-    slots twice, no split (no merge pass).  Otherwise enough splits for about ``WAVES`` CTAs per slot, but
-    no split shorter than ``MIN_TILES_PER_SPLIT`` tiles of the longest possible sequence (``max_len``, the
-    block table's capacity: no device-to-host sync is needed to choose), and at most ``MAX_SPLITS``.
+    slots, no split (no merge pass).  Otherwise enough splits for about ``WAVES`` CTAs per slot, but no split
+    shorter than ``MIN_TILES_PER_SPLIT`` tiles of the longest possible sequence (``max_len``, the block
+    table's capacity: no device-to-host sync is needed to choose), and at most ``MAX_SPLITS``.  On the H200
+    fewer, longer CTAs won: at (64, 4096, 32/8 heads) one split (512 CTAs) ran 4.30 TB/s against 4.08 with
+    2 and 4.04 with 4; at (1, 131072) 64 splits beat 132 and 256.
     """
     slots = max(1, sms * ctas_per_sm)
     work = max(1, batch * units)
-    if work >= 2 * slots:
+    if work >= slots:
         return 1
     want = -(-WAVES * slots // work)
     tiles = -(-max(1, max_len) // TILE_TOKENS)
@@ -65,11 +68,18 @@ def _ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
 
 def _attn_kernel(dtype: str, head_dim: int) -> Kernel:
     warps, stages, _ = decode_config(head_dim)
-    return Kernel(SOURCE, f"paged_decode_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}>")
+    return Kernel(SOURCE, f"paged_decode_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}, {L2_HINT}>")
 
 
-def _merge_kernel(dtype: str) -> Kernel:
-    return Kernel(SOURCE, f"decode_merge_kernel<{A.CTYPE[dtype]}>")
+def _merge_kernel(dtype: str, head_dim: int) -> Kernel:
+    return Kernel(SOURCE, f"decode_merge_kernel<{A.CTYPE[dtype]}, {head_dim}>")
+
+
+@lru_cache(maxsize=1024)
+def merge_threads(num_splits: int, head_dim: int) -> int:
+    """One warp per 1 (2 at head_dim 64) splits, up to 8 warps: a row's splits are all loaded at once."""
+    per_warp = 2 if head_dim == 64 else 1
+    return 32 * max(1, min(8, -(-num_splits // per_warp)))
 
 
 # -- the memory-bound elementwise ops -------------------------------------------------------------------------
@@ -98,7 +108,7 @@ def all_kernels() -> list:
     for dtype in A.HALF_DTYPES:
         for d in HEAD_DIMS:
             out.append(_attn_kernel(dtype, d))
-        out.append(_merge_kernel(dtype))
+            out.append(_merge_kernel(dtype, d))
     for w in sorted(_WORD_TYPES):
         out.append(_cache_kernel(w))
     for dtype in A.FLOAT_DTYPES:
@@ -263,11 +273,61 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softma
     return _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, return_lse)
 
 
-def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, return_lse, num_splits=None):
+_DECODE_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _desc(a):
+    """What a launch plan depends on: layout, dtype, library, device and pointer alignment (not the pointer)."""
+    return None if a is None else (a.shape, a.strides, a.dtype, a.lib, a.device, a.ptr % 16)
+
+
+def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, num_splits) -> dict:
+    """The validated launch plan (kernels, configurations, scalar arguments) for these layouts and parameters.
+
+    Decode runs once per generated token with the same shapes, and its kernels take 60-250 us: the Python
+    validation and argument packing are done once per layout (a dict lookup afterwards) so that they stay
+    well below the kernel time.  Only the pointer-dependent overlap check runs on every call.
+    """
+    try:
+        key = (_desc(qa), _desc(ka), _desc(va), _desc(bta), _desc(sla), _desc(oa), type(softmax_scale), softmax_scale,
+               type(softcap), softcap, type(window_left), window_left, type(num_splits), num_splits)
+        plan = _DECODE_PLANS.get(key)
+    except TypeError:  # an unhashable argument: let the full check name it
+        key = plan = None
+    if plan is not None:
+        if oa is not None:
+            A.check_no_overlap(oa, qa, ka, va, bta, sla)
+        return plan
     dev = device_info(qa.device)
     p = _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, sms=dev.sms,
                            smem_per_sm=dev.smem_per_sm, num_splits=num_splits)
     batch, heads, head_dim, splits = p["batch"], p["heads"], p["head_dim"], p["num_splits"]
+    o_strides = oa.strides[:2] if oa is not None else (heads * head_dim, head_dim)
+    plan = dict(
+        batch=batch, heads=heads, head_dim=head_dim, splits=splits,
+        kernel=_attn_kernel(qa.dtype, head_dim),
+        cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"]),
+        scalars=(np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),
+                 np.int32(p["block_size"]), np.int32(p["num_blocks"]), np.int32(p["max_len"]),
+                 np.int64(qa.strides[0]), np.int64(qa.strides[1]), np.int64(o_strides[0]), np.int64(o_strides[1]),
+                 np.int64(ka.strides[0]), np.int64(ka.strides[1]), np.int64(ka.strides[2]),
+                 np.int64(bta.strides[0]), np.int64(sla.strides[0]), np.float32(p["scale_a"]),
+                 np.float32(p["cap_log2"]), np.int32(p["use_softcap"]), np.int32(p["window_left"])),
+        merge_kernel=_merge_kernel(qa.dtype, head_dim),
+        merge_cfg=LaunchConfig((max(1, batch * heads),), (merge_threads(splits, head_dim),)),
+        merge_scalars=(np.int32(heads), np.int32(splits), np.int64(o_strides[0]), np.int64(o_strides[1])),
+        partial_floats=batch * heads * splits * head_dim)
+    if key is not None:
+        if len(_DECODE_PLANS) >= _MAX_PLANS:
+            _DECODE_PLANS.clear()
+        _DECODE_PLANS[key] = plan
+    return plan
+
+
+def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, return_lse, num_splits=None):
+    p = _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, num_splits)
+    batch, heads, splits = p["batch"], p["heads"], p["splits"]
     if oa is None:
         oa = A.empty(qa, qa.shape, qa.dtype)
     la = A.empty(qa, (batch, heads), "float32", name="lse") if return_lse else None
@@ -275,26 +335,17 @@ def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left,
     if batch == 0:
         return result
     stream = A.stream_of(qa)
-    part_o = part_l = None
+    lse_ptr = la.ptr if la is not None else 0
+    part_o = part_l = 0
     if splits > 1:
-        part_o = A.empty(qa, (batch * heads * splits * head_dim,), "float32", name="partial_out")
-        part_l = A.empty(qa, (batch * heads * splits,), "float32", name="partial_lse")
-    args = (oa.ptr, la.ptr if la is not None and splits == 1 else 0, part_o.ptr if part_o else 0,
-            part_l.ptr if part_l else 0, qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr,
-            np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),
-            np.int32(p["block_size"]), np.int32(p["num_blocks"]), np.int32(p["max_len"]),
-            np.int64(qa.strides[0]), np.int64(qa.strides[1]), np.int64(oa.strides[0]), np.int64(oa.strides[1]),
-            np.int64(ka.strides[0]), np.int64(ka.strides[1]), np.int64(ka.strides[2]), np.int64(bta.strides[0]),
-            np.int64(sla.strides[0]), np.float32(p["scale_a"]), np.float32(p["cap_log2"]),
-            np.int32(p["use_softcap"]), np.int32(p["window_left"]))
-    grid = batch * splits * p["units"]
-    launch(_attn_kernel(qa.dtype, head_dim), LaunchConfig((grid,), (p["warps"] * 32,), p["smem"]), args,
-           device=qa.device, stream=stream)
+        # one workspace: partial outputs, then the partial log-sum-exps (16-byte aligned: head_dim % 64 == 0)
+        ws = A.empty(qa, (p["partial_floats"] + batch * heads * splits,), "float32", name="workspace")
+        part_o, part_l = ws.ptr, ws.ptr + 4 * p["partial_floats"]
+    args = (oa.ptr, lse_ptr if splits == 1 else 0, part_o, part_l, qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr)
+    launch(p["kernel"], p["cfg"], args + p["scalars"], device=qa.device, stream=stream)
     if splits > 1:
-        margs = (oa.ptr, la.ptr if la is not None else 0, part_o.ptr, part_l.ptr, np.int32(heads), np.int32(splits),
-                 np.int32(head_dim), np.int64(oa.strides[0]), np.int64(oa.strides[1]))
-        launch(_merge_kernel(qa.dtype), LaunchConfig((batch * heads,), (256,)), margs, device=qa.device,
-               stream=stream)
+        launch(p["merge_kernel"], p["merge_cfg"], (oa.ptr, lse_ptr, part_o, part_l) + p["merge_scalars"],
+               device=qa.device, stream=stream)
     return result
 
 
@@ -408,22 +459,20 @@ def _plan_rotary(pa, qa, ka, csa, is_neox) -> dict:
         if head_size > 1 and a.strides[-1] != 1:
             raise ValueError(f"{a.name}: head_size must be contiguous, got strides {a.strides}")
         strides[a.name] = (_lead_stride(a, len(lead), "token"), a.strides[-2])
-    if ka is not None:
-        A.check_no_overlap(qa, ka)
     n = 16 // qa.itemsize
     span = rot_dim // 2 if is_neox else rot_dim
-    vec = span % n == 0 and all(_aligned16(a, strides[a.name]) for a in (qa, ka) if a is not None)
-    tasks = (q_heads + k_heads) * (span // n if vec else rot_dim // 2)
+    # the cos/sin values of one task are read as one vector of (n or n/2) values: check its alignment
+    cs_bytes = (n if is_neox else n // 2) * csa.itemsize
+    cs_align = 16 if cs_bytes % 16 == 0 else cs_bytes if cs_bytes in (4, 8) else 0
+    cs_vec = cs_align > 0 and csa.aligned(cs_align) and (csa.strides[0] * csa.itemsize) % cs_align == 0 and (
+        (rot_dim // 2) * csa.itemsize) % cs_align == 0
+    vec = span % n == 0 and cs_vec and all(_aligned16(a, strides[a.name]) for a in (qa, ka) if a is not None)
+    per_token = (q_heads + k_heads) * (span // n if vec else rot_dim // 2)
+    if tokens * per_token >= 2 ** 31:
+        raise ValueError(f"q: {tokens} tokens x {per_token} rotary tasks per token exceed 2**31; split the call")
     return dict(tokens=tokens, q_heads=q_heads, k_heads=k_heads, rot_dim=rot_dim, max_pos=max_pos, vec=vec,
-                threads=rotary_threads(tasks),
+                tasks=tokens * per_token,
                 q_strides=strides["q"], k_strides=strides.get("k", (0, 0)))
-
-
-@lru_cache(maxsize=1024)
-def rotary_threads(tasks: int) -> int:
-    """Threads per token's CTA: one task (a 16-byte word or pair of words, or one scalar pair) per thread up to
-    1024, so each thread's loads are issued before the barrier that publishes the cos/sin row."""
-    return min(1024, max(64, -(-tasks // 32) * 32))
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
@@ -439,7 +488,8 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
         Values must lie in [0, max_position) (they are clamped to it).
     q : shape (*positions.shape, num_heads, head_size); float16, bfloat16 or float32; head_size contiguous,
         the token dims collapsible to one stride (any head stride: slices of a fused QKV work).
-    k : same layout with num_kv_heads heads and q's head_size and dtype, or None.
+    k : same layout with num_kv_heads heads and q's head_size and dtype, or None.  q and k may be views of one
+        fused QKV tensor but must not share elements.
     cos_sin_cache : shape (max_position, rot_dim), float32 or q's dtype; rot_dim even, <= head_size, <= 1024.
     is_neox : bool, default True.
 
@@ -457,9 +507,9 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
     args = (qa.ptr, ka.ptr if ka is not None else 0, pa.ptr, np.int32(pa.dtype == "int64"), csa.ptr,
             np.int64(csa.strides[0]), np.int32(p["rot_dim"]), np.int32(p["max_pos"]), np.int32(p["q_heads"]),
             np.int32(p["k_heads"]), np.int64(p["q_strides"][0]), np.int64(p["q_strides"][1]),
-            np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]))
+            np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]), np.int32(p["tokens"]))
     kern = _rotary_kernel(qa.dtype, csa.dtype, bool(is_neox), p["vec"])
-    launch(kern, LaunchConfig((p["tokens"],), (p["threads"],)), args, device=qa.device, stream=A.stream_of(qa))
+    launch(kern, LaunchConfig((-(-p["tasks"] // 256),), (256,)), args, device=qa.device, stream=A.stream_of(qa))
     return q, k
 
 

@@ -106,11 +106,12 @@ def test_split_heuristic_fills_the_gpu():
     per_sm = D._ctas_per_sm(smem, warps * 32, 233472)
     assert per_sm == 2
     slots = 132 * per_sm
-    # big batches: no split, no merge pass
+    # batches that cover the CTA slots: no split, no merge pass
     assert D.decode_num_splits(256, 32, 1024, 132, per_sm) == 1
-    for batch, units, max_len in [(8, 8, 32768), (1, 8, 131072), (64, 8, 4096), (4, 1, 1 << 20)]:
+    assert D.decode_num_splits(64, 8, 4096, 132, per_sm) == 1
+    for batch, units, max_len in [(8, 8, 32768), (1, 8, 131072), (32, 8, 4096), (4, 1, 1 << 20)]:
         s = D.decode_num_splits(batch, units, max_len, 132, per_sm)
-        assert 1 <= s <= D.MAX_SPLITS
+        assert 1 < s <= D.MAX_SPLITS
         assert batch * units * s >= min(2 * slots, batch * units * (max_len // 16 // D.MIN_TILES_PER_SPLIT))
     # short sequences are not split below the minimum chunk
     assert D.decode_num_splits(1, 8, 512, 132, per_sm) == 1
@@ -288,10 +289,11 @@ def test_paged_decode_head_dims(dtype_name, head_dim, group):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 256])
-def test_paged_decode_split_paths(num_splits):
+@pytest.mark.parametrize("head_dim, num_splits", [(128, 1), (128, 2), (128, 7), (128, 64), (128, 256), (64, 5),
+                                                  (64, 256), (256, 9), (256, 256)])
+def test_paged_decode_split_paths(head_dim, num_splits):
     torch = _torch()
-    run_decode(torch, batch_lens=[1, 999, 17, 4096, 0], heads=8, kv_heads=2, head_dim=128, block_size=16,
+    run_decode(torch, batch_lens=[1, 999, 17, 4096, 0], heads=8, kv_heads=2, head_dim=head_dim, block_size=16,
                dtype=torch.bfloat16, num_splits=num_splits, seed=num_splits)
 
 
@@ -362,6 +364,13 @@ def test_paged_decode_bad_inputs_raise_before_launch():
         speedcore.paged_decode_attention(q, k, v[:, :8], table, lens, out=out)
     torch.cuda.synchronize()
     assert torch.isnan(out).all()
+    # the overlap check runs on every call, also when the layout's launch plan is already cached
+    speedcore.paged_decode_attention(q, k, v, table, lens, out=torch.empty_like(q))
+    inside_k = k.view(-1)[8:8 + q.numel()].view(q.shape)
+    with pytest.raises(ValueError, match="out: overlaps k_cache"):
+        speedcore.paged_decode_attention(q, k, v, table, lens, out=inside_k)
+    with pytest.raises(TypeError, match="window_left"):
+        speedcore.paged_decode_attention(q, k, v, table, lens, out=torch.empty_like(q), window_left=True)
 
 
 @pytest.mark.gpu
