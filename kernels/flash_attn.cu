@@ -28,6 +28,10 @@ namespace fa {
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 constexpr float LN2 = 0.6931471805599453f;
 
+template <typename T> __device__ __forceinline__ unsigned ones_x2();
+template <> __device__ __forceinline__ unsigned ones_x2<__half>() { return 0x3c003c00u; }
+template <> __device__ __forceinline__ unsigned ones_x2<__nv_bfloat16>() { return 0x3f803f80u; }
+
 template <typename T> __device__ __forceinline__ unsigned pack_f32x2(float lo, float hi);
 template <> __device__ __forceinline__ unsigned pack_f32x2<__half>(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);  // one cvt.rn.f16x2.f32
@@ -128,7 +132,8 @@ __device__ __forceinline__ void load_tile_async(unsigned saddr, const T* gmem, i
 // MIN_CTAS caps the registers so that this many CTAs fit on one SM (4 warps: 2 -> 255 registers, 3 -> 168).
 // scale_log2 multiplies raw scores (softmax_scale * log2 e, or 1 with softcap, whose transform already
 // yields base-2 scores); softcap_pre = 2 log2(e) softmax_scale / softcap, softcap_post = softcap log2(e).
-template <typename T, int D, int BN, int MT, int NUM_WARPS, int MIN_CTAS, bool HAS_SOFTCAP, int Q_REG_KS>
+template <typename T, int D, int BN, int MT, int NUM_WARPS, int MIN_CTAS, bool HAS_SOFTCAP, int Q_REG_KS,
+          bool ROWSUM_MMA>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
     T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
@@ -256,13 +261,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
     for (int nt = 0; nt < NDT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[mt][nt][e] = 0.f;
-  float row_max[MT][2], row_sum[MT][2];
+  // ROWSUM_MMA: row sums of P on the tensor cores (P times a column of ones: one extra mma per 16 keys per
+  // m-tile instead of one FADD per score); they then sum the 16-bit P that O sums too.
+  constexpr bool MMA_ROWSUM = ROWSUM_MMA;
+  // row sums: per lane partial sums (FADD path), or the mma accumulator of P x ones (c0 row g, c2 row g + 8)
+  float row_max[MT][2], row_sum[MT][2], row_sum_mma[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       row_max[mt][h] = neg_inf();
       row_sum[mt][h] = 0.f;
+      row_sum_mma[mt][2 * h] = row_sum_mma[mt][2 * h + 1] = 0.f;
     }
 
   int stage = 0;
@@ -375,7 +385,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
           // a row that has seen no key keeps max -inf and has nothing to rescale
           const float corr = m_new == neg_inf() ? 1.f : sc::fast_exp2((row_max[mt][h] - m_new) * scale_log2);
           row_max[mt][h] = m_new;
-          row_sum[mt][h] *= corr;
+          if constexpr (MMA_ROWSUM) {
+            row_sum_mma[mt][2 * h] *= corr;
+            row_sum_mma[mt][2 * h + 1] *= corr;
+          } else {
+            row_sum[mt][h] *= corr;
+          }
 #pragma unroll
           for (int nt = 0; nt < NDT; ++nt) {
             o_acc[mt][nt][2 * h] *= corr;
@@ -397,9 +412,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
           for (int e = 0; e < 2; ++e) {
             const float pv = sc::fast_exp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -m_scaled));
             s[mt][nt][2 * h + e] = pv;
-            sum += pv;
+            if constexpr (!MMA_ROWSUM) sum += pv;
           }
-        row_sum[mt][h] += sum;
+        if constexpr (!MMA_ROWSUM) row_sum[mt][h] += sum;
       }
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
@@ -423,6 +438,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
           sc::mma_16816<T>(o_acc[mt][2 * dp + 1], p[mt][kk], b + 2);
         }
       }
+      if constexpr (MMA_ROWSUM) {
+        const unsigned ones[2] = {ones_x2<T>(), ones_x2<T>()};
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) sc::mma_16816<T>(row_sum_mma[mt], p[mt][kk], ones);
+      }
     }
     stage ^= 1;
   }
@@ -434,9 +454,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float l = row_sum[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      float l;
+      if constexpr (MMA_ROWSUM) {
+        l = row_sum_mma[mt][2 * h];  // the mma already summed over every key of the row
+      } else {
+        l = row_sum[mt][h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+      }
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int r = warp_row0 + mt * 16 + g + 8 * h;
 #pragma unroll

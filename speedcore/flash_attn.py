@@ -26,10 +26,11 @@ UNBOUNDED = 1 << 29
 MAX_SEQLEN = 1 << 28
 _LOG2E = 1.4426950408889634
 # (keys per tile BN, 16-row m-tiles per warp MT, warps per CTA, CTAs per SM the registers are capped for,
-# k-steps of Q held in registers where all of Q does not fit) per kernel head dim.  Q rows per CTA
+# k-steps of Q held in registers where all of Q does not fit, row sums of P by mma (1) or FADD (0)) per kernel
+# head dim.  Q rows per CTA
 # BM = 16 * MT * warps.  Every entry compiles without spills for sm_80 and sm_90 (tests/test_compile.py).
-_TILES = {32: (64, 2, 4, 2, 0), 64: (64, 2, 4, 2, 0), 96: (64, 1, 4, 2, 0), 128: (32, 2, 4, 2, 0),
-          192: (32, 1, 4, 2, 0), 256: (32, 1, 4, 2, 0)}
+_TILES = {32: (64, 2, 4, 2, 0, 0), 64: (64, 2, 4, 2, 0, 0), 96: (64, 1, 4, 2, 0, 0), 128: (32, 2, 4, 2, 0, 0),
+          192: (32, 1, 4, 2, 0, 0), 256: (32, 1, 4, 2, 0, 0)}
 # Strides are int32 inside a tile (rows * stride < 2^31).
 MAX_ROW_STRIDE = 1 << 23
 
@@ -54,7 +55,7 @@ def smem_bytes(head_dim: int, block_n: int, m_tiles: int, warps: int) -> int:
 @lru_cache(maxsize=None)
 def flash_attn_config(head_dim: int, smem_per_block: int = 227 * 1024) -> tuple:
     """(kernel head dim D, keys per tile BN, m-tiles per warp MT, warps per CTA, CTAs per SM, Q k-steps in
-    registers) for a head dim.
+    registers, row sums by mma) for a head dim.
 
     Each warp owns 16 * MT query rows (BM = 16 * MT * warps per CTA) and keeps them in registers with the
     O accumulator; BN is the largest key tile that leaves the registers for two or three CTAs per SM without
@@ -62,10 +63,10 @@ def flash_attn_config(head_dim: int, smem_per_block: int = 227 * 1024) -> tuple:
     device has less shared memory per block.
     """
     d = kernel_head_dim(head_dim)
-    bn, mt, warps, ctas, q_ks = _TILES[d]
+    bn, mt, warps, ctas, q_ks, rowsum_mma = _TILES[d]
     while smem_bytes(d, bn, mt, warps) > smem_per_block and bn > 16:
         bn //= 2
-    return d, bn, mt, warps, ctas, q_ks
+    return d, bn, mt, warps, ctas, q_ks, rowsum_mma
 
 
 def block_m(m_tiles: int, warps: int) -> int:
@@ -75,9 +76,11 @@ def block_m(m_tiles: int, warps: int) -> int:
 _OPTIONS = ()  # extra NVRTC options for every variant (experiments: ("-DFA_LAZY_RESCALE=0",))
 
 
-def _kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int, q_ks: int, softcap: bool = False) -> Kernel:
-    return Kernel(SOURCE, f"flash_fwd_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {mt}, {warps}, {ctas}, "
-                          f"{'true' if softcap else 'false'}, {q_ks}>", _OPTIONS)
+def _kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int, q_ks: int, rowsum_mma: int,
+            softcap: bool = False) -> Kernel:
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return Kernel(SOURCE, f"flash_fwd_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {mt}, {warps}, {ctas}, {b(softcap)}, "
+                          f"{q_ks}, {b(rowsum_mma)}>", _OPTIONS)
 
 
 def all_kernels() -> list:
@@ -199,7 +202,7 @@ def _check_out(oa, qa, ka, va):
 def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
             varlen, nheads, nheads_kv, head_dim, softmax_scale, left, right, softcap, causal, config=None):
     dev = device_info(qa.device)
-    d, bn, mt, warps, ctas, q_ks = config or flash_attn_config(head_dim, dev.smem_per_block_optin)
+    d, bn, mt, warps, ctas, q_ks, rowsum_mma = config or flash_attn_config(head_dim, dev.smem_per_block_optin)
     bm = block_m(mt, warps)
     num_m = -(-max_seqlen_q // bm)
     if num_m == 0 or batch == 0 or nheads == 0:
@@ -234,7 +237,7 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
             np.int32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(softcap_pre),
             np.float32(softcap_post), np.int32(reverse))
     cfg = LaunchConfig((num_m, nheads, batch), (32 * warps,), smem_bytes(d, bn, mt, warps))
-    launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
+    launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
 
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,

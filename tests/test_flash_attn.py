@@ -15,7 +15,7 @@ fa = importlib.import_module("speedcore.flash_attn")
 
 @pytest.mark.parametrize("head_dim", list(range(8, 257, 8)))
 def test_config_fits_and_is_listed(head_dim):
-    d, bn, mt, warps, ctas, q_ks = fa.flash_attn_config(head_dim)
+    d, bn, mt, warps, ctas, q_ks, rowsum_mma = fa.flash_attn_config(head_dim)
     assert d >= head_dim and d in fa.HEAD_DIMS
     bm = fa.block_m(mt, warps)
     assert fa.smem_bytes(d, bn, mt, warps) <= 227 * 1024
@@ -27,7 +27,7 @@ def test_config_fits_and_is_listed(head_dim):
     names = {k.name for k in fa.all_kernels()}
     for dtype in A.HALF_DTYPES:
         for softcap in (False, True):
-            assert fa._kernel(dtype, d, bn, mt, warps, ctas, q_ks, softcap).name in names
+            assert fa._kernel(dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, softcap).name in names
 
 
 @pytest.mark.parametrize("head_dim", fa.HEAD_DIMS)
