@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
     uint4* vs = ks + TILE;
     // min() with num_blocks - 1 keeps a corrupt block table from faulting.
     const long long off =
-        ok ? (long long)min((unsigned)page, (unsigned)(num_blocks - 1)) * c_stride_block + (long long)slot * c_stride_tok
+        ok ? (long long)min((unsigned)page, (unsigned)(num_blocks - 1)) * c_stride_block +
+                 (long long)slot * c_stride_tok
            : 0;
     const int c = lane % LPR;
 #pragma unroll
@@ -432,7 +433,8 @@ template <typename CS, int M> __device__ __forceinline__ void load_floats(const 
   if constexpr (BYTES % 16 == 0) {
     constexpr int PER = 16 / sizeof(CS);
 #pragma unroll
-    for (int i = 0; i < BYTES / 16; ++i) sc::Pack16<CS>::unpack(__ldg(reinterpret_cast<const uint4*>(p) + i), f + i * PER);
+    for (int i = 0; i < BYTES / 16; ++i)
+      sc::Pack16<CS>::unpack(__ldg(reinterpret_cast<const uint4*>(p) + i), f + i * PER);
   } else if constexpr (BYTES == 8 && sizeof(CS) == 4) {
     const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
     f[0] = __uint_as_float(w.x);

@@ -22,7 +22,7 @@ TILE_TOKENS = 16           # tokens per tile of the attention kernel (one mma M 
 QUERIES_PER_CTA = 8        # query heads of one KV head served by one CTA (the mma N dimension)
 MAX_SPLITS = 256           # the merge kernel stages one weight per split in 256 floats of shared memory
 MIN_TILES_PER_SPLIT = 32   # 512 tokens: below this a split's fixed costs (Q load, merge traffic) dominate
-WAVES = 2                  # target CTAs per resident CTA slot when the batch alone cannot fill the GPU
+SPLIT_PENALTY = 0.01       # cost of splitting, as a fraction of the kernel time (partials + merge pass)
 L2_HINT = 2                # cp.async with an L2 evict-first policy: K/V are read once (measured +0.5-2%)
 _RESERVED_SMEM_PER_CTA = 1024
 
@@ -46,20 +46,31 @@ def decode_config(head_dim: int) -> tuple:
 def decode_num_splits(batch: int, units: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
     """How many CTAs share one (sequence, KV head, query group) along the KV length (flash-decoding).
 
-    ``units`` = KV heads x query groups of 8.  When ``batch * units`` CTAs already cover the resident CTA
-    slots, no split (no merge pass).  Otherwise enough splits for about ``WAVES`` CTAs per slot, but no split
+    ``units`` = KV heads x query groups of 8.  From two full waves of ``sms * ctas_per_sm`` resident CTA slots
+    on, no split.  Below that the CTAs of a uniform batch all take the same time, so what counts is wave
+    quantization: the split count whose ``batch * units * splits`` CTAs fill their last wave best, a split
+    costing ``SPLIT_PENALTY`` (partial results and the merge pass), ties going to fewer splits.  No split is
     shorter than ``MIN_TILES_PER_SPLIT`` tiles of the longest possible sequence (``max_len``, the block
-    table's capacity: no device-to-host sync is needed to choose), and at most ``MAX_SPLITS``.  On the H200
-    fewer, longer CTAs won: at (64, 4096, 32/8 heads) one split (512 CTAs) ran 4.30 TB/s against 4.08 with
-    2 and 4.04 with 4; at (1, 131072) 64 splits beat 132 and 256.
+    table's capacity, so no device-to-host sync is needed).
+
+    Measured on the H200 (bf16, 32/8 heads, d 128, TB/s): (64, 4096) 1 split 4.41, 2: 4.35; (8, 32768)
+    4 splits 4.35, 8: 4.35, 9: 4.07 (576 CTAs: a third wave of 48), 16: 4.35; (1, 131072) 33 splits 4.16,
+    66: 4.04, 128: 3.99; (16, 8192) 2 splits 4.18, 3: 3.96, 5: 3.98; (32, 2048, 64/8 heads) 1: 3.97, 2: 3.59.
     """
     slots = max(1, sms * ctas_per_sm)
     work = max(1, batch * units)
-    if work >= slots:
+    if work >= 2 * slots:  # two waves or more: CTAs desynchronize, and splitting only adds the merge
         return 1
-    want = -(-WAVES * slots // work)
     tiles = -(-max(1, max_len) // TILE_TOKENS)
-    return max(1, min(want, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    top = max(1, min(MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT, max(4, -(-2 * slots // work))))
+    best, best_score = 1, -1.0
+    for s in range(1, top + 1):
+        ctas = work * s
+        fill = ctas / (-(-ctas // slots) * slots)
+        score = fill - (SPLIT_PENALTY if s > 1 else 0.0)
+        if score > best_score + 1e-9:
+            best, best_score = s, score
+    return best
 
 
 def _ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
