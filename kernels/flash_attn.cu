@@ -133,7 +133,7 @@ __device__ __forceinline__ void load_tile_async(unsigned saddr, const T* gmem, i
 // scale_log2 multiplies raw scores (softmax_scale * log2 e, or 1 with softcap, whose transform already
 // yields base-2 scores); softcap_pre = 2 log2(e) softmax_scale / softcap, softcap_post = softcap log2(e).
 template <typename T, int D, int BN, int MT, int NUM_WARPS, int MIN_CTAS, bool HAS_SOFTCAP, int Q_REG_KS,
-          bool ROWSUM_MMA>
+          bool ROWSUM_MMA, int NS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
     T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ q, const T* __restrict__ k,
     const T* __restrict__ v, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
@@ -150,8 +150,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
   constexpr int KV_TILE = BN * PITCH;  // elements of one K or V tile
   constexpr int STAGE = 2 * KV_TILE;   // K then V
   constexpr int NKS = D / 16;    // k-steps of Q K^T
+  // NS pipeline stages of K and V: the copies of tile j + NS - 1 are issued when tile j starts.
   // Q fragments stay in registers for the whole CTA when they are few; then Q is staged through the
-  // second pipeline stage before the first key tile needs it, and costs no shared memory of its own.
+  // last pipeline stage before the first key tile needs it, and costs no shared memory of its own.
   // Otherwise Q keeps its own tile in shared memory, and its first Q_REG_KS k-steps are held in registers
   // (fewer ldmatrix per MMA in Q K^T, where registers allow).
   constexpr bool Q_IN_REGS = MT * D <= 128;
@@ -161,11 +162,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
   constexpr int NDT = D / 8;     // n-tiles of O
   static_assert(D % 16 == 0 && BN % 16 == 0, "tile shapes");
   static_assert(!Q_IN_REGS || BM <= 2 * BN, "Q is staged in one pipeline stage");
-  static_assert(BM <= 4 * BN, "the O tile is staged in the two pipeline stages");
+  static_assert(BM <= 2 * NS * BN, "the O tile is staged in the pipeline stages");
+  static_assert(NS >= 2, "at least double buffering");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
-  T* const sQ = Q_IN_REGS ? smem + STAGE : smem + 2 * STAGE;
+  T* const sQ = Q_IN_REGS ? smem + (NS - 1) * STAGE : smem + NS * STAGE;
   constexpr int ES = (int)sizeof(T);
   const unsigned smem_u32 = sc::smem_addr(smem);
   const unsigned sQ_u32 = sc::smem_addr(sQ);
@@ -220,17 +222,23 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
     return;
   }
 
-  // Prologue: Q (its own cp.async group), then the first key tile.
+  // Prologue: Q (its own cp.async group), then the first NS - 1 key tiles, one group each (empty groups
+  // keep the count uniform).  Key tiles are visited from the last to the first: the tiles crossing the
+  // causal diagonal come first.
   load_tile_async<T, BM, D, PITCH, NUM_THREADS, false>(sQ_u32, q_base, (int)q_row_stride, rows_q, chunks_valid, tid);
   sc::cp_async_commit();
-  // Key tiles are visited from the last to the first: the tiles crossing the causal diagonal come first.
   int n_block = n_end - 1;
-  {
-    const int rows_k = sk - n_block * BN;
-    load_tile_async<T, BN, D, PITCH, NUM_THREADS, false>(smem_u32, k_base + (long long)n_block * BN * k_row_stride, (int)k_row_stride, rows_k,
-                                     chunks_valid, tid);
-    load_tile_async<T, BN, D, PITCH, NUM_THREADS, false>(smem_u32 + KV_TILE * ES, v_base + (long long)n_block * BN * v_row_stride, (int)v_row_stride,
-                                     rows_k, chunks_valid, tid);
+#pragma unroll
+  for (int j = 0; j < NS - 1; ++j) {
+    const int nb = n_block - j;
+    if (nb >= n_begin) {
+      const int rows_k = sk - nb * BN;
+      const unsigned dst = smem_u32 + j * STAGE * ES;
+      load_tile_async<T, BN, D, PITCH, NUM_THREADS, false>(dst, k_base + (long long)nb * BN * k_row_stride,
+                                                           (int)k_row_stride, rows_k, chunks_valid, tid);
+      load_tile_async<T, BN, D, PITCH, NUM_THREADS, false>(dst + KV_TILE * ES, v_base + (long long)nb * BN * v_row_stride,
+                                                           (int)v_row_stride, rows_k, chunks_valid, tid);
+    }
     sc::cp_async_commit();
   }
 
@@ -245,7 +253,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
 
   unsigned q_frag[MT][Q_KS > 0 ? Q_KS : 1][4];
   if constexpr (Q_KS > 0) {
-    sc::cp_async_wait<1>();
+    sc::cp_async_wait<NS - 1>();  // the Q group is complete
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -277,15 +285,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
 
   int stage = 0;
   for (; n_block >= n_begin; --n_block) {
-    sc::cp_async_wait<0>();
-    __syncthreads();  // tile n_block is in shared memory, and every warp is done with the other stage
-    if (n_block > n_begin) {
-      const int nb = n_block - 1;
-      const unsigned dst = smem_u32 + (stage ^ 1) * STAGE * ES;
-      load_tile_async<T, BN, D, PITCH, NUM_THREADS, true>(dst, k_base + (long long)nb * BN * k_row_stride, (int)k_row_stride, BN,
-                                       chunks_valid, tid);
-      load_tile_async<T, BN, D, PITCH, NUM_THREADS, true>(dst + KV_TILE * ES, v_base + (long long)nb * BN * v_row_stride, (int)v_row_stride, BN,
-                                       chunks_valid, tid);
+    sc::cp_async_wait<NS - 2>();
+    __syncthreads();  // tile n_block is in shared memory, and every warp is done with the previous stage
+    {
+      const int nb = n_block - (NS - 1);
+      if (nb >= n_begin) {  // a full tile: only the first one visited can be partial
+        const unsigned dst = smem_u32 + (stage == 0 ? NS - 1 : stage - 1) * STAGE * ES;
+        load_tile_async<T, BN, D, PITCH, NUM_THREADS, true>(dst, k_base + (long long)nb * BN * k_row_stride,
+                                                            (int)k_row_stride, BN, chunks_valid, tid);
+        load_tile_async<T, BN, D, PITCH, NUM_THREADS, true>(dst + KV_TILE * ES, v_base + (long long)nb * BN * v_row_stride,
+                                                            (int)v_row_stride, BN, chunks_valid, tid);
+      }
       sc::cp_async_commit();
     }
     const unsigned k_addr = smem_u32 + stage * STAGE * ES + k_lane * ES;
@@ -444,7 +454,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
         for (int mt = 0; mt < MT; ++mt) sc::mma_16816<T>(row_sum_mma[mt], p[mt][kk], ones);
       }
     }
-    stage ^= 1;
+    stage = stage == NS - 1 ? 0 : stage + 1;
   }
 
   // Epilogue: normalize, stage O through shared memory for 16-byte stores, write lse.

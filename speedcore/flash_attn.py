@@ -26,11 +26,11 @@ UNBOUNDED = 1 << 29
 MAX_SEQLEN = 1 << 28
 _LOG2E = 1.4426950408889634
 # (keys per tile BN, 16-row m-tiles per warp MT, warps per CTA, CTAs per SM the registers are capped for,
-# k-steps of Q held in registers where all of Q does not fit, row sums of P by mma (1) or FADD (0)) per kernel
-# head dim.  Q rows per CTA
+# k-steps of Q held in registers where all of Q does not fit, row sums of P by mma (1) or FADD (0), K/V
+# pipeline stages) per kernel head dim.  Q rows per CTA
 # BM = 16 * MT * warps.  Every entry compiles without spills for sm_80 and sm_90 (tests/test_compile.py).
-_TILES = {32: (64, 2, 4, 2, 0, 0), 64: (64, 2, 4, 2, 0, 0), 96: (64, 1, 4, 2, 0, 0), 128: (32, 2, 4, 2, 0, 0),
-          192: (32, 1, 4, 2, 0, 0), 256: (32, 1, 4, 2, 0, 0)}
+_TILES = {32: (64, 2, 4, 2, 0, 0, 2), 64: (64, 2, 4, 2, 0, 0, 2), 96: (64, 1, 4, 2, 0, 0, 2),
+          128: (32, 2, 4, 2, 0, 1, 2), 192: (32, 1, 4, 2, 0, 0, 2), 256: (32, 1, 4, 2, 0, 0, 2)}
 # Strides are int32 inside a tile (rows * stride < 2^31).
 MAX_ROW_STRIDE = 1 << 23
 
@@ -43,11 +43,11 @@ def kernel_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} is above {MAX_HEAD_DIM}")
 
 
-def smem_bytes(head_dim: int, block_n: int, m_tiles: int, warps: int) -> int:
-    """Dynamic shared memory of one CTA: two stages of K and V tiles (rows padded by 16 bytes), plus the Q
-    tile where Q does not stay in registers (see kernels/flash_attn.cu)."""
+def smem_bytes(head_dim: int, block_n: int, m_tiles: int, warps: int, stages: int = 2) -> int:
+    """Dynamic shared memory of one CTA: the pipeline stages of K and V tiles (rows padded by 16 bytes), plus
+    the Q tile where Q does not stay in registers (see kernels/flash_attn.cu)."""
     pitch = head_dim + 8
-    stages = 2 * 2 * block_n * pitch * 2
+    stages = stages * 2 * block_n * pitch * 2
     q_in_regs = m_tiles * head_dim <= 128
     return stages + (0 if q_in_regs else block_m(m_tiles, warps) * pitch * 2)
 
@@ -55,7 +55,7 @@ def smem_bytes(head_dim: int, block_n: int, m_tiles: int, warps: int) -> int:
 @lru_cache(maxsize=None)
 def flash_attn_config(head_dim: int, smem_per_block: int = 227 * 1024) -> tuple:
     """(kernel head dim D, keys per tile BN, m-tiles per warp MT, warps per CTA, CTAs per SM, Q k-steps in
-    registers, row sums by mma) for a head dim.
+    registers, row sums by mma, K/V pipeline stages) for a head dim.
 
     Each warp owns 16 * MT query rows (BM = 16 * MT * warps per CTA) and keeps them in registers with the
     O accumulator; BN is the largest key tile that leaves the registers for two or three CTAs per SM without
@@ -63,10 +63,12 @@ def flash_attn_config(head_dim: int, smem_per_block: int = 227 * 1024) -> tuple:
     device has less shared memory per block.
     """
     d = kernel_head_dim(head_dim)
-    bn, mt, warps, ctas, q_ks, rowsum_mma = _TILES[d]
-    while smem_bytes(d, bn, mt, warps) > smem_per_block and bn > 16:
+    bn, mt, warps, ctas, q_ks, rowsum_mma, stages = _TILES[d]
+    while smem_bytes(d, bn, mt, warps, stages) > smem_per_block and stages > 2:
+        stages -= 1
+    while smem_bytes(d, bn, mt, warps, stages) > smem_per_block and bn > 16:
         bn //= 2
-    return d, bn, mt, warps, ctas, q_ks, rowsum_mma
+    return d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages
 
 
 def block_m(m_tiles: int, warps: int) -> int:
@@ -76,11 +78,11 @@ def block_m(m_tiles: int, warps: int) -> int:
 _OPTIONS = ()  # extra NVRTC options for every variant (experiments: ("-DFA_LAZY_RESCALE=0",))
 
 
-def _kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int, q_ks: int, rowsum_mma: int,
+def _kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int, q_ks: int, rowsum_mma: int, stages: int,
             softcap: bool = False) -> Kernel:
     b = lambda x: "true" if x else "false"  # noqa: E731
     return Kernel(SOURCE, f"flash_fwd_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {mt}, {warps}, {ctas}, {b(softcap)}, "
-                          f"{q_ks}, {b(rowsum_mma)}>", _OPTIONS)
+                          f"{q_ks}, {b(rowsum_mma)}, {stages}>", _OPTIONS)
 
 
 def all_kernels() -> list:
@@ -202,7 +204,7 @@ def _check_out(oa, qa, ka, va):
 def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
             varlen, nheads, nheads_kv, head_dim, softmax_scale, left, right, softcap, causal, config=None):
     dev = device_info(qa.device)
-    d, bn, mt, warps, ctas, q_ks, rowsum_mma = config or flash_attn_config(head_dim, dev.smem_per_block_optin)
+    d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages = config or flash_attn_config(head_dim, dev.smem_per_block_optin)
     bm = block_m(mt, warps)
     num_m = -(-max_seqlen_q // bm)
     if num_m == 0 or batch == 0 or nheads == 0:
@@ -236,8 +238,8 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
             np.int32(nheads // nheads_kv), np.int32(left if left >= 0 else UNBOUNDED),
             np.int32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(softcap_pre),
             np.float32(softcap_post), np.int32(reverse))
-    cfg = LaunchConfig((num_m, nheads, batch), (32 * warps,), smem_bytes(d, bn, mt, warps))
-    launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
+    cfg = LaunchConfig((num_m, nheads, batch), (32 * warps,), smem_bytes(d, bn, mt, warps, stages))
+    launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
 
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
