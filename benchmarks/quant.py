@@ -5,6 +5,8 @@ M in {1, 4, 16, 64, 256, 2048} x (N, K) in {(8192, 8192), (28672, 8192), (8192, 
 (bf16 and fp16); GPTQ and INT8 on a subset.  M <= 64 is recorded in TB/s of the bytes our op must move
 (packed weights + scales + zeros + x + y; peers converted with the same byte count, so ratio = time ratio)
 against the copy ceiling; larger M in TFLOP/s.  Weights are random packed words (all nibble values).
+The main records use the prepacked (tile-major) weights; "[as stored]" records call with the checkpoint
+tensors directly.
 """
 import speedcore
 from speedcore import quant as Q
@@ -73,11 +75,14 @@ def _int4(b, fmt, n, k, dtype, ms):
     dev = b.device
     g = GROUP
     scales = (torch.rand(k // g, n, device=dev) * 0.01 + 0.001).to(dtype)
+    stored = None
     if fmt == "awq":
         qw = _rand_int32(torch, (k, n // 8), dev)
         qz = _rand_int32(torch, (k // g, n // 8), dev)
+        packed = Q.prepack_awq(qw, qz, scales, group_size=g)
         op = "awq_linear"
-        call = lambda x: speedcore.awq_linear(x, qw, qz, scales, group_size=g)  # noqa: E731
+        call = lambda x: speedcore.awq_linear(x, packed)  # noqa: E731
+        stored = lambda x: speedcore.awq_linear(x, qw, qz, scales, group_size=g)  # noqa: E731
     else:
         qw = _rand_int32(torch, (k // 8, n), dev)
         qz = _rand_int32(torch, (k // g, n // 8), dev)
@@ -88,7 +93,9 @@ def _int4(b, fmt, n, k, dtype, ms):
             op = "gptq_linear[act-order, prepacked]"
             call = lambda x: speedcore.gptq_linear(x, packed)  # noqa: E731
         else:
-            call = lambda x: speedcore.gptq_linear(x, qw, qz, scales, group_size=g)  # noqa: E731
+            packed = Q.prepack_gptq(qw, qz, scales, group_size=g)
+            call = lambda x: speedcore.gptq_linear(x, packed)  # noqa: E731
+            stored = lambda x: speedcore.gptq_linear(x, qw, qz, scales, group_size=g)  # noqa: E731
     w = (torch.randn(n, k, device=dev, dtype=dtype) * 0.01)
     tg = _tinygemm(b, n, k) if (dtype == torch.bfloat16 and fmt == "awq") else None
     for m in ms:
@@ -101,6 +108,9 @@ def _int4(b, fmt, n, k, dtype, ms):
             peers["tinygemm int4 (torch)"] = b.time_ms(
                 lambda: torch.ops.aten._weight_int4pack_mm(x, packed_tg, g, sz))
         _record(b, op, m, n, k, dtype, nbytes, ours, peers)
+        if stored is not None and m <= 256:
+            _record(b, op + "[as stored]", m, n, k, dtype, nbytes, b.time_ms(lambda: stored(x)),
+                    {"F.linear (cuBLAS)": peers["F.linear (cuBLAS)"]})
 
 
 def _int8(b, n, k, dtype, ms):
@@ -110,9 +120,13 @@ def _int8(b, n, k, dtype, ms):
     w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev)
     s = (torch.rand(n, device=dev) * 0.01 + 0.001).to(dtype)
     w = (torch.randn(n, k, device=dev, dtype=dtype) * 0.01)
+    packed = Q.prepack_int8(w8, s)
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=dtype)
         nbytes = k * n + 2 * n + 2 * m * (k + n)
-        ours = b.time_ms(lambda: speedcore.int8_linear(x, w8, s))
+        ours = b.time_ms(lambda: speedcore.int8_linear(x, packed))
         peers = {"F.linear (cuBLAS)": b.time_ms(lambda: F.linear(x, w))}
         _record(b, "int8_linear", m, n, k, dtype, nbytes, ours, peers)
+        if m <= 256:
+            _record(b, "int8_linear[as stored]", m, n, k, dtype, nbytes,
+                    b.time_ms(lambda: speedcore.int8_linear(x, w8, s)), {"F.linear (cuBLAS)": peers["F.linear (cuBLAS)"]})

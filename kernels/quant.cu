@@ -77,25 +77,35 @@ template <> struct Bits<__nv_bfloat16> {
 // Per-channel dequant constants of one group, as 2x16-bit words with both halves equal.
 struct GroupConst {
   unsigned scale[8];
+  float sf[8];      // the scales in fp32, for kernels that apply them to per-group fp32 sums
   unsigned zlo[8];  // -(magic + z): removes magic and zero point from (magic + q)
   unsigned zhi[8];  // fp16 only: -(64 + z), for nibbles read as (1024 + 16 q) and scaled by 1/16
 };
 
 // Pair P (0..3) of a packed word: the 4-bit values at bits [4P, 4P+4) and [16+4P, 16+4P+4) become (q - z) in
 // the low and high half, exactly, then are scaled (one rounding, as (q - z) * s rounded to T).
-template <typename T, int P>
+// (a & b) | c in one instruction; with the constants in registers (an immediate operand would split it in two).
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// SCALED false: (q - z) only, exact small integers; the scale is applied to the fp32 sums of the group.
+template <typename T, int P, bool SCALED = true>
 __device__ __forceinline__ unsigned dequant_pair(unsigned v, unsigned scale, unsigned zlo, unsigned zhi) {
   unsigned r;
   if constexpr (is_half<T>::value) {
     const unsigned s = (P >= 2) ? (v >> 8) : v;
     if constexpr (P % 2 == 0) {
-      r = fma2<T>((s & 0x000f000fu) | 0x64006400u, Bits<T>::ONE, zlo);
+      r = fma2<T>(and_or(s, 0x000f000fu, 0x64006400u), Bits<T>::ONE, zlo);
     } else {
-      r = fma2<T>((s & 0x00f000f0u) | 0x64006400u, Bits<T>::SIXTEENTH, zhi);
+      r = fma2<T>(and_or(s, 0x00f000f0u, 0x64006400u), Bits<T>::SIXTEENTH, zhi);
     }
   } else {
-    r = fma2<T>(((v >> (4 * P)) & 0x000f000fu) | 0x43004300u, Bits<T>::ONE, zlo);
+    r = fma2<T>(and_or(v >> (4 * P), 0x000f000fu, 0x43004300u), Bits<T>::ONE, zlo);
   }
+  if constexpr (!SCALED) return r;
   return fma2<T>(r, scale, Bits<T>::NEG_ZERO);
 }
 
@@ -121,6 +131,7 @@ __device__ __forceinline__ void load_group(GroupConst& gc, const unsigned char* 
   for (int o = 0; o < 8; ++o) {
     const unsigned sw = sc::word(sv, o / 2);
     gc.scale[o] = __byte_perm(sw, 0u, (o & 1) ? 0x3232u : 0x1010u);
+    gc.sf[o] = (o & 1) ? sc::unpack2<T>(sw).y : sc::unpack2<T>(sw).x;
     // AWQ packs channel offsets [0, 2, 4, 6, 1, 3, 5, 7] at nibbles 0..7; GPTQ in plain order, zero - 1.
     const int nib = FMT == AWQ ? ((o & 1) ? 4 + o / 2 : o / 2) : o;
     const unsigned z = ((zw >> (4 * nib)) & 15u) + (FMT == GPTQ ? 1u : 0u);
@@ -143,12 +154,14 @@ __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cas
 //   GPTQ: qw int32 (K/8, N) packed along K;   qz int32 (ceil(K/G), N/8); scales T (ceil(K/G), N)
 //   INT8: qw int8 (N, K);                     scales T (N) per channel (applied in the epilogue)
 // Requires N % 64 == 0, K % 8 == 0 (INT8: K % 16 == 0), group == 32 or group % 64 == 0, 16-byte aligned rows.
+// tiles_per_group = group / 64, or 0 for group 32 (two groups per k-tile).  packed != 0: qw is the tile-major
+// copy made by pack_tiles_kernel (each stage one contiguous 16 KB block, already in shared-memory order).
 template <typename T, int FMT, int MT>
 __global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
     T* __restrict__ y, float* __restrict__ partial, int* __restrict__ tickets, const T* __restrict__ x,
     const void* __restrict__ qw, const int* __restrict__ qz, const T* __restrict__ scales, const T* __restrict__ bias,
-    int M, int N, int K, int group, long long ldx, long long ldq, long long ldz, long long lds, int n_tiles,
-    int m_chunks, int tiles_per_split) {
+    int M, int N, int K, int tiles_per_group, int num_groups, long long ldx, long long ldq, long long ldz,
+    long long lds, int n_tiles, int m_chunks, int tiles_per_split, int packed) {
   using L = Layout<FMT>;
   using S = Smem<FMT, MT>;
   constexpr int BK = L::BK;
@@ -169,90 +182,123 @@ __global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
   const int kt_begin = split * tiles_per_split;
   const int kt_end = min(k_tiles, kt_begin + tiles_per_split);
   const int nk = kt_end - kt_begin;
-  const int num_groups = (K + group - 1) / group;
 
   auto stage_w = [&](int s) { return smem + s * S::STAGE; };
   auto stage_x = [&](int s) { return reinterpret_cast<T*>(smem + s * S::STAGE + kWBytes); };
   auto stage_s = [&](int s) { return smem + s * S::STAGE + kWBytes + S::X_BYTES; };
   auto stage_z = [&](int s) { return smem + s * S::STAGE + kWBytes + S::X_BYTES + L::S_BYTES; };
 
-  // A stage needs scale rows when its k-tile starts a group (or the split): the compute side reloads its
-  // constants exactly there.
-  auto needs_scales = [&](int kt) { return group < BK || kt == kt_begin || (kt * BK) % group == 0; };
+  // Group bookkeeping without divisions in the loop: group 32 means two groups per k-tile (scale rows 0 and 1
+  // of every stage); otherwise a new group starts every tiles_per_group k-tiles.
+  const bool g32 = tiles_per_group == 0;
+  const int first_mod = g32 ? 0 : kt_begin % tiles_per_group;
+  int ld_mod = first_mod;
+  int ld_grp = g32 ? 2 * kt_begin : kt_begin / tiles_per_group;
+
+  // Per-thread load addresses, computed once; a k-tile advances them by a constant.
+  const int* wq32 = static_cast<const int*>(qw);
+  const signed char* wq8 = static_cast<const signed char*>(qw);
+  const unsigned char* wpk = static_cast<const unsigned char*>(qw) + ((long long)nt * k_tiles * 1024 + tid) * 16;
+  int w_dst0 = 0, w_q = 0;
+  bool w_ok_n = true;
+  const unsigned char* w_src = nullptr;  // stored layout: address of chunk 0 at k-tile 0
+  long long w_step_i = 0, w_step_kt = 0;
+  int w_row0 = 0;
+  if constexpr (FMT == AWQ) {
+    // 64 rows (k) x 64 words (512 channels): 16 chunks per row.  Chunk q of row k is stored at q ^ 2((k>>2)&3).
+    const int row = tid >> 4, q = tid & 15;
+    w_row0 = row;
+    w_ok_n = n0 + 32 * q < N;
+    w_dst0 = row * 256 + 16 * (q ^ (((row >> 2) & 3) << 1));  // chunk i: + 4096 i
+    w_src = reinterpret_cast<const unsigned char*>(wq32 + (long long)row * ldq + n0 / 8 + 4 * q);
+    w_step_i = 16 * ldq * 4;
+    w_step_kt = (long long)BK * ldq * 4;
+  } else if constexpr (FMT == GPTQ) {
+    // 8 rows (8 k each) x 512 words: 128 chunks per row.  Chunk q of row r is stored at q ^ sw(r & 3).
+    const int row = tid >> 7, q = tid & 127;
+    w_row0 = row;
+    w_ok_n = n0 + 4 * q < N;
+    w_q = q;
+    w_src = reinterpret_cast<const unsigned char*>(wq32 + (long long)row * ldq + n0 + 4 * q);
+    w_step_i = 2 * ldq * 4;
+    w_step_kt = 8 * ldq * 4;
+  } else {
+    // 512 rows (channels) x 32 bytes: unit u = 2 n + q stored at u ^ 2((n>>3)&3).
+    const int n = tid >> 1, q = tid & 1;
+    w_row0 = q;
+    w_dst0 = 16 * ((2 * n + q) ^ (((n >> 3) & 3) << 1));  // chunk i: + 4096 i
+    w_src = reinterpret_cast<const unsigned char*>(wq8 + (long long)(n0 + n) * ldq + 16 * q);
+    w_step_i = 128 * ldq;
+    w_step_kt = BK;
+  }
+  // Activations: 8 MT rows x BK elements, CPR 16-byte chunks per row (rows past M and k past K read as zeros).
+  constexpr int CPR = BK / 8;
+  constexpr int X_CHUNKS = MT * 8 * CPR;
+  constexpr int XI = (X_CHUNKS + kThreads - 1) / kThreads;
+  // Chunk i of this thread: row tid / CPR + i * (kThreads / CPR), the same column q for every i.
+  const int x_row0 = tid / CPR, x_q = tid % CPR;
+  const T* x_src = x + (long long)(m0 + x_row0) * ldx + 8 * x_q;
+  const bool x_active = X_CHUNKS % kThreads == 0 || tid < X_CHUNKS;
 
   auto load_stage = [&](int s, int kt) {
     const int k0 = kt * BK;
     unsigned char* ws = stage_w(s);
-    if constexpr (FMT == AWQ) {
-      // 64 rows (k) x 64 words (512 channels): 16 chunks per row.  Chunk q of row k is stored at q ^ 2((k>>2)&3).
-      const int* src = static_cast<const int*>(qw);
+    if (packed) {
+      const unsigned char* src = wpk + (long long)kt * 16384;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int id = tid + i * kThreads;
-        const int row = id >> 4, q = id & 15;
-        const bool ok = (k0 + row < K) && (n0 + 32 * q < N);
-        const int* gp = ok ? src + (long long)(k0 + row) * ldq + n0 / 8 + 4 * q : src;
-        sc::cp_async16_evict_first(ws + row * 256 + 16 * (q ^ (((row >> 2) & 3) << 1)), gp, ok);
-      }
-    } else if constexpr (FMT == GPTQ) {
-      // 8 rows (8 k each) x 512 words: 128 chunks per row.  Chunk q of row r is stored at q ^ sw(r & 3).
-      const int* src = static_cast<const int*>(qw);
-      const int r0 = k0 / 8;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int id = tid + i * kThreads;
-        const int row = id >> 7, q = id & 127;
-        const bool ok = (8 * (r0 + row) < K) && (n0 + 4 * q < N);
-        const int* gp = ok ? src + (long long)(r0 + row) * ldq + n0 + 4 * q : src;
-        const int swz = (row & 1) | ((row & 2) << 1);
-        sc::cp_async16_evict_first(ws + row * 2048 + 16 * (q ^ swz), gp, ok);
-      }
+      for (int i = 0; i < 4; ++i) sc::cp_async16(ws + 16 * (tid + i * kThreads), src + i * 4096);
     } else {
-      // 512 rows (channels) x 32 bytes: unit u = 2 n + q stored at u ^ 2((n>>3)&3).
-      const signed char* src = static_cast<const signed char*>(qw);
+      const unsigned char* src = w_src + kt * w_step_kt;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int id = tid + i * kThreads;
-        const int n = id >> 1, q = id & 1;
-        const bool ok = (n0 + n < N) && (k0 + 16 * q < K);
-        const signed char* gp = ok ? src + (long long)(n0 + n) * ldq + k0 + 16 * q : src;
-        sc::cp_async16_evict_first(ws + 16 * ((2 * n + q) ^ (((n >> 3) & 3) << 1)), gp, ok);
+        bool ok = w_ok_n;
+        if constexpr (FMT == AWQ) ok = ok && k0 + w_row0 + 16 * i < K;
+        if constexpr (FMT == GPTQ) ok = ok && 8 * (kt * 8 + w_row0 + 2 * i) < K;
+        if constexpr (FMT == INT8) ok = n0 + (tid >> 1) + 128 * i < N && k0 + 16 * w_row0 < K;
+        int dst = w_dst0 + 4096 * i;
+        if constexpr (FMT == GPTQ) {
+          const int r = w_row0 + 2 * i;
+          dst = r * 2048 + 16 * (w_q ^ ((r & 1) | ((r & 2) << 1)));
+        }
+        sc::cp_async16(ws + dst, ok ? src + i * w_step_i : static_cast<const unsigned char*>(qw), ok);
       }
     }
-    // Activations: 8 MT rows x BK elements (rows past M and k past K read as zeros).
     {
-      constexpr int CPR = BK / 8;  // 16-byte chunks per row
-      constexpr int CHUNKS = MT * 8 * CPR;
-      T* xs = stage_x(s);
+      unsigned char* xs = reinterpret_cast<unsigned char*>(stage_x(s));
 #pragma unroll
-      for (int i = 0; i < (CHUNKS + kThreads - 1) / kThreads; ++i) {
-        const int id = tid + i * kThreads;
-        if (CHUNKS % kThreads == 0 || id < CHUNKS) {
-          const int row = id / CPR, q = id % CPR;
-          const bool ok = (m0 + row < M) && (k0 + 8 * q < K);
-          const T* gp = ok ? x + (long long)(m0 + row) * ldx + k0 + 8 * q : x;
-          sc::cp_async16(xs + row * L::X_STRIDE + 8 * q, gp, ok);
+      for (int i = 0; i < XI; ++i) {
+        if (i < XI - 1 || x_active) {
+          const int row = x_row0 + i * (kThreads / CPR);
+          const bool ok = m0 + row < M && k0 + 8 * x_q < K;
+          sc::cp_async16(xs + (row * L::X_STRIDE + 8 * x_q) * (int)sizeof(T),
+                         ok ? x_src + (long long)i * (kThreads / CPR) * ldx + k0 : x, ok);
         }
       }
     }
     if constexpr (FMT != INT8) {
-      if (needs_scales(kt)) {
-        const int grp0 = k0 / group;
+      const bool first = kt == kt_begin;
+      if (g32 || first || ld_mod == 0) {
         // rows x (64 scale chunks + 16 zero chunks)
-        if (tid < L::SCALE_ROWS * 80) {
+        if (tid < (g32 ? 2 : 1) * 80) {
           const int row = tid / 80, q = tid % 80;
-          const int grp = grp0 + row;
+          const int grp = ld_grp + row;
           if (q < 64) {
-            const bool ok = grp < num_groups && (row == 0 || group < BK) && (n0 + 8 * q < N);
+            const bool ok = grp < num_groups && n0 + 8 * q < N;
             const T* gp = ok ? scales + (long long)grp * lds + n0 + 8 * q : scales;
             sc::cp_async16(stage_s(s) + row * kBN * 2 + 16 * q, gp, ok);
           } else {
             const int qq = q - 64;
-            const bool ok = grp < num_groups && (row == 0 || group < BK) && (n0 + 32 * qq < N);
+            const bool ok = grp < num_groups && n0 + 32 * qq < N;
             const int* gp = ok ? qz + (long long)grp * ldz + n0 / 8 + 4 * qq : qz;
             sc::cp_async16(stage_z(s) + row * (kBN / 8) * 4 + 16 * qq, gp, ok);
           }
         }
+      }
+      if (g32) {
+        ld_grp += 2;
+      } else if (++ld_mod == tiles_per_group) {
+        ld_mod = 0;
+        ++ld_grp;
       }
     }
   };
@@ -266,7 +312,34 @@ __global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
       for (int j = 0; j < 4; ++j) acc[i][t][j] = 0.f;
 
   GroupConst gc;
-  int cur_group = -1;
+  int cmp_mod = first_mod;
+  // M <= 8: keep (q - z) * x sums of the current group in fp32 and scale them once per group (saves one
+  // multiply per weight pair); wider tiles have no registers for a second accumulator set.
+  constexpr bool FS = FMT != INT8 && MT == 1;
+  float accg[FS ? MT : 1][4][4];
+#pragma unroll
+  for (int i = 0; i < (FS ? MT : 1); ++i)
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) accg[i][t][j] = 0.f;
+  bool have_group = false;
+  auto flush_group = [&]() {
+    if constexpr (FS) {
+      if (have_group) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              acc[mt][t][j] = fmaf(gc.sf[2 * t + (j >> 1)], accg[mt][t][j], acc[mt][t][j]);
+              accg[mt][t][j] = 0.f;
+            }
+      }
+    }
+    have_group = true;
+  };
   // Warps whose 64 channels lie past N skip the math (their loads are predicated off anyway).
   const bool warp_active = n0 + 64 * wn < N;
 
@@ -284,20 +357,19 @@ __global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
       if (nxt < nk) load_stage(nxt % kStages, kt_begin + nxt);
       sc::cp_async_commit();
     }
+    const bool new_group = g32 || i == 0 || cmp_mod == 0;
+    if (!g32 && ++cmp_mod == tiles_per_group) cmp_mod = 0;
     if (!warp_active) continue;
     const int s = i % kStages;
-    const int kt = kt_begin + i;
     const unsigned char* ws = stage_w(s);
     const T* xs = stage_x(s);
 
     if constexpr (FMT == AWQ) {
 #pragma unroll
       for (int step = 0; step < 4; ++step) {
-        const int sr = group < BK ? step / 2 : 0;
-        const int grp = (kt * BK + 16 * step) / group;
-        if (grp != cur_group) {
-          load_group<T, AWQ>(gc, stage_s(s), stage_z(s), sr, wn, g);
-          cur_group = grp;
+        if ((step == 0 && new_group) || (step == 2 && g32)) {
+          flush_group();
+          load_group<T, AWQ>(gc, stage_s(s), stage_z(s), step / 2, wn, g);
         }
         unsigned w[4];
 #pragma unroll
@@ -311,10 +383,10 @@ __global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
         const unsigned lo23 = __byte_perm(w[2], w[3], 0x5410), hi23 = __byte_perm(w[2], w[3], 0x7632);
         unsigned a[4][4];
 #define SC_AWQ_TILE(t)                                                                          \
-  a[t][0] = dequant_pair<T, t>(lo01, gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);             \
-  a[t][1] = dequant_pair<T, t>(hi01, gc.scale[2 * t + 1], gc.zlo[2 * t + 1], gc.zhi[2 * t + 1]); \
-  a[t][2] = dequant_pair<T, t>(lo23, gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);             \
-  a[t][3] = dequant_pair<T, t>(hi23, gc.scale[2 * t + 1], gc.zlo[2 * t + 1], gc.zhi[2 * t + 1]);
+  a[t][0] = dequant_pair<T, t, !FS>(lo01, gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);             \
+  a[t][1] = dequant_pair<T, t, !FS>(hi01, gc.scale[2 * t + 1], gc.zlo[2 * t + 1], gc.zhi[2 * t + 1]); \
+  a[t][2] = dequant_pair<T, t, !FS>(lo23, gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);             \
+  a[t][3] = dequant_pair<T, t, !FS>(hi23, gc.scale[2 * t + 1], gc.zlo[2 * t + 1], gc.zhi[2 * t + 1]);
         SC_AWQ_TILE(0)
         SC_AWQ_TILE(1)
         SC_AWQ_TILE(2)
@@ -325,17 +397,18 @@ __global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
           const uint2 xv = lds64(xs + (mt * 8 + g) * L::X_STRIDE + 16 * step + 4 * c);
           const unsigned b[2] = {xv.x, xv.y};
 #pragma unroll
-          for (int t = 0; t < 4; ++t) sc::mma_16816<T>(acc[mt][t], a[t], b);
+          for (int t = 0; t < 4; ++t) {
+            if constexpr (FS) sc::mma_16816<T>(accg[mt][t], a[t], b);
+            else sc::mma_16816<T>(acc[mt][t], a[t], b);
+          }
         }
       }
     } else if constexpr (FMT == GPTQ) {
 #pragma unroll
       for (int pp = 0; pp < 2; ++pp) {
-        const int sr = group < BK ? pp : 0;
-        const int grp = (kt * BK + 32 * pp) / group;
-        if (grp != cur_group) {
-          load_group<T, GPTQ>(gc, stage_s(s), stage_z(s), sr, wn, g);
-          cur_group = grp;
+        if ((pp == 0 && new_group) || (pp == 1 && g32)) {
+          flush_group();
+          load_group<T, GPTQ>(gc, stage_s(s), stage_z(s), pp, wn, g);
         }
         // Row r = 4 pp + c holds k = 8 r .. 8 r + 7 of 512 channels; this thread's 8 channels are 2 chunks.
         const int row = 4 * pp + c;
@@ -356,16 +429,20 @@ __global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
   {                                                                                                            \
     unsigned a[4][4];                                                                                          \
     _Pragma("unroll") for (int t = 0; t < 4; ++t) {                                                            \
-      a[t][0] = dequant_pair<T, 2 * st>(w[2 * t], gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);               \
-      a[t][1] = dequant_pair<T, 2 * st>(w[2 * t + 1], gc.scale[2 * t + 1], gc.zlo[2 * t + 1], gc.zhi[2 * t + 1]); \
-      a[t][2] = dequant_pair<T, 2 * st + 1>(w[2 * t], gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);           \
-      a[t][3] = dequant_pair<T, 2 * st + 1>(w[2 * t + 1], gc.scale[2 * t + 1], gc.zlo[2 * t + 1],              \
-                                            gc.zhi[2 * t + 1]);                                                \
+      a[t][0] = dequant_pair<T, 2 * st, !FS>(w[2 * t], gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);           \
+      a[t][1] = dequant_pair<T, 2 * st, !FS>(w[2 * t + 1], gc.scale[2 * t + 1], gc.zlo[2 * t + 1],             \
+                                             gc.zhi[2 * t + 1]);                                               \
+      a[t][2] = dequant_pair<T, 2 * st + 1, !FS>(w[2 * t], gc.scale[2 * t], gc.zlo[2 * t], gc.zhi[2 * t]);       \
+      a[t][3] = dequant_pair<T, 2 * st + 1, !FS>(w[2 * t + 1], gc.scale[2 * t + 1], gc.zlo[2 * t + 1],         \
+                                                 gc.zhi[2 * t + 1]);                                           \
     }                                                                                                          \
     _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) {                                                        \
       const unsigned b[2] = {__byte_perm(xw[mt][st], xw[mt][st + 2], 0x5410),                                  \
                              __byte_perm(xw[mt][st], xw[mt][st + 2], 0x7632)};                                 \
-      _Pragma("unroll") for (int t = 0; t < 4; ++t) sc::mma_16816<T>(acc[mt][t], a[t], b);                     \
+      _Pragma("unroll") for (int t = 0; t < 4; ++t) {                                    \
+        if constexpr (FS) sc::mma_16816<T>(accg[mt][t], a[t], b);                                             \
+        else sc::mma_16816<T>(acc[mt][t], a[t], b);                                                          \
+      }                                                                                                      \
     }                                                                                                          \
   }
         SC_GPTQ_STEP(0)
@@ -409,6 +486,7 @@ __global__ void __launch_bounds__(kThreads, MT <= 2 ? 2 : 1) quant_mma_kernel(
     }
   }
   sc::cp_async_wait<0>();
+  flush_group();
 
   // Epilogue.  acc[mt][t][2h + e] is (channel n0 + 64 wn + 8 g + 2t + h, row m0 + 8 mt + 2c + e).
   const int nb = n0 + 64 * wn + 8 * g;
@@ -530,19 +608,25 @@ __global__ void __launch_bounds__(256) dequant_int4_kernel(T* __restrict__ out, 
   const int k = (int)(idx / jn), j = (int)(idx % jn);
   const int grp = g_idx != nullptr ? g_idx[k] : k / group;
   const unsigned zw = (unsigned)qz[(long long)grp * ldz + j];
+  float sv[8];
+  sc::Pack16<T>::unpack(*reinterpret_cast<const uint4*>(scales + (long long)grp * lds + 8 * j), sv);
+  unsigned qv[8];
+  if constexpr (FMT == AWQ) {
+    const unsigned w = (unsigned)qw[(long long)k * ldq + j];
+#pragma unroll
+    for (int o = 0; o < 8; ++o) qv[o] = w >> (4 * ((o & 1) ? 4 + o / 2 : o / 2));
+  } else {
+    const uint4* p = reinterpret_cast<const uint4*>(qw + (long long)(k / 8) * ldq + 8 * j);
+    const uint4 a = p[0], b = p[1];
+    const unsigned sh = 4 * (k % 8);
+    qv[0] = a.x >> sh; qv[1] = a.y >> sh; qv[2] = a.z >> sh; qv[3] = a.w >> sh;
+    qv[4] = b.x >> sh; qv[5] = b.y >> sh; qv[6] = b.z >> sh; qv[7] = b.w >> sh;
+  }
   float f[8];
 #pragma unroll
   for (int o = 0; o < 8; ++o) {
-    unsigned q, z;
-    if constexpr (FMT == AWQ) {
-      const int nib = (o & 1) ? 4 + o / 2 : o / 2;
-      q = ((unsigned)qw[(long long)k * ldq + j] >> (4 * nib)) & 15u;
-      z = (zw >> (4 * nib)) & 15u;
-    } else {
-      q = ((unsigned)qw[(long long)(k / 8) * ldq + 8 * j + o] >> (4 * (k % 8))) & 15u;
-      z = ((zw >> (4 * o)) & 15u) + 1u;
-    }
-    f[o] = ((float)q - (float)z) * sc::to_float(scales[(long long)grp * lds + 8 * j + o]);
+    const unsigned z = FMT == AWQ ? (zw >> (4 * ((o & 1) ? 4 + o / 2 : o / 2))) & 15u : ((zw >> (4 * o)) & 15u) + 1u;
+    f[o] = ((float)(qv[o] & 15u) - (float)z) * sv[o];
   }
   *reinterpret_cast<uint4*>(out + (long long)k * N + 8 * j) = sc::Pack16<T>::pack(f);
 }
@@ -573,6 +657,37 @@ __global__ void __launch_bounds__(256) gptq_permute_k_kernel(int* __restrict__ o
     word |= q << (4 * i);
   }
   out[idx] = (int)word;
+}
+
+// Tile-major copy of a weight for quant_mma_kernel: tile (nt, kt) becomes 16 KB at ((nt * k_tiles + kt) * 1024)
+// 16-byte chunks, each chunk placed where the kernel's stored-layout loader would put it in shared memory, so
+// a stage is one contiguous, linear copy.  Out-of-range rows/channels become zeros.
+template <int FMT>
+__global__ void __launch_bounds__(256) pack_tiles_kernel(uint4* __restrict__ out, const void* __restrict__ qw, int K,
+                                                         int N, long long ldq, int k_tiles, long long total) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const long long tile = idx >> 10;
+  const int id = (int)(idx & 1023);
+  const int nt = (int)(tile / k_tiles), kt = (int)(tile % k_tiles);
+  const unsigned char* src = nullptr;
+  if constexpr (FMT == AWQ) {
+    const int row = id >> 4, q = (id & 15) ^ (((row >> 2) & 3) << 1);
+    if (kt * 64 + row < K && nt * kBN + 32 * q < N)
+      src = reinterpret_cast<const unsigned char*>(static_cast<const int*>(qw) + (long long)(kt * 64 + row) * ldq +
+                                                   nt * (kBN / 8) + 4 * q);
+  } else if constexpr (FMT == GPTQ) {
+    const int row = id >> 7, q = (id & 127) ^ ((row & 1) | ((row & 2) << 1));
+    if (8 * (kt * 8 + row) < K && nt * kBN + 4 * q < N)
+      src = reinterpret_cast<const unsigned char*>(static_cast<const int*>(qw) + (long long)(kt * 8 + row) * ldq +
+                                                   nt * kBN + 4 * q);
+  } else {
+    const int u = id ^ (((id >> 4) & 3) << 1);
+    const int n = u >> 1, q = u & 1;
+    if (nt * kBN + n < N && kt * 32 + 16 * q < K)
+      src = static_cast<const unsigned char*>(qw) + (long long)(nt * kBN + n) * ldq + kt * 32 + 16 * q;
+  }
+  out[idx] = src != nullptr ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
 }
 
 }  // namespace quant

@@ -42,7 +42,7 @@ BLOCK_N = 512
 STAGES = 4
 W_STAGE_BYTES = 16384
 MT_CHOICES = (1, 2, 4, 8)   # 8-row tiles of x per CTA: M <= 8, 16, 32, 64 per chunk
-MAX_MMA_M = 512             # above this (and where a dense matmul is available) dequantize + cuBLAS
+MAX_MMA_M = 128             # above this (and where a dense matmul is available) dequantize + cuBLAS
 _ITEM = {"float16": 2, "bfloat16": 2}
 
 
@@ -349,19 +349,23 @@ def mma_config(m: int, n: int, k: int, fmt: int, sms: int) -> MMAConfig:
     return MMAConfig(mt, m_chunks, n_tiles, splits, tps, smem_bytes(fmt, mt))
 
 
+@lru_cache(maxsize=None)
 def _mma_kernel(dtype: str, fmt: int, mt: int) -> Kernel:
     return Kernel(SOURCE, f"quant::quant_mma_kernel<{A.CTYPE[dtype]}, {fmt}, {mt}>")
 
 
+@lru_cache(maxsize=None)
 def _dequant_kernel(dtype: str, fmt: int) -> Kernel:
     return Kernel(SOURCE, f"quant::dequant_int4_kernel<{A.CTYPE[dtype]}, {fmt}>")
 
 
+@lru_cache(maxsize=None)
 def _gather_kernel(dtype: str) -> Kernel:
     return Kernel(SOURCE, f"quant::gather_columns_kernel<{A.CTYPE[dtype]}>")
 
 
 _PERMUTE_KERNEL = Kernel(SOURCE, "quant::gptq_permute_k_kernel")
+_PACK_KERNELS = {fmt: Kernel(SOURCE, f"quant::pack_tiles_kernel<{fmt}>") for fmt in (FMT_AWQ, FMT_GPTQ, FMT_INT8)}
 
 
 def all_kernels() -> list:
@@ -375,6 +379,7 @@ def all_kernels() -> list:
             out.append(_dequant_kernel(dtype, fmt))
         out.append(_gather_kernel(dtype))
     out.append(_PERMUTE_KERNEL)
+    out.extend(_PACK_KERNELS.values())
     return out
 
 
@@ -393,20 +398,23 @@ def use_dense(m: int, lib: str, dtype: str) -> bool:
 
 @dataclass(frozen=True)
 class AWQWeight:
-    """An AWQ layer checked once (``prepack_awq``): the stored tensors, scales in the activation dtype."""
+    """An AWQ layer checked once (``prepack_awq``): the stored tensors, scales in the activation dtype, and
+    ``packed``, the tile-major copy of qweight that the fast kernel streams (None where it does not apply)."""
     qweight: object
     qzeros: object
     scales: object
     group_size: int
     in_features: int
     out_features: int
+    packed: object = None
 
 
 @dataclass(frozen=True)
 class GPTQWeight:
     """A GPTQ layer prepared once (``prepack_gptq``).  Act-order checkpoints have their k rows repacked in
     group order (``perm``: new row i is old row ``perm[i]``); ``g_idx`` is kept only when its groups are not
-    G consecutive rows after sorting (then only the dense path can use it)."""
+    G consecutive rows after sorting (then only the dense path can use it).  ``packed`` is the tile-major copy
+    the fast kernel streams (None where the fast kernel does not apply)."""
     qweight: object
     qzeros: object
     scales: object
@@ -415,14 +423,17 @@ class GPTQWeight:
     out_features: int
     perm: object = None
     g_idx: object = None
+    packed: object = None
 
 
 @dataclass(frozen=True)
 class Int8Weight:
+    """An INT8 layer prepared once (``prepack_int8``): the stored tensors plus the tile-major copy."""
     weight: object
     scales: object
     in_features: int
     out_features: int
+    packed: object = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -523,7 +534,7 @@ def _ticket_buffer(xa, stream, count: int):
     return buf
 
 
-def _launch_mma(fmt, xa, rows, k, ldx, qw, ldq, qz, ldz, scales, lds, bias, n, group):
+def _launch_mma(fmt, xa, rows, k, ldx, qw, ldq, qz, ldz, scales, lds, bias, n, group, packed=None):
     """Allocate y (rows, N) and run quant_mma_kernel; returns the wrapped output."""
     ya = A.empty(xa, (rows, n), xa.dtype, name="out")
     if rows == 0:
@@ -538,14 +549,45 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw, ldq, qz, ldz, scales, lds, bias, n, g
         keep = A.empty(xa, (cfg.splits, rows, n), "float32", name="partial")
         partial_ptr = keep.ptr
         tickets_ptr = _ticket_buffer(xa, stream, cfg.m_chunks * cfg.n_tiles).ptr
-    args = (ya.ptr, partial_ptr, tickets_ptr, xa.ptr, qw.ptr, qz.ptr if qz is not None else 0, scales.ptr,
-            bias.ptr if bias is not None else 0, np.int32(rows), np.int32(n), np.int32(k), np.int32(group),
-            np.int64(ldx), np.int64(ldq), np.int64(ldz), np.int64(lds), np.int32(cfg.n_tiles),
-            np.int32(cfg.m_chunks), np.int32(cfg.tiles_per_split))
+    if fmt == FMT_INT8:
+        tiles_per_group, num_groups = 1, 1
+    else:
+        tiles_per_group, num_groups = (0 if group == 32 else group // 64), -(-k // group)
+    args = (ya.ptr, partial_ptr, tickets_ptr, xa.ptr, packed.ptr if packed is not None else qw.ptr,
+            qz.ptr if qz is not None else 0, scales.ptr, bias.ptr if bias is not None else 0, np.int32(rows),
+            np.int32(n), np.int32(k), np.int32(tiles_per_group), np.int32(num_groups), np.int64(ldx), np.int64(ldq),
+            np.int64(ldz), np.int64(lds), np.int32(cfg.n_tiles), np.int32(cfg.m_chunks),
+            np.int32(cfg.tiles_per_split), np.int32(packed is not None))
     launch(_mma_kernel(xa.dtype, fmt, cfg.mt), LaunchConfig((cfg.grid,), (THREADS,), cfg.smem), args,
            device=xa.device, stream=stream)
     del keep  # the caching allocators keep the memory stream-ordered
     return ya
+
+
+def packed_shape(fmt: int, k: int, n: int) -> tuple:
+    """int32 elements of the tile-major copy: ceil(N/512) x ceil(K/BK) tiles of 16 KB."""
+    return (-(-n // BLOCK_N) * -(-k // _block_k(fmt)) * W_STAGE_BYTES // 4,)
+
+
+def _pack(fmt, qa, k, n):
+    """The tile-major copy of a stored weight (pack_tiles_kernel), for the fast kernel's linear loads."""
+    out = A.empty(qa, packed_shape(fmt, k, n), "int32", name="packed")
+    total = out.shape[0] // 4
+    launch(_PACK_KERNELS[fmt], LaunchConfig((-(-total // 256),), (256,)),
+           (out.ptr, qa.ptr, np.int32(k), np.int32(n), np.int64(_row_stride(qa)), np.int32(-(-k // _block_k(fmt))),
+            np.int64(total)), device=qa.device, stream=A.stream_of(qa))
+    return out
+
+
+def _check_packed(pa, fmt, k, n, ref):
+    if pa is None:
+        return None
+    A.check_dtype(pa, ("int32",))
+    A.check_shape(pa, packed_shape(fmt, k, n))
+    A.check_same_device(ref, pa)
+    if not pa.is_contiguous() or not pa.aligned(16):
+        raise ValueError("packed: must be the contiguous buffer made by prepack")
+    return pa
 
 
 def _finish(xa, ya, rows, n):
@@ -565,7 +607,15 @@ def _dense_int4(fmt, xa, rows, k, ldx, qw, qz, scales, g_idx, bias, n, group):
     return y
 
 
+def _aligned_copy(a):
+    """``a`` itself when its rows are 16-byte aligned, else an aligned contiguous copy."""
+    if _aligned_rows(a):
+        return a
+    return A.wrap(a.obj.clone() if a.lib == "torch" else a.obj.copy(), a.name)
+
+
 def _dequant_launch(fmt, ref, qw, qz, scales, g_idx, k, n, group):
+    qw, scales = _aligned_copy(qw), _aligned_copy(scales)
     wa = A.empty(ref, (k, n), scales.dtype, name="weight")
     total = k * (n // 8)
     if total:
@@ -620,16 +670,19 @@ def _validate_awq(qweight, qzeros, scales, group_size, k=None):
 
 
 def prepack_awq(qweight, qzeros, scales, *, group_size: int = 128, dtype=None) -> AWQWeight:
-    """Check an AWQ layer once and convert its scales to the activation dtype (``dtype``: "float16" or
-    "bfloat16", default the scales' dtype).  The kernels read AWQ's stored layout directly, so nothing is
-    repacked; ``awq_linear(x, prepack_awq(...))`` skips the per-call checks' conversions."""
+    """Prepare an AWQ layer once for :func:`awq_linear`: checks, scales converted to the activation dtype
+    (``dtype``: "float16" or "bfloat16", default the scales' dtype), and a tile-major copy of qweight (same
+    size) that the fast kernel streams as contiguous 16 KB blocks.  The stored tensors are kept too."""
     qa, za, sa, k, n, g = _validate_awq(qweight, qzeros, scales, group_size)
     if dtype is not None:
         dtype = str(dtype).replace("torch.", "")
         if dtype not in A.HALF_DTYPES:
             raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
         sa = _as_dtype(sa, dtype, "scales")
-    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n)
+    packed = None
+    if n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0 and _aligned_rows(qa):
+        packed = _pack(FMT_AWQ, qa, k, n).obj
+    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n, packed)
 
 
 def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, bias=None):
@@ -652,19 +705,21 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
 
     Notes
     -----
-    M = prod(x.shape[:-1]) <= 512 (or CuPy bfloat16): one tensor-core kernel that streams the packed weights
-    once per 64 rows of x.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernel needs
+    M = prod(x.shape[:-1]) <= MAX_MMA_M = 128 (or CuPy bfloat16): one tensor-core kernel that streams the packed weights
+    once per 64 rows of x (fastest with the tile-major copy made by :func:`prepack_awq`).  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernel needs
     N % 64 == 0 and G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy float16).
     """
+    packed = None
     if isinstance(qweight, AWQWeight):
         pw = qweight
         if qzeros is not None or scales is not None:
             raise TypeError("awq_linear: pass either an AWQWeight or (qweight, qzeros, scales), not both")
-        qweight, qzeros, scales, group_size = pw.qweight, pw.qzeros, pw.scales, pw.group_size
+        qweight, qzeros, scales, group_size, packed = pw.qweight, pw.qzeros, pw.scales, pw.group_size, pw.packed
     elif qzeros is None or scales is None:
         raise TypeError("awq_linear: qzeros and scales are required with a stored qweight")
     xa, rows, k, ldx = _x_rows(x)
     qa, za, sa, k, n, g = _validate_awq(qweight, qzeros, scales, group_size, k)
+    pk = _check_packed(A.wrap(packed, "packed", optional=True), FMT_AWQ, k, n, qa)
     ba = A.wrap(bias, "bias", optional=True)
     _check_common(xa, (qa, za, sa), ba, n)
     sa = _as_dtype(sa, xa.dtype, "scales")
@@ -686,7 +741,7 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
         xa = _rows_copy(xa, rows, k)
         ldx = k
     ya = _launch_mma(FMT_AWQ, xa, rows, k, ldx, qa, _row_stride(qa), za, _row_stride(za), sa, _row_stride(sa),
-                     ba, n, g)
+                     ba, n, g, pk)
     return _finish(xa, ya, rows, n)
 
 
@@ -775,9 +830,9 @@ def _permute_gptq(qa, perm_a, k, n):
 def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, dtype=None) -> GPTQWeight:
     """Prepare a GPTQ layer once for :func:`gptq_linear`.
 
-    Without act-order (``g_idx`` None or ``k // G``) nothing is repacked.  With act-order, the k rows of
-    ``qweight`` are repacked in group order (a nibble gather on the GPU) and the permutation is kept, so each
-    call only gathers the columns of x (M x K elements) and runs the fast kernel.  ``dtype`` converts the
+    Makes a tile-major copy of qweight (same size) that the fast kernel streams as contiguous 16 KB blocks.
+    With act-order, the k rows of ``qweight`` are first repacked in group order (a nibble gather on the GPU)
+    and the permutation is kept, so each call only gathers the columns of x (M x K elements).  ``dtype`` converts the
     scales to the activation dtype once.  Copies g_idx to the host (a synchronization).
     """
     qa, za, sa, ga, k, n, g = _validate_gptq(qweight, qzeros, scales, g_idx, group_size)
@@ -786,16 +841,18 @@ def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, 
         if dtype not in A.HALF_DTYPES:
             raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
         sa = _as_dtype(sa, dtype, "scales")
-    if ga is None:
-        return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n)
-    kind, perm = _classify_g_idx(ga, k, g)
-    if kind == "plain":
-        return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n)
+    kind, perm = ("plain", None) if ga is None else _classify_g_idx(ga, k, g)
     if kind == "irregular":
         return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, g_idx=ga.obj)
-    perm_a = _to_device_like(qa, perm)
-    qp = _permute_gptq(qa, perm_a, k, n)
-    return GPTQWeight(qp.obj, za.obj, sa.obj, g, k, n, perm=perm_a.obj)
+    perm_obj = None
+    if kind == "act":
+        perm_a = _to_device_like(qa, perm)
+        qa = _permute_gptq(qa, perm_a, k, n)
+        perm_obj = perm_a.obj
+    packed = None
+    if n % 64 == 0 and _fast_group_ok(g) and _aligned_rows(qa):
+        packed = _pack(FMT_GPTQ, qa, k, n).obj
+    return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, perm=perm_obj, packed=packed)
 
 
 def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size: int = 128, bias=None):
@@ -817,19 +874,20 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
     -------
     (..., N) in x's dtype and library.
     """
-    perm = None
+    perm = packed = None
     if isinstance(qweight, GPTQWeight):
         pw = qweight
         if qzeros is not None or scales is not None or g_idx is not None:
             raise TypeError("gptq_linear: pass either a GPTQWeight or (qweight, qzeros, scales, g_idx), not both")
-        qweight, qzeros, scales, g_idx, group_size, perm = (pw.qweight, pw.qzeros, pw.scales, pw.g_idx,
-                                                             pw.group_size, pw.perm)
+        qweight, qzeros, scales, g_idx, group_size, perm, packed = (pw.qweight, pw.qzeros, pw.scales, pw.g_idx,
+                                                                     pw.group_size, pw.perm, pw.packed)
     elif qzeros is None or scales is None:
         raise TypeError("gptq_linear: qzeros and scales are required with a stored qweight")
     xa, rows, k, ldx = _x_rows(x)
     qa, za, sa, ga, k, n, g = _validate_gptq(qweight, qzeros, scales, g_idx, group_size, k)
     ba = A.wrap(bias, "bias", optional=True)
     pa = A.wrap(perm, "perm", optional=True)
+    pk = _check_packed(A.wrap(packed, "packed", optional=True), FMT_GPTQ, k, n, qa)
     _check_common(xa, (qa, za, sa, ga, pa), ba, n)
     sa = _as_dtype(sa, xa.dtype, "scales")
     irregular = False
@@ -870,7 +928,7 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
         xa = _rows_copy(xa, rows, k)
         ldx = k
     ya = _launch_mma(FMT_GPTQ, xa, rows, k, ldx, qa, _row_stride(qa), za, _row_stride(za), sa, _row_stride(sa),
-                     ba, n, g)
+                     ba, n, g, pk)
     return ya.obj.reshape(out_shape)
 
 
@@ -887,14 +945,40 @@ def _gather_x(xa, rows, k, ldx, pa):
 # INT8
 # ---------------------------------------------------------------------------------------------------------------
 
-def int8_linear(x, weight, scales, *, bias=None):
+def prepack_int8(weight, scales, *, dtype=None) -> Int8Weight:
+    """Prepare an INT8 layer once for :func:`int8_linear`: checks, scales converted to ``dtype`` (the activation
+    dtype) and a tile-major copy of the weight (same size) that the fast kernel streams as contiguous blocks."""
+    wa = A.wrap(weight, "weight")
+    A.check_dtype(wa, ("int8",))
+    if wa.ndim != 2 or wa.shape[0] == 0 or wa.shape[1] == 0:
+        raise ValueError(f"weight: expected a non-empty (N, K) matrix, got shape {tuple(wa.shape)}")
+    n, k = wa.shape
+    if k > 1 and wa.strides[1] != 1:
+        raise ValueError(f"weight: the last dimension must be contiguous, got strides {wa.strides}")
+    sa = A.wrap(scales, "scales")
+    A.check_dtype(sa, A.FLOAT_DTYPES)
+    A.check_shape(sa, (n,))
+    A.check_same_device(wa, sa)
+    if dtype is not None:
+        dtype = str(dtype).replace("torch.", "")
+        if dtype not in A.HALF_DTYPES:
+            raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
+        sa = _as_dtype(sa, dtype, "scales")
+    packed = None
+    if n % 64 == 0 and k % 16 == 0 and _aligned_rows(wa):
+        packed = _pack(FMT_INT8, wa, k, n).obj
+    return Int8Weight(wa.obj, sa.obj, k, n, packed)
+
+
+def int8_linear(x, weight, scales=None, *, bias=None):
     """``y = (x @ weight.T) * scales (+ bias)`` for an INT8 weight-only layer.
 
     Parameters
     ----------
     x : (..., K), float16 or bfloat16, CUDA.
     weight : int8 (N, K) (nn.Linear layout), rows 16-byte aligned; K % 16 == 0 and N % 64 == 0 for the fast
-        kernel (other shapes: dense path, torch or CuPy float16).
+        kernel (other shapes: dense path, torch or CuPy float16); or an :class:`Int8Weight` from
+        :func:`prepack_int8` (then ``scales`` comes from it).
     scales : (N,) one per output channel, float16, bfloat16 or float32 (used in x's dtype).
     bias : optional (N,), x's dtype.
 
@@ -902,6 +986,13 @@ def int8_linear(x, weight, scales, *, bias=None):
     -------
     (..., N) in x's dtype and library.
     """
+    packed = None
+    if isinstance(weight, Int8Weight):
+        if scales is not None:
+            raise TypeError("int8_linear: pass either an Int8Weight or (weight, scales), not both")
+        weight, scales, packed = weight.weight, weight.scales, weight.packed
+    elif scales is None:
+        raise TypeError("int8_linear: scales is required with a stored weight")
     xa, rows, k, ldx = _x_rows(x)
     wa = A.wrap(weight, "weight")
     A.check_dtype(wa, ("int8",))
@@ -919,6 +1010,7 @@ def int8_linear(x, weight, scales, *, bias=None):
         raise ValueError(f"scales: must be contiguous, got stride {sa.strides[0]}")
     ba = A.wrap(bias, "bias", optional=True)
     _check_common(xa, (wa, sa), ba, n)
+    pk = _check_packed(A.wrap(packed, "packed", optional=True), FMT_INT8, k, n, wa)
     sa = _as_dtype(sa, xa.dtype, "scales")
     fast = n % 64 == 0 and k % 16 == 0 and _aligned_rows(wa)
     if not fast or use_dense(rows, xa.lib, xa.dtype):
@@ -942,7 +1034,7 @@ def int8_linear(x, weight, scales, *, bias=None):
     if rows and not _aligned_rows_x(xa, ldx):
         xa = _rows_copy(xa, rows, k)
         ldx = k
-    ya = _launch_mma(FMT_INT8, xa, rows, k, ldx, wa, _row_stride(wa), None, 0, sa, 0, ba, n, 1 << 30)
+    ya = _launch_mma(FMT_INT8, xa, rows, k, ldx, wa, _row_stride(wa), None, 0, sa, 0, ba, n, 0, pk)
     return _finish(xa, ya, rows, n)
 
 

@@ -200,7 +200,7 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 31
+    assert len(names) == len(set(names)) == 34
     assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
 
 
@@ -251,6 +251,10 @@ def test_awq_linear_small(dtype, m, n, k, g):
     # repeated call (split-K tickets must have been reset) gives the same bits
     y2 = Q.awq_linear(x, torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g, bias=bias)
     assert torch.equal(y, y2)
+    # the tile-major prepacked copy feeds the same shared-memory image: the same bits
+    packed = Q.prepack_awq(torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g)
+    assert packed.packed is not None
+    assert torch.equal(Q.awq_linear(x, packed, bias=bias), y)
 
 
 @pytest.mark.gpu
@@ -278,9 +282,11 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
     y2 = Q.gptq_linear(x, packed)
     err2, finite2 = _rel_err(y2, ref)
     assert finite2 and err2 < 1e-2, err2
+    assert packed.packed is not None
     if not act_order:
         y3 = Q.gptq_linear(x, *args[:3], group_size=g)
         assert torch.equal(y, y3)
+        assert torch.equal(y, y2)
 
 
 @pytest.mark.gpu
@@ -315,6 +321,9 @@ def test_int8_linear_small(dtype, m, n, k):
     y = Q.int8_linear(x, torch.from_numpy(q).cuda(), s_t, bias=bias)
     err, finite = _rel_err(y, _ref(x, ref_w, bias))
     assert finite and err < 1e-2, err
+    packed = Q.prepack_int8(torch.from_numpy(q).cuda(), s_t)
+    assert packed.packed is not None
+    assert torch.equal(Q.int8_linear(x, packed, bias=bias), y)
 
 
 @pytest.mark.gpu
