@@ -737,12 +737,13 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
         return y.reshape(tuple(xa.shape[:-1]) + (n,))
     for a in (qa, za, sa):
         _check_aligned(a)
+    out_shape = tuple(xa.shape[:-1]) + (n,)
     if rows and not (_aligned_rows_x(xa, ldx)):
         xa = _rows_copy(xa, rows, k)
         ldx = k
     ya = _launch_mma(FMT_AWQ, xa, rows, k, ldx, qa, _row_stride(qa), za, _row_stride(za), sa, _row_stride(sa),
                      ba, n, g, pk)
-    return _finish(xa, ya, rows, n)
+    return ya.obj.reshape(out_shape)
 
 
 def _aligned_rows_x(xa, ldx) -> bool:
@@ -1031,11 +1032,12 @@ def int8_linear(x, weight, scales=None, *, bias=None):
         if ba is not None:
             y += ba.obj
         return y.reshape(tuple(xa.shape[:-1]) + (n,))
+    out_shape = tuple(xa.shape[:-1]) + (n,)
     if rows and not _aligned_rows_x(xa, ldx):
         xa = _rows_copy(xa, rows, k)
         ldx = k
     ya = _launch_mma(FMT_INT8, xa, rows, k, ldx, wa, _row_stride(wa), None, 0, sa, 0, ba, n, 0, pk)
-    return _finish(xa, ya, rows, n)
+    return ya.obj.reshape(out_shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------

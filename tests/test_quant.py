@@ -399,9 +399,11 @@ def test_views_batch_dims_and_dense_path_small():
     assert y.shape == (2, 3, n)
     err, ok = _rel_err(y.reshape(6, n), _ref(x.reshape(6, k), ref_w))
     assert ok and err < 1e-2
-    flat = torch.randn(5 * k + 1, device="cuda", dtype=torch.float16)
-    xm = flat[1:].view(5, k)              # rows not 16-byte aligned: copied
-    err, ok = _rel_err(Q.awq_linear(xm, *args, group_size=g), _ref(xm, ref_w))
+    flat = torch.randn(6 * k + 1, device="cuda", dtype=torch.float16)
+    xm = flat[1:].view(2, 3, k)           # rows not 16-byte aligned: copied
+    ym = Q.awq_linear(xm, *args, group_size=g)
+    assert ym.shape == (2, 3, n)
+    err, ok = _rel_err(ym.reshape(6, n), _ref(xm.reshape(6, k), ref_w))
     assert ok and err < 1e-2
     xl = torch.randn(Q.MAX_MMA_M + 3, k, device="cuda", dtype=torch.float16)  # dense path
     err, ok = _rel_err(Q.awq_linear(xl, *args, group_size=g), _ref(xl, ref_w))
