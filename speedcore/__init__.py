@@ -11,11 +11,12 @@ from ._compile import CompileError, Kernel  # light: no CuPy import at module le
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it (one module per op family, paired with kernels/<family>.cu)
+# public name -> module that defines it (one module per op family, paired with kernels/<family>.cu).  No
+# module is named like a function: importing speedcore.<module> would replace the function attribute.
 _EXPORTS = {
     "rms_norm": "norm",
-    "flash_attn": "flash_attn",
-    "flash_attn_varlen": "flash_attn",
+    "flash_attn": "attention",
+    "flash_attn_varlen": "attention",
     "matmul": "gemm",
     "linear": "gemm",
     "awq_linear": "quant",

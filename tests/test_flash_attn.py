@@ -8,7 +8,7 @@ import pytest
 
 from speedcore import _arrays as A
 
-fa = importlib.import_module("speedcore.flash_attn")
+fa = importlib.import_module("speedcore.attention")
 
 
 # ---------------------------------------------------------------- CPU: heuristic and variant list

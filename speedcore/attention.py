@@ -1,4 +1,4 @@
-"""FlashAttention forward with flash-attn 2's API and semantics (kernels/flash_attn.cu).
+"""FlashAttention forward with flash-attn 2's API and semantics (kernels/attention.cu).
 
 ``flash_attn`` takes (batch, seqlen, heads, head_dim) tensors, ``flash_attn_varlen`` packed
 (total_tokens, heads, head_dim) tensors with int32 ``cu_seqlens``.  Both support causal masking aligned to
@@ -7,8 +7,6 @@ the bottom-right corner, sliding windows, tanh softcap, GQA/MQA, and return the 
 from __future__ import annotations
 
 import math
-import sys
-import types
 from functools import lru_cache
 
 import numpy as np
@@ -17,7 +15,7 @@ from . import _arrays as A
 from ._compile import Kernel
 from ._launch import LaunchConfig, device_info, launch
 
-SOURCE = "flash_attn.cu"
+SOURCE = "attention.cu"
 # The kernel's head dims; any multiple of 8 up to 256 runs on the next one up (zero-padded in shared memory).
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = 256
@@ -47,7 +45,7 @@ def kernel_head_dim(head_dim: int) -> int:
 
 def smem_bytes(head_dim: int, block_n: int, m_tiles: int, warps: int, stages: int = 2) -> int:
     """Dynamic shared memory of one CTA: the pipeline stages of K and V tiles (rows padded by 16 bytes), plus
-    the Q tile where Q does not stay in registers (see kernels/flash_attn.cu)."""
+    the Q tile where Q does not stay in registers (see kernels/attention.cu)."""
     pitch = head_dim + 8
     stages = stages * 2 * block_n * pitch * 2
     q_in_regs = m_tiles * head_dim <= 128
@@ -371,14 +369,3 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                 head_dim=head_dim, softmax_scale=softmax_scale, left=left, right=right, softcap=softcap,
                 causal=causal)
     return (oa.obj, lse.obj) if return_lse else oa.obj
-
-
-class _CallableModule(types.ModuleType):
-    """``speedcore.flash_attn`` names both this module and its function: once something imports the module
-    (the kernel registry does), the package attribute is the module, so calling it calls the function."""
-
-    def __call__(self, *args, **kwargs):
-        return flash_attn(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
