@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -407,6 +407,7 @@ class AWQWeight:
     in_features: int
     out_features: int
     packed: object = None
+    fast: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -424,6 +425,7 @@ class GPTQWeight:
     perm: object = None
     g_idx: object = None
     packed: object = None
+    fast: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -434,6 +436,7 @@ class Int8Weight:
     in_features: int
     out_features: int
     packed: object = None
+    fast: object = field(default=None, repr=False, compare=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -534,34 +537,118 @@ def _ticket_buffer(xa, stream, count: int):
     return buf
 
 
-def _launch_mma(fmt, xa, rows, k, ldx, qw, ldq, qz, ldz, scales, lds, bias, n, group, packed=None):
-    """Allocate y (rows, N) and run quant_mma_kernel; returns the wrapped output."""
-    ya = A.empty(xa, (rows, n), xa.dtype, name="out")
-    if rows == 0:
-        return ya
-    dev = device_info(xa.device)
-    cfg = mma_config(rows, n, k, fmt, dev.sms)
-    stream = A.stream_of(xa)
-    partial_ptr = 0
-    tickets_ptr = 0
-    keep = None
-    if cfg.splits > 1:
-        keep = A.empty(xa, (cfg.splits, rows, n), "float32", name="partial")
-        partial_ptr = keep.ptr
-        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_chunks * cfg.n_tiles).ptr
+@lru_cache(maxsize=8192)
+def _plan(fmt: int, dtype: str, rows: int, n: int, k: int, group: int, sms: int):
+    """Everything about a launch that depends only on the problem: config, variant, grid, scalar arguments."""
+    cfg = mma_config(rows, n, k, fmt, sms)
     if fmt == FMT_INT8:
         tiles_per_group, num_groups = 1, 1
     else:
         tiles_per_group, num_groups = (0 if group == 32 else group // 64), -(-k // group)
-    args = (ya.ptr, partial_ptr, tickets_ptr, xa.ptr, packed.ptr if packed is not None else qw.ptr,
-            qz.ptr if qz is not None else 0, scales.ptr, bias.ptr if bias is not None else 0, np.int32(rows),
-            np.int32(n), np.int32(k), np.int32(tiles_per_group), np.int32(num_groups), np.int64(ldx), np.int64(ldq),
-            np.int64(ldz), np.int64(lds), np.int32(cfg.n_tiles), np.int32(cfg.m_chunks),
-            np.int32(cfg.tiles_per_split), np.int32(packed is not None))
-    launch(_mma_kernel(xa.dtype, fmt, cfg.mt), LaunchConfig((cfg.grid,), (THREADS,), cfg.smem), args,
-           device=xa.device, stream=stream)
-    del keep  # the caching allocators keep the memory stream-ordered
-    return ya
+    head = (np.int32(rows), np.int32(n), np.int32(k), np.int32(tiles_per_group), np.int32(num_groups))
+    tail = (np.int32(cfg.n_tiles), np.int32(cfg.m_chunks), np.int32(cfg.tiles_per_split))
+    return cfg, _mma_kernel(dtype, fmt, cfg.mt), LaunchConfig((cfg.grid,), (THREADS,), cfg.smem), head, tail
+
+
+_workspaces: dict = {}
+
+
+def _workspace_ptr(xa, stream, nbytes: int) -> int:
+    """Scratch for the split-K partials, one grow-only buffer per (library, device, stream): launches on one
+    stream run in order, so they can share it."""
+    key = (xa.lib, xa.device, getattr(stream, "ptr", 0))
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel < nbytes:
+        size = max(1 << 20, 1 << (nbytes - 1).bit_length())
+        if xa.lib == "torch":
+            import torch
+
+            obj = torch.empty(size, dtype=torch.uint8, device=xa.obj.device)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(xa.device):
+                obj = cupy.empty(size, dtype=cupy.uint8)
+        buf = A.wrap(obj, "workspace")
+        _workspaces[key] = buf
+    return buf.ptr
+
+
+def _alloc_out(xa, rows: int, n: int):
+    """y (rows, N) in x's dtype and library: (object, pointer)."""
+    if xa.lib == "torch":
+        t = xa.obj.new_empty((rows, n))
+        return t, t.data_ptr()
+    ya = A.empty(xa, (rows, n), xa.dtype, name="out")
+    return ya.obj, ya.ptr
+
+
+def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds, bias_ptr, n, group,
+                packed: bool):
+    """Allocate y (rows, N) and run quant_mma_kernel; returns y (the caller's library)."""
+    y, y_ptr = _alloc_out(xa, rows, n)
+    if rows == 0:
+        return y
+    cfg, kernel, lcfg, head, tail = _plan(fmt, xa.dtype, rows, n, k, group, device_info(xa.device).sms)
+    stream = A.stream_of(xa)
+    partial_ptr = tickets_ptr = 0
+    if cfg.splits > 1:
+        partial_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
+        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_chunks * cfg.n_tiles).ptr
+    args = (y_ptr, partial_ptr, tickets_ptr, xa.ptr, qw_ptr, qz_ptr, scales_ptr, bias_ptr) + head + (
+        np.int64(ldx), np.int64(ldq), np.int64(ldz), np.int64(lds)) + tail + (np.int32(1 if packed else 0),)
+    launch(kernel, lcfg, args, device=xa.device, stream=stream)
+    return y
+
+
+@dataclass(frozen=True)
+class _FastLayer:
+    """What a prepacked layer's calls need, checked once: pointers, strides, sizes, dtype, device."""
+    fmt: int
+    dtype: str
+    lib: str
+    device: int
+    k: int
+    n: int
+    group: int
+    qw_ptr: int
+    ldq: int
+    qz_ptr: int
+    ldz: int
+    scales_ptr: int
+    lds: int
+
+
+def _fast_call(f: _FastLayer, x, bias):
+    """The prepacked path with per-call checks reduced to x and bias.  Returns None for anything unusual
+    (dtype or device mismatch, wrong K, dense-path sizes, odd bias): the general path then converts or raises."""
+    xa = A.wrap(x, "x")
+    if xa.dtype != f.dtype or xa.lib != f.lib or xa.device != f.device or xa.ndim == 0 or xa.shape[-1] != f.k:
+        return None
+    rows, ldx = xa.rows()
+    if use_dense(rows, xa.lib, xa.dtype):
+        return None
+    bias_ptr = 0
+    if bias is not None:
+        ba = A.wrap(bias, "bias")
+        if (ba.dtype != xa.dtype or tuple(ba.shape) != (f.n,) or ba.lib != xa.lib or ba.device != xa.device
+                or (f.n > 1 and ba.strides[0] != 1)):
+            return None
+        bias_ptr = ba.ptr
+    out_shape = tuple(xa.shape[:-1]) + (f.n,)
+    if rows and not _aligned_rows_x(xa, ldx):
+        xa = _rows_copy(xa, rows, f.k)
+        ldx = f.k
+    y = _launch_mma(f.fmt, xa, rows, f.k, ldx, f.qw_ptr, f.ldq, f.qz_ptr, f.ldz, f.scales_ptr, f.lds, bias_ptr, f.n,
+                    f.group, True)
+    return y.reshape(out_shape)
+
+
+def _make_fast(fmt, packed_obj, qa, za, sa, k, n, g):
+    pa = A.wrap(packed_obj, "packed")
+    return _FastLayer(fmt, sa.dtype, qa.lib, qa.device, k, n, g, pa.ptr, _row_stride(qa),
+                      za.ptr if za is not None else 0, _row_stride(za) if za is not None else 0, sa.ptr,
+                      _row_stride(sa) if sa.ndim == 2 else 0)
 
 
 def packed_shape(fmt: int, k: int, n: int) -> tuple:
@@ -679,10 +766,11 @@ def prepack_awq(qweight, qzeros, scales, *, group_size: int = 128, dtype=None) -
         if dtype not in A.HALF_DTYPES:
             raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
         sa = _as_dtype(sa, dtype, "scales")
-    packed = None
-    if n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0 and _aligned_rows(qa):
+    packed = fast = None
+    if n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0 and all(_aligned_rows(a) for a in (qa, za, sa)):
         packed = _pack(FMT_AWQ, qa, k, n).obj
-    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n, packed)
+        fast = _make_fast(FMT_AWQ, packed, qa, za, sa, k, n, g)
+    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n, packed, fast)
 
 
 def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, bias=None):
@@ -706,9 +794,14 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     Notes
     -----
     M = prod(x.shape[:-1]) <= MAX_MMA_M = 128 (or CuPy bfloat16): one tensor-core kernel that streams the packed weights
-    once per 64 rows of x (fastest with the tile-major copy made by :func:`prepack_awq`).  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernel needs
+    once per 64 rows of x (fastest with the tile-major copy made by :func:`prepack_awq`, which also skips
+    the per-call weight checks).  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernel needs
     N % 64 == 0 and G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy float16).
     """
+    if isinstance(qweight, AWQWeight) and qweight.fast is not None and qzeros is None and scales is None:
+        y = _fast_call(qweight.fast, x, bias)
+        if y is not None:
+            return y
     packed = None
     if isinstance(qweight, AWQWeight):
         pw = qweight
@@ -741,9 +834,9 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     if rows and not (_aligned_rows_x(xa, ldx)):
         xa = _rows_copy(xa, rows, k)
         ldx = k
-    ya = _launch_mma(FMT_AWQ, xa, rows, k, ldx, qa, _row_stride(qa), za, _row_stride(za), sa, _row_stride(sa),
-                     ba, n, g, pk)
-    return ya.obj.reshape(out_shape)
+    y = _launch_mma(FMT_AWQ, xa, rows, k, ldx, pk.ptr if pk is not None else qa.ptr, _row_stride(qa), za.ptr,
+                    _row_stride(za), sa.ptr, _row_stride(sa), ba.ptr if ba is not None else 0, n, g, pk is not None)
+    return y.reshape(out_shape)
 
 
 def _aligned_rows_x(xa, ldx) -> bool:
@@ -850,10 +943,12 @@ def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, 
         perm_a = _to_device_like(qa, perm)
         qa = _permute_gptq(qa, perm_a, k, n)
         perm_obj = perm_a.obj
-    packed = None
-    if n % 64 == 0 and _fast_group_ok(g) and _aligned_rows(qa):
+    packed = fast = None
+    if n % 64 == 0 and _fast_group_ok(g) and all(_aligned_rows(a) for a in (qa, za, sa)):
         packed = _pack(FMT_GPTQ, qa, k, n).obj
-    return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, perm=perm_obj, packed=packed)
+        if perm_obj is None:
+            fast = _make_fast(FMT_GPTQ, packed, qa, za, sa, k, n, g)
+    return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, perm=perm_obj, packed=packed, fast=fast)
 
 
 def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size: int = 128, bias=None):
@@ -875,6 +970,11 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
     -------
     (..., N) in x's dtype and library.
     """
+    if (isinstance(qweight, GPTQWeight) and qweight.fast is not None and qzeros is None and scales is None
+            and g_idx is None):
+        y = _fast_call(qweight.fast, x, bias)
+        if y is not None:
+            return y
     perm = packed = None
     if isinstance(qweight, GPTQWeight):
         pw = qweight
@@ -928,9 +1028,9 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
     elif rows and not _aligned_rows_x(xa, ldx):
         xa = _rows_copy(xa, rows, k)
         ldx = k
-    ya = _launch_mma(FMT_GPTQ, xa, rows, k, ldx, qa, _row_stride(qa), za, _row_stride(za), sa, _row_stride(sa),
-                     ba, n, g, pk)
-    return ya.obj.reshape(out_shape)
+    y = _launch_mma(FMT_GPTQ, xa, rows, k, ldx, pk.ptr if pk is not None else qa.ptr, _row_stride(qa), za.ptr,
+                    _row_stride(za), sa.ptr, _row_stride(sa), ba.ptr if ba is not None else 0, n, g, pk is not None)
+    return y.reshape(out_shape)
 
 
 def _gather_x(xa, rows, k, ldx, pa):
@@ -965,10 +1065,11 @@ def prepack_int8(weight, scales, *, dtype=None) -> Int8Weight:
         if dtype not in A.HALF_DTYPES:
             raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
         sa = _as_dtype(sa, dtype, "scales")
-    packed = None
-    if n % 64 == 0 and k % 16 == 0 and _aligned_rows(wa):
+    packed = fast = None
+    if n % 64 == 0 and k % 16 == 0 and _aligned_rows(wa) and sa.is_contiguous():
         packed = _pack(FMT_INT8, wa, k, n).obj
-    return Int8Weight(wa.obj, sa.obj, k, n, packed)
+        fast = _make_fast(FMT_INT8, packed, wa, None, sa, k, n, 0)
+    return Int8Weight(wa.obj, sa.obj, k, n, packed, fast)
 
 
 def int8_linear(x, weight, scales=None, *, bias=None):
@@ -987,6 +1088,10 @@ def int8_linear(x, weight, scales=None, *, bias=None):
     -------
     (..., N) in x's dtype and library.
     """
+    if isinstance(weight, Int8Weight) and weight.fast is not None and scales is None:
+        y = _fast_call(weight.fast, x, bias)
+        if y is not None:
+            return y
     packed = None
     if isinstance(weight, Int8Weight):
         if scales is not None:
@@ -1036,8 +1141,9 @@ def int8_linear(x, weight, scales=None, *, bias=None):
     if rows and not _aligned_rows_x(xa, ldx):
         xa = _rows_copy(xa, rows, k)
         ldx = k
-    ya = _launch_mma(FMT_INT8, xa, rows, k, ldx, wa, _row_stride(wa), None, 0, sa, 0, ba, n, 0, pk)
-    return ya.obj.reshape(out_shape)
+    y = _launch_mma(FMT_INT8, xa, rows, k, ldx, pk.ptr if pk is not None else wa.ptr, _row_stride(wa), 0, 0, sa.ptr,
+                    0, ba.ptr if ba is not None else 0, n, 0, pk is not None)
+    return y.reshape(out_shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -476,3 +476,93 @@ def test_bad_input_small():
         Q.int8_linear(x, w8, torch.ones(n + 1, device="cuda"))
     with pytest.raises(TypeError, match="weight"):
         Q.int8_linear(x, w8.to(torch.uint8), torch.ones(n, device="cuda"))
+
+
+# ------------------------------------------------------------------------------------------------ launch arguments (CPU)
+
+class _FakeTensor:
+    """Stands in for a CUDA tensor so that the Python launch paths can run without a GPU."""
+    _next = [1 << 20]
+
+    def __init__(self, shape, dtype, strides=None):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        st, acc = [], 1
+        for d in reversed(self.shape):
+            st.append(acc)
+            acc *= max(d, 1)
+        self.strides = tuple(strides) if strides is not None else tuple(reversed(st))
+        self.ptr = _FakeTensor._next[0]
+        _FakeTensor._next[0] += 1 << 24
+
+    def new_empty(self, shape):
+        t = _FakeTensor(shape, self.dtype)
+        t.ptr = 0xABC000
+        return t
+
+    def data_ptr(self):
+        return self.ptr
+
+    def reshape(self, shape):
+        return _FakeTensor(shape, self.dtype)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    from speedcore import _arrays as A
+
+    real_wrap = A.wrap
+
+    def wrap(x, name, *, optional=False):
+        if isinstance(x, _FakeTensor):
+            return A.Array(x, "torch", x.ptr, x.shape, x.strides, x.dtype, 0, name)
+        return real_wrap(x, name, optional=optional)
+
+    calls = []
+    monkeypatch.setattr(A, "wrap", wrap)
+    monkeypatch.setattr(A, "stream_of", lambda ref: type("S", (), {"ptr": 0})())
+    monkeypatch.setattr(Q, "device_info", lambda i: type("D", (), {"sms": 132})())
+    monkeypatch.setattr(Q, "launch", lambda kernel, cfg, args, device, stream: calls.append((kernel, cfg, args)))
+    monkeypatch.setattr(Q, "_workspace_ptr", lambda xa, stream, nbytes: 0x5000)
+    monkeypatch.setattr(Q, "_ticket_buffer", lambda xa, stream, count: type("T", (), {"ptr": 0x6000})())
+    monkeypatch.setattr(Q, "_pack", lambda fmt, qa, k, n: wrap(_FakeTensor(Q.packed_shape(fmt, k, n), "int32"), "p"))
+    return calls
+
+
+def _same_launch(a, b):
+    ka, ca, aa = a
+    kb, cb, ab = b
+    assert ka == kb and ca == cb
+    assert len(aa) == len(ab) == 21
+    for u, v in zip(aa, ab):
+        assert type(u) is type(v) and u == v, (aa, ab)
+
+
+@pytest.mark.parametrize("m", [1, 16, 100])
+def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
+    import dataclasses
+
+    calls = fake_gpu
+    k, n, g = 1024, 1536, 128
+    x = _FakeTensor((m, k), "bfloat16")
+    bias = _FakeTensor((n,), "bfloat16")
+    pw = Q.prepack_awq(_FakeTensor((k, n // 8), "int32"), _FakeTensor((k // g, n // 8), "int32"),
+                       _FakeTensor((k // g, n), "bfloat16"), group_size=g)
+    assert pw.fast is not None
+    Q.awq_linear(x, pw, bias=bias)
+    Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
+    _same_launch(calls[0], calls[1])
+    args = calls[0][2]
+    assert args[4] == pw.fast.qw_ptr and int(args[-1]) == 1 and args[7] == bias.ptr and int(args[8]) == m
+    pg = Q.prepack_gptq(_FakeTensor((k // 8, n), "int32"), _FakeTensor((k // g, n // 8), "int32"),
+                        _FakeTensor((k // g, n), "bfloat16"), group_size=g)
+    Q.gptq_linear(x, pg)
+    Q.gptq_linear(x, dataclasses.replace(pg, fast=None))
+    _same_launch(calls[2], calls[3])
+    p8 = Q.prepack_int8(_FakeTensor((n, k), "int8"), _FakeTensor((n,), "bfloat16"))
+    Q.int8_linear(x, p8, bias=bias)
+    Q.int8_linear(x, dataclasses.replace(p8, fast=None), bias=bias)
+    _same_launch(calls[4], calls[5])
+    # a dtype mismatch leaves the fast path (the checked path converts or raises)
+    with pytest.raises(TypeError, match="bias"):
+        Q.awq_linear(x, pw, bias=_FakeTensor((n,), "float16"))
