@@ -12,13 +12,18 @@ Formats (bit-exact; ``y = x @ W`` with ``W`` of shape (K, N), K = in_features, N
 * INT8 weight-only: ``weight`` int8 (N, K) (the nn.Linear layout), one scale per output channel:
   ``W[k, n] = weight[n, k] * scales[n]``.
 
+The linear functions take the checkpoint tensors as stored, or the result of ``prepack_awq`` / ``prepack_gptq``
+/ ``prepack_int8`` (checked once, a tile-major copy of the weight the kernel streams as contiguous 16 KB blocks,
+act-order rows sorted by group): prepack once per layer for speed.  Split-K launches use a per-stream scratch
+buffer and zeroed counters kept by this module; when capturing a CUDA graph, run the largest M once first so
+that the scratch does not grow (and move) afterwards.
+
 This module also holds round-to-nearest quantizers producing exactly these formats from a float weight (N, K),
 NumPy reference dequantizers, a safetensors reader, and GPU dequantizers.  NumPy-only functions need no GPU.
 """
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
