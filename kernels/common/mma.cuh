@@ -15,14 +15,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
                "r"(pred ? 16 : 0)
                : "memory");
 }
-// Same, with an L2 eviction-priority hint for data read once (weights streamed by a GEMV, say).
-__device__ __forceinline__ void cp_async16_evict_first(void* smem, const void* gmem, bool pred = true) {
-  asm volatile(
-      "{\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-      " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, pol;\n}\n" ::"r"(smem_addr(smem)),
-      "l"(gmem), "r"(pred ? 16 : 0)
-      : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Wait until at most N committed groups are still in flight.
 template <int N> __device__ __forceinline__ void cp_async_wait() {
