@@ -141,26 +141,29 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
     if (lane == 0) sc::mbar_arrive(&empty[prev_stage]);
 
     const int g = lane / 4, q = lane % 4;
+    sc::with_activation(act, [&](auto tag) {
+      constexpr int ACT = decltype(tag)::value;
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int col = n0 + j * 8 + 2 * q;
-      if (col >= N) continue;
-      float b0 = 0.f, b1 = 0.f;
-      if (bias != nullptr) {
-        const float2 bb = sc::unpack2<T>(*reinterpret_cast<const unsigned*>(bias + col));
-        b0 = bb.x;
-        b1 = bb.y;
-      }
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = n0 + j * 8 + 2 * q;
+        if (col >= N) continue;
+        float b0 = 0.f, b1 = 0.f;
+        if (bias != nullptr) {
+          const float2 bb = sc::unpack2<T>(*reinterpret_cast<const unsigned*>(bias + col));
+          b0 = bb.x;
+          b1 = bb.y;
+        }
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        const int row = m0 + cw * WG_M + mi * 64 + warp * 16 + g;
-        if (row < M)
-          *reinterpret_cast<unsigned*>(out + row * ldo + col) =
-              sc::pack2<T>(sc::activate(acc[mi][4 * j] + b0, act), sc::activate(acc[mi][4 * j + 1] + b1, act));
-        if (row + 8 < M)
-          *reinterpret_cast<unsigned*>(out + (row + 8) * ldo + col) =
-              sc::pack2<T>(sc::activate(acc[mi][4 * j + 2] + b0, act), sc::activate(acc[mi][4 * j + 3] + b1, act));
+        for (int mi = 0; mi < MI; ++mi) {
+          const int row = m0 + cw * WG_M + mi * 64 + warp * 16 + g;
+          if (row < M)
+            *reinterpret_cast<unsigned*>(out + row * ldo + col) = sc::pack2<T>(
+                sc::activate<ACT>(acc[mi][4 * j] + b0), sc::activate<ACT>(acc[mi][4 * j + 1] + b1));
+          if (row + 8 < M)
+            *reinterpret_cast<unsigned*>(out + (row + 8) * ldo + col) = sc::pack2<T>(
+                sc::activate<ACT>(acc[mi][4 * j + 2] + b0), sc::activate<ACT>(acc[mi][4 * j + 3] + b1));
+        }
       }
-    }
+    });
   }
 }

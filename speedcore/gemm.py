@@ -50,8 +50,9 @@ class MmaConfig:
         return max(ring, reduce)
 
 
-# Large tiles (warp tile 64x64) for big problems, a 64-row tile for M in the low hundreds.
-MMA_LARGE = (MmaConfig(128, 256, 64, 2, 4, 1, 3), MmaConfig(128, 128, 64, 2, 2, 1, 4),
+# Large tiles for big problems (warp tiles 64x64 and 64x32: NVRTC 13.0 spills a 64x64 warp tile with 4 warps
+# per CTA), a 64-row tile for M in the low hundreds.
+MMA_LARGE = (MmaConfig(128, 256, 64, 2, 4, 1, 3), MmaConfig(128, 128, 64, 2, 4, 1, 4),
              MmaConfig(64, 128, 64, 2, 2, 1, 4))
 # Skinny: one row tile covers all of M; 32 columns per CTA so that N = 4096 already gives ~one CTA per SM;
 # 8 warps split each stage's K slice.
