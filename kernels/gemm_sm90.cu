@@ -141,6 +141,20 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
     if (lane == 0) sc::mbar_arrive(&empty[prev_stage]);
 
     const int g = lane / 4, q = lane % 4;
+    if (act == sc::ACT_NONE && bias == nullptr && m0 + BM <= M && n0 + BN <= N) {
+      // The common case in a few compact instructions per pair: no predicates, immediate offsets.
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        T* r0 = out + (long long)(m0 + cw * WG_M + mi * 64 + warp * 16 + g) * ldo + (n0 + 2 * q);
+        T* r8 = r0 + 8 * ldo;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          *reinterpret_cast<unsigned*>(r0 + j * 8) = sc::pack2<T>(acc[mi][4 * j], acc[mi][4 * j + 1]);
+          *reinterpret_cast<unsigned*>(r8 + j * 8) = sc::pack2<T>(acc[mi][4 * j + 2], acc[mi][4 * j + 3]);
+        }
+      }
+      continue;
+    }
     sc::with_activation(act, [&](auto tag) {
       constexpr int ACT = decltype(tag)::value;
 #pragma unroll
