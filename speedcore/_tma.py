@@ -69,7 +69,13 @@ def _tile_map_bytes(ptr: int, dtype: str, rows: int, cols: int, row_stride: int,
 def tile_map_2d(ptr: int, dtype: str, *, rows: int, cols: int, row_stride: int, box_rows: int, box_cols: int,
                 swizzle: int = SWIZZLE_128B) -> np.ndarray:
     """A tensor map of the row-major (rows, cols) matrix at ``ptr`` (row stride in elements) that loads
-    (box_rows, box_cols) boxes; out-of-range elements read as zero."""
+    (box_rows, box_cols) boxes; out-of-range elements read as zero.  Cached: the same arguments give the same
+    array (a map depends on nothing else), which callers must not modify."""
+    return _tile_map_array(ptr, dtype, rows, cols, row_stride, box_rows, box_cols, swizzle)
+
+
+@lru_cache(maxsize=1024)
+def _tile_map_array(ptr, dtype, rows, cols, row_stride, box_rows, box_cols, swizzle) -> np.ndarray:
     arr = np.zeros(1, dtype=MAP_DTYPE)
     arr["words"][0] = np.frombuffer(
         _tile_map_bytes(ptr, dtype, rows, cols, row_stride, box_rows, box_cols, swizzle), dtype=np.uint64)

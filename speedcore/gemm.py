@@ -198,31 +198,43 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
         path = gemm_path(m, n, k, aa.dtype, dev.cc, b_kmajor)
     if path == "hopper" and dev.cc != (9, 0):
         raise ValueError("_path='hopper' needs an sm_90 GPU (H100/H200)")
-    act = np.int32(ACTIVATIONS[activation])
+    act = _ACT_ARG[activation]
     bias_ptr = bias.ptr if bias is not None else 0
     stream = A.stream_of(aa)
+    cfg, kernel, lcfg, sizes = _plan(path, aa.dtype, m, n, k, b_kmajor, dev.sms, dev.smem_per_sm,
+                                     dev.smem_per_block_optin)
     if path == "hopper":
         from . import _tma
 
-        cfg = wgmma_config(m, n, k, dev.sms, dev.smem_per_block_optin)
         tmap_a = _tma.tile_map_2d(aa.ptr, aa.dtype, rows=m, cols=k, row_stride=lda, box_rows=cfg.bm, box_cols=64)
         if b_kmajor:
             tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=n, cols=k, row_stride=ldb, box_rows=cfg.bn, box_cols=64)
         else:
             tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=k, cols=n, row_stride=ldb, box_rows=64, box_cols=64)
-        tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
-        grid = min(tiles, dev.sms)
-        args = (tmap_a, tmap_b, oa.ptr, bias_ptr, np.int32(m), np.int32(n), np.int32(k), np.int64(ldo), act,
-                np.int32(GROUP_M))
-        launch(_wgmma_kernel(aa.dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), args,
-               device=aa.device, stream=stream)
-        return
-    cfg = mma_config(m, n, k, dev.sms, dev.smem_per_sm, path == "skinny")
+        args = (tmap_a, tmap_b, oa.ptr, bias_ptr) + sizes + (np.int64(ldo), act, _GROUP_ARG)
+    else:
+        args = (oa.ptr, aa.ptr, ba.ptr, bias_ptr) + sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act,
+                                                            _GROUP_ARG)
+    launch(kernel, lcfg, args, device=aa.device, stream=stream)
+
+
+_ACT_ARG = {name: np.int32(code) for name, code in ACTIVATIONS.items()}
+_GROUP_ARG = np.int32(GROUP_M)
+
+
+@lru_cache(maxsize=8192)
+def _plan(path: str, dtype: str, m: int, n: int, k: int, b_kmajor: bool, sms: int, smem_per_sm: int,
+          smem_per_block: int) -> tuple:
+    """What a launch needs that depends only on the problem and the device: the tile config, the variant, the
+    launch configuration and the size arguments (cached: the host time of a call matters for decode shapes)."""
+    sizes = (np.int32(m), np.int32(n), np.int32(k))
+    if path == "hopper":
+        cfg = wgmma_config(m, n, k, sms, smem_per_block)
+        grid = min(_ceil(m, cfg.bm) * _ceil(n, cfg.bn), sms)  # persistent: at most one CTA per SM
+        return cfg, _wgmma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
+    cfg = mma_config(m, n, k, sms, smem_per_sm, path == "skinny")
     grid = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
-    args = (oa.ptr, aa.ptr, ba.ptr, bias_ptr, np.int32(m), np.int32(n), np.int32(k), np.int64(lda), np.int64(ldb),
-            np.int64(ldo), act, np.int32(GROUP_M))
-    launch(_mma_kernel(aa.dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), args,
-           device=aa.device, stream=stream)
+    return cfg, _mma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
 
 
 def _out(out, ref: A.Array, shape: tuple, inputs) -> A.Array:

@@ -66,6 +66,18 @@ def test_every_launchable_variant_is_listed():
                 assert gemm._wgmma_kernel(dtype, w, kmajor).name in names
 
 
+@pytest.mark.parametrize("path", gemm.PATHS)
+@pytest.mark.parametrize("mnk", [(1, 4096, 4096), (999, 264, 200), (8192, 8192, 8192)])
+def test_plan_matches_heuristics(path, mnk):
+    m, n, k = mnk
+    cfg, kernel, lcfg, sizes = gemm._plan(path, "bfloat16", m, n, k, True, 132, 233472, 232448)
+    assert [int(v) for v in sizes] == [m, n, k]
+    assert lcfg.smem == cfg.smem and lcfg.threads == cfg.threads
+    assert kernel.name in {kk.name for kk in gemm.all_kernels()}
+    tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn)
+    assert lcfg.grid == ((min(tiles, 132),) if path == "hopper" else (tiles,))
+
+
 def test_tma_checks():
     from speedcore import _tma
 
@@ -267,3 +279,49 @@ def test_empty_m_and_cupy_arrays():
     assert isinstance(y, cp.ndarray)
     ref = a.astype(cp.float32) @ b.astype(cp.float32)
     assert float(cp.abs(y.astype(cp.float32) - ref).max()) <= 1e-2 * float(cp.abs(ref).max())
+
+
+def test_launch_arguments_without_a_gpu(monkeypatch):
+    """The wrapper's argument packing for each path, with the launch, device and stream stubbed out: the
+    kernel signatures in kernels/gemm.cu and kernels/gemm_sm90.cu take exactly these types in this order."""
+    import numpy as np
+
+    from speedcore import _arrays as A
+    from speedcore import _launch, _tma
+
+    calls = []
+    monkeypatch.setattr(gemm, "launch", lambda kernel, cfg, args, device, stream: calls.append((kernel, cfg, args)))
+    monkeypatch.setattr(gemm, "device_info", lambda i: _launch.DeviceInfo(0, "H200", (9, 0), 132, 1024, 49152,
+                                                                          232448, 233472, 60 << 20))
+    monkeypatch.setattr(A, "stream_of", lambda ref: None)
+    monkeypatch.setattr(_tma, "_tile_map_bytes", lambda *a: bytes(128))
+
+    def arr(name, shape, strides, ptr):
+        return A.Array(None, "torch", ptr, shape, strides, "bfloat16", 0, name)
+
+    m, n, k = 300, 264, 200
+    a = arr("x", (m, k), (k, 1), 1 << 20)
+    w = arr("weight", (n, k), (k, 1), 2 << 20)
+    o = arr("out", (m, n), (n, 1), 3 << 20)
+    bias = arr("bias", (n,), (1,), 4 << 20)
+    for path in gemm.PATHS:
+        gemm._gemm(a, m, k, k, w, n, k, True, bias, "gelu", o, n, path)
+        kernel, cfg, args = calls[-1]
+        if path == "hopper":
+            assert kernel.hopper and kernel.source == "gemm_sm90.cu"
+            assert [type(v) for v in args[:2]] == [np.ndarray, np.ndarray] and args[0].dtype.itemsize == 128
+            assert args[2:4] == (3 << 20, 4 << 20)
+            rest = args[4:]
+            assert [type(v) for v in rest] == [np.int32] * 3 + [np.int64, np.int32, np.int32]
+            assert [int(v) for v in rest] == [m, n, k, n, 2, gemm.GROUP_M]
+        else:
+            assert not kernel.hopper and kernel.source == "gemm.cu"
+            assert args[:4] == (3 << 20, 1 << 20, 2 << 20, 4 << 20)
+            rest = args[4:]
+            assert [type(v) for v in rest] == [np.int32] * 3 + [np.int64] * 3 + [np.int32, np.int32]
+            assert [int(v) for v in rest] == [m, n, k, k, k, n, 2, gemm.GROUP_M]
+    gemm._gemm(a, m, k, k, arr("b", (k, n), (n, 1), 5 << 20), n, n, False, None, None, o, n, None)
+    kernel, cfg, args = calls[-1]
+    assert kernel.hopper and kernel.name.endswith("false>") and args[3] == 0
+    with pytest.raises(ValueError, match="16-byte"):
+        gemm._gemm(arr("x", (m, k), (k, 1), (1 << 20) + 2), m, k, k, w, n, k, True, None, None, o, n, None)
