@@ -20,10 +20,13 @@ def test_dispatch_is_pure_and_sensible():
 
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 33, 64, 65, 999])
 def test_skinny_config_covers_m(m):
-    cfg = gemm.mma_config(m, 4096, 4096, 132, 233472, True)
-    assert cfg in gemm.MMA_SKINNY.values()
-    if m <= 64:
-        assert cfg.bm >= m and (cfg.bm == 16 or cfg.bm // 2 < m)
+    for n in (4096, 28672):
+        cfg = gemm.mma_config(m, n, 4096, 132, 233472, True)
+        assert cfg in list(gemm.MMA_SKINNY.values()) + list(gemm.MMA_SKINNY_WIDE.values())
+        assert cfg.smem <= 232448
+        if m <= 64:
+            assert cfg.bm >= m and (cfg.bm == 16 or cfg.bm // 2 < m)
+        assert (cfg.bn == 64) == (n == 28672 and m > 16)
 
 
 @pytest.mark.parametrize("mnk", [(128, 8192, 8192), (512, 4096, 4096), (8192, 8192, 8192), (100, 264, 200)])
@@ -199,7 +202,8 @@ def test_default_dispatch_many_tiles(dtype):
 
     dt = getattr(torch, dtype)
     torch.manual_seed(3)
-    for m, n, k in [(1999, 4104, 136), (1024, 1024, 1024), (16, 4096, 4096), (3, 11008, 512)]:
+    for m, n, k in [(1999, 4104, 136), (1024, 1024, 1024), (16, 4096, 4096), (3, 11008, 512), (40, 8448, 264),
+                    (20, 8448, 136)]:
         x = torch.randn(m, k, device="cuda", dtype=dt)
         w = torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)
         _assert_close(speedcore.linear(x, w, activation="silu"), _ref(torch, x, w, None, "silu"), f"{m}x{n}x{k}")
