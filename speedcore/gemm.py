@@ -63,6 +63,10 @@ MMA_SKINNY = {16: MmaConfig(16, 32, 256, 1, 1, 8, 4), 32: MmaConfig(32, 32, 256,
 # give every SM a CTA with 64 columns, these halve that traffic.
 MMA_SKINNY_WIDE = {32: MmaConfig(32, 64, 128, 1, 2, 4, 4), 64: MmaConfig(64, 64, 128, 1, 2, 4, 4)}
 _MMA_EFFICIENCY = {MMA_LARGE[0]: 1.0, MMA_LARGE[1]: 0.9, MMA_LARGE[2]: 0.75}
+# Deeper rings of the same tiles where shared memory allows (H100/H200: 227 KB per block).  With 3 stages
+# only one k-tile load is in flight behind the one being computed, which on the H200 left the 128x256
+# kernel load-latency bound (231 TFLOP/s at 8192^3).
+MMA_DEEP = {MMA_LARGE[0]: MmaConfig(128, 256, 64, 2, 4, 1, 4), MMA_LARGE[1]: MmaConfig(128, 128, 64, 2, 4, 1, 6)}
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,9 @@ def mma_config(m: int, n: int, k: int, sms: int, smem_per_sm: int, skinny: bool)
         cost = _ceil(tiles, sms * per_sm) * per_sm * cfg.bm * cfg.bn / _MMA_EFFICIENCY[cfg]
         if best_cost is None or cost < best_cost:
             best, best_cost = cfg, cost
+    deep = MMA_DEEP.get(best)
+    if deep is not None and deep.smem + 1024 <= smem_per_sm - 1024:
+        return deep
     return best
 
 
@@ -164,7 +171,8 @@ def all_kernels() -> list:
     out = []
     for dtype in A.HALF_DTYPES:
         for kmajor in (True, False):
-            for cfg in MMA_LARGE + tuple(MMA_SKINNY.values()) + tuple(MMA_SKINNY_WIDE.values()):
+            for cfg in (MMA_LARGE + tuple(MMA_DEEP.values()) + tuple(MMA_SKINNY.values())
+                        + tuple(MMA_SKINNY_WIDE.values())):
                 out.append(_mma_kernel(dtype, cfg, kmajor))
         for bm, bn in WGMMA_TILES:
             for kmajor in (True, False):

@@ -31,13 +31,15 @@ def test_skinny_config_covers_m(m):
 
 @pytest.mark.parametrize("mnk", [(128, 8192, 8192), (512, 4096, 4096), (8192, 8192, 8192), (100, 264, 200)])
 def test_mma_config_fits(mnk):
-    cfg = gemm.mma_config(*mnk, 132, 233472, False)
-    assert cfg in gemm.MMA_LARGE
-    assert cfg.smem <= 232448 and cfg.threads <= 1024
+    for smem_per_sm in (233472, 167936):  # H200, A100
+        cfg = gemm.mma_config(*mnk, 132, smem_per_sm, False)
+        assert cfg in gemm.MMA_LARGE + tuple(gemm.MMA_DEEP.values())
+        assert cfg.smem <= smem_per_sm - 1024 and cfg.threads <= 1024
 
 
 def test_mma_config_large_problem_uses_largest_tile():
-    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False) == gemm.MMA_LARGE[0]
+    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False) == gemm.MMA_DEEP[gemm.MMA_LARGE[0]]
+    assert gemm.mma_config(8192, 8192, 8192, 108, 167936, False) == gemm.MMA_LARGE[0]
 
 
 @pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (8192, 8192, 8192), (512, 14336, 4096), (2048, 4096, 14336),
