@@ -89,7 +89,7 @@ class LoadedKernel:
     """A variant loaded into one device's context, with the dynamic shared memory limit it was given."""
 
     __slots__ = ("kernel", "device", "module", "func", "compiled", "dyn_smem_limit", "num_regs", "static_smem",
-                 "max_threads")
+                 "max_threads", "checked")
 
     def __init__(self, kernel: Kernel, device: DeviceInfo):
         from cupy.cuda import driver
@@ -105,6 +105,7 @@ class LoadedKernel:
         self.static_smem = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.func.ptr)
         self.max_threads = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.func.ptr)
         self.dyn_smem_limit = DEFAULT_DYNAMIC_SMEM
+        self.checked: set = set()  # configurations that passed check(): launches repeat a few shapes
 
     def check(self, cfg: LaunchConfig) -> None:
         """Raise instead of launching a configuration the device cannot run."""
@@ -121,7 +122,9 @@ class LoadedKernel:
             raise ValueError(f"{name}: grid {cfg.grid} is out of range")
 
     def __call__(self, cfg: LaunchConfig, args: tuple, stream) -> None:
-        self.check(cfg)
+        if cfg not in self.checked:
+            self.check(cfg)
+            self.checked.add(cfg)
         if cfg.smem > self.dyn_smem_limit:
             from cupy.cuda import driver
 
@@ -132,6 +135,7 @@ class LoadedKernel:
 
 _loaded: dict = {}
 _load_lock = threading.Lock()
+_runtime = None  # cupy.cuda.runtime, imported on the first launch
 
 
 def get_kernel(kernel: Kernel, device_index: int) -> LoadedKernel:
@@ -152,8 +156,10 @@ def launch(kernel: Kernel, cfg: LaunchConfig, args: tuple, *, device: int, strea
 
     ``args`` are passed as CuPy does: pointers as Python ints (8 bytes), numpy scalars at their own size.
     """
-    from cupy.cuda import runtime
-
+    global _runtime
+    if _runtime is None:
+        from cupy.cuda import runtime as _runtime
+    runtime = _runtime
     prev = runtime.getDevice()
     if prev != device:
         runtime.setDevice(device)

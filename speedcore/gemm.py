@@ -150,16 +150,21 @@ def _wgmma_stages(bm: int, bn: int, smem_per_block: int) -> int:
     return stages
 
 
+# The epilogues pass a generic lambda to sc::with_activation; NVRTC 13.0 treats an unannotated lambda in
+# device code as a host function unless -default-device is given (13.5 does not need it).
+_OPTIONS = ("-default-device",)
+
+
 @lru_cache(maxsize=None)
 def _mma_kernel(dtype: str, cfg: MmaConfig, b_kmajor: bool) -> Kernel:
     return Kernel(SOURCE, f"gemm_mma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.bk}, {cfg.wm}, {cfg.wn}, "
-                          f"{cfg.wk}, {cfg.stages}, {'true' if b_kmajor else 'false'}>")
+                          f"{cfg.wk}, {cfg.stages}, {'true' if b_kmajor else 'false'}>", _OPTIONS)
 
 
 @lru_cache(maxsize=None)
 def _wgmma_kernel(dtype: str, cfg: WgmmaConfig, b_kmajor: bool) -> Kernel:
     return Kernel(SOURCE_SM90, f"gemm_wgmma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.stages}, "
-                               f"{'true' if b_kmajor else 'false'}>", hopper=True)
+                               f"{'true' if b_kmajor else 'false'}>", _OPTIONS, hopper=True)
 
 
 # H100/H200: 227 KB of shared memory per block; the stage counts the heuristic can pick there.
