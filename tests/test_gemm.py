@@ -12,6 +12,10 @@ ACTS = [None, "silu", "gelu", "gelu_tanh", "relu"]
 def test_dispatch_is_pure_and_sensible():
     assert gemm.gemm_path(1, 4096, 4096, "bfloat16", (9, 0), True) == "skinny"
     assert gemm.gemm_path(64, 4096, 4096, "bfloat16", (9, 0), True) == "skinny"
+    assert gemm.gemm_path(32, 28672, 8192, "bfloat16", (9, 0), True) == "skinny"
+    assert gemm.gemm_path(33, 28672, 8192, "bfloat16", (9, 0), True) == "hopper"
+    assert gemm.gemm_path(64, 8192, 8192, "bfloat16", (9, 0), True) == "hopper"
+    assert gemm.gemm_path(64, 8192, 8192, "bfloat16", (8, 0), True) == "skinny"
     assert gemm.gemm_path(65, 4096, 4096, "bfloat16", (9, 0), True) == "hopper"
     assert gemm.gemm_path(8192, 8192, 8192, "float16", (9, 0), False) == "hopper"
     assert gemm.gemm_path(8192, 8192, 8192, "float16", (8, 0), True) == "ampere"

@@ -138,6 +138,7 @@ def test_rms_norm_cupy_stream():
     cupy = pytest.importorskip("cupy")
     x = cupy.random.standard_normal((256, 2048), dtype=np.float32)
     w = cupy.random.standard_normal(2048, dtype=np.float32)
+    cupy.cuda.Device().synchronize()  # a non-blocking stream does not wait for work on the default stream
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         y = speedcore.rms_norm(x, w)
