@@ -25,11 +25,11 @@ SOURCE_SM90 = "gemm_sm90.cu"
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 PATHS = ("hopper", "ampere", "skinny")
 SKINNY_MAX_M = 64
-# On the H200 the wgmma kernel at M = 128 streamed the weight at 3.0-3.8 TB/s for N >= 8192, where the skinny
-# kernel managed 2.3-2.7 TB/s at M = 64; for N = 4096 the skinny kernel was ahead.  So M in (32, 64] goes to
-# the Hopper path when N is wide.
+# M in (32, 64] on the H200 (bf16, M = 64): the wgmma kernel streamed the weight at 3.6 TB/s for N = 28672 and
+# 2.7 for N = 14336, where the skinny kernel managed 2.5 and 2.3; at N = 8192 and 4096 the skinny kernel was
+# ahead (2.7 against 1.9 at 8192 x 8192).  So those M go to the Hopper path only when N is wide.
 HOPPER_WIDE_MIN_M = 32
-HOPPER_WIDE_MIN_N = 8192
+HOPPER_WIDE_MIN_N = 12288
 GROUP_M = 8
 
 
