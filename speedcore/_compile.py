@@ -139,8 +139,79 @@ def cuda_include_dir() -> str:
     )
 
 
+class _LibNvrtc:
+    """NVRTC loaded from an explicit library (``SPEEDCORE_NVRTC_LIBRARY``), through ctypes.
+
+    CI compiles every variant a second time with the NVRTC of the GPU image (an older release than the one pip
+    installs here): the two can disagree on what they accept and on register allocation.
+    """
+
+    def __init__(self, path: str):
+        import ctypes
+        import glob
+
+        self.ct = ctypes
+        # libnvrtc dlopens its builtins library by name; load the one beside it first so that name resolves
+        # without LD_LIBRARY_PATH.
+        for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*"))):
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+        self.lib = ctypes.CDLL(path)
+
+    def version(self) -> tuple:
+        ct = self.ct
+        major, minor = ct.c_int(), ct.c_int()
+        self._check(self.lib.nvrtcVersion(ct.byref(major), ct.byref(minor)), "nvrtcVersion")
+        return major.value, minor.value
+
+    def _check(self, rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with NVRTC status {rc}")
+
+    def compile(self, source_text: str, filename: str, name: str, options: tuple):
+        """(ok, log, lowered name, cubin)."""
+        ct, lib = self.ct, self.lib
+        prog = ct.c_void_p()
+        self._check(lib.nvrtcCreateProgram(ct.byref(prog), source_text.encode(), filename.encode(), 0, None, None),
+                    "nvrtcCreateProgram")
+        try:
+            self._check(lib.nvrtcAddNameExpression(prog, name.encode()), "nvrtcAddNameExpression")
+            opts = (ct.c_char_p * len(options))(*[o.encode() for o in options])
+            rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+            n = ct.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ct.byref(n))
+            buf = ct.create_string_buffer(n.value)
+            lib.nvrtcGetProgramLog(prog, buf)
+            log = buf.value.decode(errors="replace")
+            if rc != 0:
+                return False, log, None, None
+            lowered = ct.c_char_p()
+            self._check(lib.nvrtcGetLoweredName(prog, name.encode(), ct.byref(lowered)), "nvrtcGetLoweredName")
+            lowered = lowered.value.decode()
+            self._check(lib.nvrtcGetCUBINSize(prog, ct.byref(n)), "nvrtcGetCUBINSize")
+            cubin = ct.create_string_buffer(n.value)
+            self._check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return True, log, lowered, cubin.raw
+        finally:
+            lib.nvrtcDestroyProgram(ct.byref(prog))
+
+
 @lru_cache(maxsize=None)
+def _lib_nvrtc(path: str) -> _LibNvrtc:
+    return _LibNvrtc(path)
+
+
+def _explicit_nvrtc():
+    path = os.environ.get("SPEEDCORE_NVRTC_LIBRARY")
+    return _lib_nvrtc(path) if path else None
+
+
 def nvrtc_version() -> tuple:
+    lib = _explicit_nvrtc()
+    return lib.version() if lib is not None else _cupy_nvrtc_version()
+
+
+@lru_cache(maxsize=None)
+def _cupy_nvrtc_version() -> tuple:
     from cupy.cuda import nvrtc
 
     return tuple(nvrtc.getVersion())
@@ -279,6 +350,13 @@ def compile_kernel(kernel: Kernel, arch: str) -> Compiled:
 
 
 def _nvrtc_compile(kernel: Kernel, arch: str, source_text: str, options: tuple) -> Compiled:
+    lib = _explicit_nvrtc()
+    if lib is not None:
+        ok, log, lowered, cubin = lib.compile(source_text, kernel.source, kernel.name, options)
+        if not ok:
+            raise CompileError(kernel, arch, options, log)
+        return Compiled(kernel, arch, cubin, lowered, log, parse_ptxas_report(log, lowered))
+
     from cupy.cuda import nvrtc
 
     prog = nvrtc.createProgram(source_text, kernel.source, [], [])
