@@ -62,23 +62,17 @@ class Array:
         rows = 1
         for s in self.shape[:-1]:
             rows *= s
-        if all(s == 1 for s in self.shape[:-1]):
-            return rows, n
-        return rows, self.lead_stride(self.ndim - 1, "rows")
-
-    def lead_stride(self, nlead: int, what: str) -> int:
-        """The one element stride that steps through the first ``nlead`` dims as a single flat index (0 when
-        they are all of size 1); a ValueError naming ``what`` when no single stride describes them."""
-        lead = [(sz, st) for sz, st in zip(self.shape[:nlead], self.strides[:nlead]) if sz != 1]
+        lead = [(sz, st) for sz, st in zip(self.shape[:-1], self.strides[:-1]) if sz != 1]
         if not lead:
-            return 0
-        stride = expect = lead[-1][1]
+            return rows, n
+        row_stride = lead[-1][1]
+        expect = row_stride
         for sz, st in reversed(lead):
             if st != expect:
                 raise ValueError(f"{self.name}: the leading dimensions of shape {self.shape} with strides "
-                                 f"{self.strides} cannot be viewed as {what} of one stride; pass .contiguous()")
+                                 f"{self.strides} cannot be viewed as rows of one stride; pass .contiguous()")
             expect = st * sz
-        return stride
+        return rows, row_stride
 
     def aligned(self, nbytes: int) -> bool:
         return self.ptr % nbytes == 0
@@ -161,16 +155,15 @@ def _extent(a: Array) -> int:
     return (1 + sum((s - 1) * st for s, st in zip(a.shape, a.strides))) * a.itemsize
 
 
-def empty(ref: Array, shape, dtype: str, name: str = "out", *, zeroed: bool = False) -> Array:
-    """A new array of ``ref``'s library on ``ref``'s device (filled with zeros when ``zeroed``)."""
+def empty(ref: Array, shape, dtype: str, name: str = "out") -> Array:
+    """A new array of ``ref``'s library on ``ref``'s device."""
     if ref.lib == "torch":
         torch = _torch()
-        alloc = torch.zeros if zeroed else torch.empty
-        return wrap(alloc(tuple(shape), dtype=getattr(torch, dtype), device=ref.obj.device), name)
+        t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=ref.obj.device)
+        return wrap(t, name)
     cupy = _cupy()
-    alloc = cupy.zeros if zeroed else cupy.empty
     with cupy.cuda.Device(ref.device):
-        c = alloc(tuple(shape), dtype=_cupy_dtype(dtype))
+        c = cupy.empty(tuple(shape), dtype=_cupy_dtype(dtype))
     return wrap(c, name)
 
 

@@ -242,18 +242,6 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
     launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
 
 
-def _inputs_and_out(qa, ka, va, oa):
-    """Check ``out`` and the row views, copy inputs the kernel cannot read in place, allocate ``out``."""
-    if oa is not None:
-        _check_out(oa, qa, ka, va)
-    for a in (qa, ka, va):
-        _row_view(a, a.name)
-    qa, ka, va = (_aligned_input(a) for a in (qa, ka, va))
-    if oa is None:
-        oa = A.empty(qa, qa.shape, qa.dtype, "out")
-    return qa, ka, va, oa
-
-
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
                out=None):
     """Scaled dot-product attention forward, as ``flash_attn.flash_attn_func`` (flash-attn 2).
@@ -298,7 +286,13 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
     if batch >= 65536:
         raise ValueError(f"q: at most 65535 sequences per call, got batch {batch}")
     softmax_scale, left, right, softcap = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
-    qa, ka, va, oa = _inputs_and_out(qa, ka, va, oa)
+    if oa is not None:
+        _check_out(oa, qa, ka, va)
+    for a in (qa, ka, va):
+        _row_view(a, a.name)
+    qa, ka, va = (_aligned_input(a) for a in (qa, ka, va))
+    if oa is None:
+        oa = A.empty(qa, qa.shape, qa.dtype, "out")
     lse = A.empty(qa, (batch, nheads, seqlen_q), "float32", "lse") if return_lse else None
     if seqlen_q > 0:
         _launch(oa, lse, qa, ka, va, None, None, batch=batch, max_seqlen_q=seqlen_q, seqlen_q=seqlen_q,
@@ -361,7 +355,13 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if max(total_q, total_k, int(max_seqlen_q), int(max_seqlen_k)) > MAX_SEQLEN:
         raise ValueError(f"q, k: more than {MAX_SEQLEN} tokens are not supported")
     softmax_scale, left, right, softcap = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
-    qa, ka, va, oa = _inputs_and_out(qa, ka, va, oa)
+    if oa is not None:
+        _check_out(oa, qa, ka, va)
+    for a in (qa, ka, va):
+        _row_view(a, a.name)
+    qa, ka, va = (_aligned_input(a) for a in (qa, ka, va))
+    if oa is None:
+        oa = A.empty(qa, qa.shape, qa.dtype, "out")
     lse = A.empty(qa, (nheads, total_q), "float32", "lse") if return_lse else None
     if total_q > 0 and batch > 0 and max_seqlen_q > 0:
         _launch(oa, lse, qa, ka, va, cq, ck, batch=batch, max_seqlen_q=int(max_seqlen_q), seqlen_q=0, seqlen_k=0,

@@ -518,24 +518,28 @@ def _x_rows(x, k_expected=None):
     return xa, rows, k, ldx
 
 
-_stream_buffers: dict = {}
-
-
-def _stream_buffer(kind: str, xa, stream, n: int, dtype: str, min_n: int, zeroed: bool):
-    """A grow-only buffer of at least ``n`` elements per (kind, library, device, stream): launches on one stream
-    run in order, so they can share it."""
-    key = (kind, xa.lib, xa.device, getattr(stream, "ptr", 0))
-    buf = _stream_buffers.get(key)
-    if buf is None or buf.numel < n:
-        buf = A.empty(xa, (max(min_n, 1 << (n - 1).bit_length()),), dtype, kind, zeroed=zeroed)
-        _stream_buffers[key] = buf
-    return buf
+_tickets: dict = {}
 
 
 def _ticket_buffer(xa, stream, count: int):
-    """Zeroed int32 counters for the split-K reduction; each CTA that finishes a tile resets its counter, so the
-    buffer stays zero between launches on that stream."""
-    return _stream_buffer("tickets", xa, stream, count, "int32", 4096, zeroed=True)
+    """Zeroed int32 counters for the split-K reduction, one buffer per (library, device, stream); each CTA that
+    finishes a tile resets its counter, so the buffer stays zero between launches on that stream."""
+    key = (xa.lib, xa.device, getattr(stream, "ptr", 0))
+    buf = _tickets.get(key)
+    if buf is None or buf.numel < count:
+        n = max(4096, 1 << (count - 1).bit_length())
+        if xa.lib == "torch":
+            import torch
+
+            obj = torch.zeros(n, dtype=torch.int32, device=xa.obj.device)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(xa.device):
+                obj = cupy.zeros(n, dtype=cupy.int32)
+        buf = A.wrap(obj, "tickets")
+        _tickets[key] = buf
+    return buf
 
 
 @lru_cache(maxsize=8192)
@@ -551,9 +555,28 @@ def _plan(fmt: int, dtype: str, rows: int, n: int, k: int, group: int, sms: int)
     return cfg, _mma_kernel(dtype, fmt, cfg.mt), LaunchConfig((cfg.grid,), (THREADS,), cfg.smem), head, tail
 
 
+_workspaces: dict = {}
+
+
 def _workspace_ptr(xa, stream, nbytes: int) -> int:
-    """Scratch for the split-K partials."""
-    return _stream_buffer("workspace", xa, stream, nbytes, "uint8", 1 << 20, zeroed=False).ptr
+    """Scratch for the split-K partials, one grow-only buffer per (library, device, stream): launches on one
+    stream run in order, so they can share it."""
+    key = (xa.lib, xa.device, getattr(stream, "ptr", 0))
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel < nbytes:
+        size = max(1 << 20, 1 << (nbytes - 1).bit_length())
+        if xa.lib == "torch":
+            import torch
+
+            obj = torch.empty(size, dtype=torch.uint8, device=xa.obj.device)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(xa.device):
+                obj = cupy.empty(size, dtype=cupy.uint8)
+        buf = A.wrap(obj, "workspace")
+        _workspaces[key] = buf
+    return buf.ptr
 
 
 def _alloc_out(xa, rows: int, n: int):
