@@ -2,6 +2,7 @@
 batch * seqlen = 16384, nheads * head_dim = 2048, TFLOP/s = 4 * b * h * sq * sk * d (halved for causal).
 Plus a GQA case and a varlen case (against torch's FlashAttention-2 varlen entry point)."""
 import speedcore
+from speedcore import attention
 
 OP = "flash_attn"
 
@@ -17,6 +18,7 @@ def cases(b):
     else:
         grid = [(dt, d, c, s) for dt in (torch.bfloat16, torch.float16) for d in (64, 128) for c in (False, True)
                 for s in (512, 1024, 2048, 4096, 8192, 16384)]
+        grid += [(torch.bfloat16, 256, c, s) for c in (False, True) for s in (2048, 8192)]
     out = []
     for dtype, d, causal, s in grid:
         label = f"{OP} {str(dtype)[6:]} d{d} {'causal' if causal else 'full'} s{s}"
@@ -54,7 +56,11 @@ def _dense(b, dtype, d, causal, s, label):
     for name, backend in (("torch SDPA FLASH", "FLASH_ATTENTION"), ("torch SDPA CUDNN", "CUDNN_ATTENTION")):
         ms = _sdpa(b, backend, qt, kt, vt, causal)
         peers[name] = _tflops(flops, ms) if ms else None
-    b.add(OP, label[len(OP) + 1:], "TFLOP/s", _tflops(flops, ours), peers, ceiling="matmul")
+    path = attention.attention_path(d, torch.cuda.get_device_capability(), False)
+    b.add(OP, f"{label[len(OP) + 1:]} [{path}]", "TFLOP/s", _tflops(flops, ours), peers, ceiling="matmul")
+    if path != "sm80":  # the portable kernel too, against the same peer timings
+        sm80 = b.time_ms(lambda: speedcore.flash_attn(q, k, v, causal=causal, _path="sm80"))
+        b.add(OP, f"{label[len(OP) + 1:]} [sm80]", "TFLOP/s", _tflops(flops, sm80), peers, ceiling="matmul")
 
 
 def _gqa(b):

@@ -18,6 +18,7 @@
 // tiles crossing a boundary pay for the per-element mask (a warp-uniform branch).
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "common/softmax.cuh"
 
 #ifndef FA_LAZY_RESCALE
 #define FA_LAZY_RESCALE 1
@@ -25,28 +26,9 @@
 
 namespace fa {
 
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-constexpr float LN2 = 0.6931471805599453f;
-
 template <typename T> __device__ __forceinline__ unsigned ones_x2();
 template <> __device__ __forceinline__ unsigned ones_x2<__half>() { return 0x3c003c00u; }
 template <> __device__ __forceinline__ unsigned ones_x2<__nv_bfloat16>() { return 0x3f803f80u; }
-
-template <typename T> __device__ __forceinline__ unsigned pack_f32x2(float lo, float hi);
-template <> __device__ __forceinline__ unsigned pack_f32x2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);  // one cvt.rn.f16x2.f32
-  return *reinterpret_cast<unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned pack_f32x2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // one cvt.rn.bf16x2.f32
-  return *reinterpret_cast<unsigned*>(&h);
-}
-
-__device__ __forceinline__ float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // An opaque copy of x: values derived from it inside a loop are not hoisted out of the loop and kept live in
 // registers (the load addresses below are cheap to recompute and would otherwise hold ~50 registers).
@@ -333,15 +315,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
       }
     }
 
-    if constexpr (HAS_SOFTCAP) {  // softcap * tanh(x), tanh(x) = 1 - 2 / (1 + e^(2x)): absolute error ~1e-7
+    if constexpr (HAS_SOFTCAP) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NNT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            s[mt][nt][e] = fmaf(-2.f * softcap_post, fast_rcp(1.f + sc::fast_exp2(s[mt][nt][e] * softcap_pre)),
-                                softcap_post);
+            s[mt][nt][e] = softcap_log2(s[mt][nt][e], softcap_pre, softcap_post);
     }
 
     const int n0 = n_block * BN;

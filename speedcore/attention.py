@@ -3,6 +3,11 @@
 ``flash_attn`` takes (batch, seqlen, heads, head_dim) tensors, ``flash_attn_varlen`` packed
 (total_tokens, heads, head_dim) tensors with int32 ``cu_seqlens``.  Both support causal masking aligned to
 the bottom-right corner, sliding windows, tanh softcap, GQA/MQA, and return the log-sum-exp on request.
+
+Two kernels, picked by :func:`attention_path` (a pure function of the head dim, the options and the device):
+"sm90" (kernels/attention_sm90.cu: TMA, wgmma, warp specialization; H100/H200) wherever it applies, and "sm80"
+(kernels/attention.cu: mma.sync; every GPU from sm_80 on) for the rest: head dims of 32 and below, and head dim
+256 (kernel dim above 192) with softcap, whose sm_90 variant would spill registers.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import _arrays as A
+from . import _tma
 from ._compile import Kernel
 from ._launch import LaunchConfig, device_info, launch
 
@@ -96,6 +102,64 @@ def all_kernels() -> list:
                     k = _kernel(dtype, *flash_attn_config(d, smem), softcap)
                     if k not in out:
                         out.append(k)
+    return out + all_kernels_sm90()
+
+
+SOURCE_SM90 = "attention_sm90.cu"
+PATHS = ("sm80", "sm90")
+SM90_HEAD_DIMS = (64, 128, 192, 256)
+SM90_BLOCK_M = 128  # query rows per tile: two consumer warpgroups of 64 rows
+# (keys per tile BN, K/V ring stages) per kernel head dim: BN x D tiles of K and V per stage, Q (128 x D) once.
+_SM90_TILES = {64: (128, 4), 128: (128, 2), 192: (64, 3), 256: (64, 2)}
+
+
+def sm90_head_dim(head_dim: int) -> int:
+    """The kernel head dim of the sm_90 path for ``head_dim`` (a multiple of 64: TMA loads 128-byte columns
+    chunks and zero-fills the columns past the real head dim)."""
+    return next(d for d in SM90_HEAD_DIMS if head_dim <= d)
+
+
+def smem_bytes_sm90(d: int, bn: int, stages: int) -> int:
+    """Q, the K and V stages, the mbarriers, and 1 KB to align the tiles to the 128-byte swizzle's period."""
+    return SM90_BLOCK_M * d * 2 + 2 * stages * bn * d * 2 + (2 + 4 * stages) * 8 + 1024
+
+
+@lru_cache(maxsize=None)
+def flash_attn_sm90_config(head_dim: int) -> tuple:
+    """(kernel head dim D, keys per tile BN, stages) of the sm_90 path."""
+    d = sm90_head_dim(head_dim)
+    bn, stages = _SM90_TILES[d]
+    return d, bn, stages
+
+
+@lru_cache(maxsize=4096)
+def attention_path(head_dim: int, cc: tuple, softcap: bool) -> str:
+    """"sm90" on sm_90 devices for head dims 33 to 256, except head dim 256 with softcap; "sm80" otherwise."""
+    if tuple(cc) != (9, 0) or head_dim <= 32:
+        return "sm80"
+    if softcap and sm90_head_dim(head_dim) == 256:
+        return "sm80"
+    return "sm90"
+
+
+# Pingpong between the two consumer warpgroups, per kernel head dim.
+SM90_PINGPONG = {64: False, 128: False, 192: True, 256: True}
+
+
+def _kernel_sm90(dtype: str, d: int, bn: int, stages: int, softcap: bool, pingpong: bool = None) -> Kernel:
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    pingpong = SM90_PINGPONG[d] if pingpong is None else pingpong
+    return Kernel(SOURCE_SM90, f"flash_fwd_sm90_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {stages}, {b(softcap)}, "
+                               f"{b(pingpong)}>", _OPTIONS, hopper=True)
+
+
+def all_kernels_sm90() -> list:
+    out = []
+    for dtype in A.HALF_DTYPES:
+        for d in SM90_HEAD_DIMS:
+            for softcap in (False, True):
+                if attention_path(d, (9, 0), softcap) == "sm90":
+                    out.append(_kernel_sm90(dtype, *flash_attn_sm90_config(d), softcap))
     return out
 
 
@@ -201,14 +265,71 @@ def _check_out(oa, qa, ka, va):
 
 # ---------------------------------------------------------------------------------------------- launch
 
+def _choose_path(dev, head_dim: int, softcap: float, path) -> str:
+    auto = attention_path(head_dim, dev.cc, softcap > 0)
+    if path is None:
+        return auto
+    if path not in PATHS:
+        raise ValueError(f"_path: expected one of {PATHS}, got {path!r}")
+    if path == "sm90" and auto != "sm90":
+        raise ValueError(f"_path='sm90' needs an sm_90 GPU (H100/H200) and a head dim / softcap the sm_90 kernel "
+                         f"serves (see attention_path), got head_dim {head_dim} on sm_{dev.cc[0]}{dev.cc[1]}")
+    return path
+
+
+def _tma_strides(a, varlen: bool) -> tuple:
+    """(dims, strides) of the (head_dim, tokens, heads, batch) view of a for a tensor map.  Dimensions of size 1
+    may carry any stride in the caller's tensor; they get a harmless one (a multiple of 16 bytes)."""
+    if varlen:
+        shape = (a.shape[2], a.shape[0], a.shape[1], 1)
+        strides = [a.strides[0], a.strides[1], 0]
+    else:
+        shape = (a.shape[3], a.shape[1], a.shape[2], a.shape[0])
+        strides = [a.strides[1], a.strides[2], a.strides[0]]
+    inner = -(-shape[0] // 8) * 8
+    for i in range(3):
+        if shape[i + 1] == 1 or strides[i] <= 0:
+            strides[i] = inner
+        inner = max(inner, strides[i] * shape[i + 1])
+    return shape, tuple(strides)
+
+
+def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
+                 varlen, nheads, nheads_kv, head_dim, left, right, softcap, scale_log2, softcap_pre, softcap_post,
+                 reverse, lse_strides):
+    d, bn, stages = flash_attn_sm90_config(head_dim)
+    num_m = -(-max_seqlen_q // SM90_BLOCK_M)
+    num_tiles = num_m * nheads * batch
+    maps = []
+    for a, rows in ((qa, SM90_BLOCK_M), (ka, bn), (va, bn)):
+        dims, strides = _tma_strides(a, varlen)
+        maps.append(_tma.tile_map(a.ptr, a.dtype, dims, strides, (64, rows, 1, 1)))
+    os_ = (0, oa.strides[0], oa.strides[1]) if varlen else (oa.strides[0], oa.strides[1], oa.strides[2])
+    i64, i32 = np.int64, np.int32
+    args = (*maps, oa.ptr, lse.ptr if lse is not None else 0, cu_q.ptr if cu_q is not None else 0,
+            cu_k.ptr if cu_k is not None else 0, *(i64(x) for x in os_ + lse_strides), i32(seqlen_q), i32(seqlen_k),
+            i32(total_q), i32(total_k), i32(head_dim), i32(nheads), i32(nheads // nheads_kv), i32(num_m),
+            i32(num_tiles), i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED),
+            np.float32(scale_log2), np.float32(softcap_pre), np.float32(softcap_post), i32(reverse))
+    # Tiles of equal work (no mask, fixed lengths) go to a persistent grid, one CTA per SM, whose producer
+    # prefetches the next tile during the current one's epilogue.  Tiles of unequal work (causal, windows,
+    # varlen) get one CTA each: the hardware then hands the next tile to whichever SM frees up first, and with
+    # the heaviest m-blocks of each head first that keeps the tail short.
+    uniform = not varlen and left < 0 and right < 0
+    grid = min(num_tiles, dev.sms) if uniform else num_tiles
+    cfg = LaunchConfig((grid,), (384,), smem_bytes_sm90(d, bn, stages))
+    launch(_kernel_sm90(qa.dtype, d, bn, stages, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
+
+
 def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
-            varlen, nheads, nheads_kv, head_dim, softmax_scale, left, right, softcap, causal, config=None):
+            varlen, nheads, nheads_kv, head_dim, softmax_scale, left, right, softcap, causal, config=None, path=None):
     dev = device_info(qa.device)
+    if max_seqlen_q == 0 or batch == 0 or nheads == 0:
+        return
+    path = "sm80" if config is not None else _choose_path(dev, head_dim, softcap, path)
     d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages = config or flash_attn_config(head_dim, dev.smem_per_block_optin)
     bm = block_m(mt, warps)
     num_m = -(-max_seqlen_q // bm)
-    if num_m == 0 or batch == 0 or nheads == 0:
-        return
     if softcap > 0:
         scale_log2 = 1.0
         softcap_pre = 2.0 * _LOG2E * softmax_scale / softcap
@@ -218,18 +339,24 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
         softcap_pre = softcap_post = 0.0
     # The diagonal of the last query is the one that sees the most keys: heavy tiles first balances the tail.
     reverse = 1 if right >= 0 else 0
+    lse_strides = (0, total_q) if varlen else (nheads * seqlen_q, seqlen_q)
+    if path == "sm90":
+        _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, batch=batch, max_seqlen_q=max_seqlen_q, seqlen_q=seqlen_q,
+                     seqlen_k=seqlen_k, total_q=total_q, total_k=total_k, varlen=varlen, nheads=nheads,
+                     nheads_kv=nheads_kv, head_dim=head_dim, left=left, right=right, softcap=softcap,
+                     scale_log2=scale_log2, softcap_pre=softcap_pre, softcap_post=softcap_post, reverse=reverse,
+                     lse_strides=lse_strides)
+        return
     if varlen:
         qs = (0, qa.strides[0], qa.strides[1])
         ks = (0, ka.strides[0], ka.strides[1])
         vs = (0, va.strides[0], va.strides[1])
         os_ = (0, oa.strides[0], oa.strides[1])
-        lse_strides = (0, total_q)
     else:
         qs = (qa.strides[0], qa.strides[1], qa.strides[2])
         ks = (ka.strides[0], ka.strides[1], ka.strides[2])
         vs = (va.strides[0], va.strides[1], va.strides[2])
         os_ = (oa.strides[0], oa.strides[1], oa.strides[2])
-        lse_strides = (nheads * seqlen_q, seqlen_q)
     i64 = np.int64
     args = (oa.ptr, lse.ptr if lse is not None else 0, qa.ptr, ka.ptr, va.ptr,
             cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0,
@@ -243,7 +370,7 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
 
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
-               out=None):
+               out=None, _path=None):
     """Scaled dot-product attention forward, as ``flash_attn.flash_attn_func`` (flash-attn 2).
 
     ``out[b, i, h] = sum_j softmax_j(s_ij) v[b, j, h // (nheads // nheads_kv)]`` with
@@ -298,12 +425,12 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
         _launch(oa, lse, qa, ka, va, None, None, batch=batch, max_seqlen_q=seqlen_q, seqlen_q=seqlen_q,
                 seqlen_k=seqlen_k, total_q=0, total_k=0, varlen=False, nheads=nheads, nheads_kv=nheads_kv,
                 head_dim=head_dim, softmax_scale=softmax_scale, left=left, right=right, softcap=softcap,
-                causal=causal)
+                causal=causal, path=_path)
     return (oa.obj, lse.obj) if return_lse else oa.obj
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, out=None):
+                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, out=None, _path=None):
     """Attention over a batch of sequences of different lengths packed along the token dimension, as
     ``flash_attn.flash_attn_varlen_func``.
 
@@ -367,5 +494,5 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         _launch(oa, lse, qa, ka, va, cq, ck, batch=batch, max_seqlen_q=int(max_seqlen_q), seqlen_q=0, seqlen_k=0,
                 total_q=total_q, total_k=total_k, varlen=True, nheads=nheads, nheads_kv=nheads_kv,
                 head_dim=head_dim, softmax_scale=softmax_scale, left=left, right=right, softcap=softcap,
-                causal=causal)
+                causal=causal, path=_path)
     return (oa.obj, lse.obj) if return_lse else oa.obj

@@ -121,6 +121,73 @@ def test_out_must_not_overlap_k_or_v():
         fa._check_out(_arr("out", (2, 5, 8, 32), ptr=1 << 28), q, k, v)
 
 
+# ---------------------------------------------------------------- GPU: both kernels
+
+@pytest.fixture(params=["sm80", "sm90"])
+def path(request, monkeypatch):  # noqa: PT004
+    """Runs a GPU test once on each kernel: "sm80" forces kernels/attention.cu; "sm90" keeps the dispatcher's
+    choice (kernels/attention_sm90.cu wherever it applies) and needs an sm_90 GPU."""
+    if request.param == "sm90":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the sm_90 attention kernel needs an H100/H200")
+        return "sm90"
+    monkeypatch.setattr(fa, "attention_path", lambda head_dim, cc, softcap: "sm80")
+    return "sm80"
+
+
+@pytest.mark.gpu
+def test_sm90_kernel_serves_the_default_path(monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 attention kernel needs an H100/H200")
+    launches = []
+    real = fa._launch_sm90
+    monkeypatch.setattr(fa, "_launch_sm90", lambda *a, **kw: (launches.append(kw["head_dim"]), real(*a, **kw)))
+    for d in (64, 96, 128, 192, 256):
+        _run("bfloat16", 1, 300, 300, 2, 1, d, causal=True, seed=d)
+    _varlen_case("float16", 128, False, [100, 0, 300], [120, 5, 300], seed=3)
+    assert launches == [64, 96, 128, 192, 256, 128]
+
+
+def test_attention_path():
+    assert fa.attention_path(128, (9, 0), False) == "sm90"
+    assert fa.attention_path(96, (9, 0), True) == "sm90"
+    assert fa.attention_path(256, (9, 0), True) == "sm80"
+    assert fa.attention_path(200, (9, 0), False) == "sm90"
+    assert fa.attention_path(32, (9, 0), False) == "sm80"
+    assert fa.attention_path(128, (8, 0), False) == "sm80"
+    assert fa.attention_path(128, (10, 0), False) == "sm80"
+    assert [fa.sm90_head_dim(d) for d in (40, 64, 72, 128, 136, 192, 256)] == [64, 64, 128, 128, 192, 192, 256]
+    for d in fa.SM90_HEAD_DIMS:
+        assert fa.smem_bytes_sm90(*fa.flash_attn_sm90_config(d)) <= 227 * 1024
+
+
+def test_forced_path_is_checked():
+    from speedcore import _launch
+
+    h200 = _launch.DeviceInfo(0, "H200", (9, 0), 132, 1024, 49152, 232448, 233472, 60 << 20)
+    a100 = _launch.DeviceInfo(0, "A100", (8, 0), 108, 1024, 49152, 166912, 167936, 40 << 20)
+    assert fa._choose_path(h200, 128, 0.0, None) == "sm90"
+    assert fa._choose_path(h200, 128, 0.0, "sm80") == "sm80"
+    with pytest.raises(ValueError, match="sm_90"):
+        fa._choose_path(a100, 128, 0.0, "sm90")
+    with pytest.raises(ValueError, match="sm_90"):
+        fa._choose_path(h200, 256, 30.0, "sm90")
+    with pytest.raises(ValueError, match="_path"):
+        fa._choose_path(h200, 128, 0.0, "hopper")
+
+
+def test_tma_view_of_packed_and_varlen_tensors():
+    qkv = A.Array(None, "torch", 1 << 20, (2, 203, 4, 64), (203 * 3 * 4 * 64, 3 * 4 * 64, 64, 1), "bfloat16", 0, "q")
+    assert fa._tma_strides(qkv, False) == ((64, 203, 4, 2), (768, 64, 203 * 768))
+    one = A.Array(None, "torch", 1 << 20, (1, 1, 1, 128), (7, 7, 7, 1), "bfloat16", 0, "q")
+    dims, strides = fa._tma_strides(one, False)
+    assert dims == (128, 1, 1, 1) and all(s % 8 == 0 and s > 0 for s in strides)
+    var = A.Array(None, "torch", 1 << 20, (300, 8, 128), (1024, 128, 1), "float16", 0, "q")
+    assert fa._tma_strides(var, True) == ((128, 300, 8, 1), (1024, 128, 300 * 1024))
+
+
 # ---------------------------------------------------------------- GPU: reference
 
 def _reference(q, k, v, causal=False, scale=None, window=(-1, -1), softcap=0.0):
@@ -204,6 +271,7 @@ LENGTHS = SMALL_LENGTHS + [(127, 127), (1000, 1000), (127, 1000), (1000, 127), (
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
@@ -213,6 +281,7 @@ def test_flash_attn_grid(dtype, d, causal, sq, sk):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [8, 40, 80, 160, 200])
 def test_padded_head_dims_small(dtype, d):
@@ -220,6 +289,7 @@ def test_padded_head_dims_small(dtype, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("h, hkv", [(8, 1), (16, 2), (6, 3)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa_mqa_small(h, hkv, causal):
@@ -228,6 +298,7 @@ def test_gqa_mqa_small(h, hkv, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("window", [(16, 0), (32, 8), (-1, 16), (100, -1), (0, 0), (5000, 5000)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq, sk", [(300, 300), (200, 450), (450, 200)])
@@ -237,6 +308,7 @@ def test_sliding_window_small(window, causal, sq, sk, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("softcap", [5.0, 30.0])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -245,12 +317,14 @@ def test_softcap_small(softcap, causal, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 def test_softmax_scale_and_large_scores_small():
     _run("float16", 2, 150, 150, 2, 2, 64, scale=0.5, seed=1)
     _run("bfloat16", 2, 150, 150, 2, 2, 128, causal=True, qk_scale=4.0, seed=2)
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_packed_qkv_views_and_strided_out_small(dtype, d):
@@ -278,6 +352,7 @@ def test_packed_qkv_views_and_strided_out_small(dtype, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 def test_out_may_be_q_small():
     import speedcore
 
@@ -291,6 +366,7 @@ def test_out_may_be_q_small():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 def test_fully_masked_rows_small():
     import speedcore
 
@@ -350,6 +426,7 @@ def _cumsum(xs):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
@@ -360,12 +437,14 @@ def test_varlen_small(dtype, d, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 def test_varlen_window_softcap_small():
     _varlen_case("bfloat16", 128, True, [100, 17, 250], [120, 17, 250], window=(32, 0), softcap=20.0, seed=5)
     _varlen_case("float16", 96, False, [90, 1], [70, 333], h=8, hkv=1, window=(10, 20), seed=6)
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("path")
 def test_long_sequence():
     _run("bfloat16", 1, 4096, 4096, 2, 1, 128, causal=True, seed=11)
     _run("float16", 1, 3000, 5000, 2, 2, 64, causal=False, seed=12)

@@ -56,6 +56,24 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const TmaMap* map, i
       : "memory");
 }
 
+// The 4-D form: (x, y, z, w) from the innermost dimension out (e.g. head-dim column, token, head, batch).
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const TmaMap* map, int x, int y, int z, int w,
+                                            unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Named barrier `id` (1-15; 0 is __syncthreads) over `count` threads: arrive does not wait, sync does.
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // Warpgroup register reallocation (all 128 threads of a warpgroup execute it).
 template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));

@@ -1,0 +1,389 @@
+// FlashAttention forward for Hopper (sm_90a): TMA -> shared-memory ring (mbarriers) -> wgmma, warp-specialized
+// and persistent.  Same masking rules, softcap and lse as kernels/attention.cu (the sm_80 path).
+//
+// 384 threads: warpgroup 0 is the producer (one thread issues every TMA load; setmaxnreg gives its registers
+// to the consumers), warpgroups 1 and 2 are consumers that each own 64 of the BM = 128 query rows of a tile.
+// Tiles (m-block, head, batch) are handed out statically, tile = blockIdx.x + i * gridDim.x with the m-block
+// varying fastest (concurrent CTAs share one head's K and V in L2); the producer runs ahead into the next tile
+// while the consumers finish the last.
+//
+// Shared memory: Q (BM x D), and STAGES slots of K (BN x D) and V (BN x D).  Every tile is stored as D / 64
+// column chunks of rows x 128 bytes with the 128-byte swizzle (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B,
+// one box per chunk), the layout wgmma reads: K-major for Q and K in S = Q K^T, N-major for V in O += P V.
+// Head dims below D are zero-filled by TMA (the tensor map's extent is the real head dim), so one kernel D
+// serves every head dim up to it.
+//
+// Each consumer overlaps its two GEMMs with its softmax (FlashAttention-3's intra-warpgroup overlap): with P of
+// key block j in registers, it issues S(j+1) = Q K(j+1)^T and O += P(j) V(j) back to back, waits for S(j+1)
+// only, runs the softmax of block j+1 while the tensor cores finish P(j) V(j), then rescales O.  P is the A
+// operand of the second wgmma straight from registers (the S accumulator layout, packed to 16 bits).
+//
+// Barriers: q_full / k_full[s] / v_full[s] complete when TMA bytes land; q_empty / k_empty[s] / v_empty[s]
+// when all 8 consumer warps are done reading (K right after S, V after P V, Q after the tile's last S).
+#include "common/types.cuh"
+#include "common/softmax.cuh"
+#include "common/tma.cuh"
+#include "common/wgmma.cuh"
+
+namespace fa90 {
+
+constexpr int BM = 128;  // query rows per tile: two consumer warpgroups of 64
+
+// Everything about one tile that both the producer and the consumers derive from its index.
+struct Tile {
+  int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end;
+};
+
+__device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int reverse_m, int seqlen_q,
+                                          int seqlen_k, const int* cu_q, const int* cu_k, int total_q, int total_k,
+                                          int window_left, int window_right, int bn) {
+  Tile t;
+  const int m_idx = tile % num_m, rest = tile / num_m;
+  const int m_block = reverse_m ? num_m - 1 - m_idx : m_idx;
+  t.head = rest % nheads;
+  t.batch = rest / nheads;
+  t.q_off = 0;
+  t.k_off = 0;
+  t.sq = seqlen_q;
+  t.sk = seqlen_k;
+  if (cu_q != nullptr) {  // clamped so that a bad cu_seqlens cannot address out of bounds
+    t.q_off = min(max(cu_q[t.batch], 0), total_q);
+    t.sq = min(max(cu_q[t.batch + 1], t.q_off), total_q) - t.q_off;
+    t.k_off = min(max(cu_k[t.batch], 0), total_k);
+    t.sk = min(max(cu_k[t.batch + 1], t.k_off), total_k) - t.k_off;
+  }
+  t.m0 = m_block * BM;
+  t.rows_q = min(BM, t.sq - t.m0);
+  // key j is visible to query i iff lo(i) <= j < hi(i) (see kernels/attention.cu)
+  const int diag = t.sk - t.sq;
+  const int lo_first = max(0, t.m0 + diag - window_left);
+  const int hi_last = min(t.sk, t.m0 + t.rows_q - 1 + diag + window_right + 1);
+  t.n_begin = lo_first / bn;
+  t.n_end = hi_last > lo_first ? (hi_last + bn - 1) / bn : t.n_begin;
+  return t;
+}
+
+}  // namespace fa90
+
+// tmap_q: (head_dim, tokens, nheads, batch) with box (64, BM, 1, 1); tmap_k / tmap_v: (head_dim, tokens,
+// nheads_kv, batch) with box (64, BN, 1, 1).  Varlen: batch extent 1 and token coordinates offset by cu_seqlens.
+template <typename T, int D, int BN, int STAGES, bool HAS_SOFTCAP, bool PINGPONG>
+__global__ void __launch_bounds__(384, 1) flash_fwd_sm90_kernel(
+    const __grid_constant__ sc::TmaMap tmap_q, const __grid_constant__ sc::TmaMap tmap_k,
+    const __grid_constant__ sc::TmaMap tmap_v, T* __restrict__ out, float* __restrict__ lse,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, long long o_batch_stride,
+    long long o_row_stride, long long o_head_stride, long long lse_batch_stride, long long lse_head_stride,
+    int seqlen_q, int seqlen_k, int total_q, int total_k, int head_dim, int nheads, int heads_per_kv, int num_m,
+    int num_tiles, int window_left, int window_right, float scale_log2, float softcap_pre, float softcap_post,
+    int reverse_m) {
+  using namespace fa;
+  using fa90::BM;
+  constexpr int DC = D / 64;                 // 128-byte column chunks of a row
+  constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+  constexpr int NS = BN / 2;                 // S accumulators per thread (m64 x BN)
+  constexpr int NO = D / 2;                  // O accumulators per thread (m64 x D)
+  constexpr int KP = BN / 16;                // k-steps of P V
+  static_assert(D % 64 == 0 && D <= 256 && (BN == 64 || BN == 128), "unsupported tile");
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The 128-byte swizzle repeats every 1024 bytes and the wgmma descriptors assume tiles aligned to it.
+  unsigned char* const smem = smem_raw + ((1024u - (sc::smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* const sQ = smem;
+  unsigned char* const sK = sQ + Q_BYTES;
+  unsigned char* const sV = sK + STAGES * KV_BYTES;
+  unsigned long long* const bars = reinterpret_cast<unsigned long long*>(sV + STAGES * KV_BYTES);
+  unsigned long long* const q_full = bars;
+  unsigned long long* const q_empty = bars + 1;
+  unsigned long long* const k_full = bars + 2;
+  unsigned long long* const k_empty = k_full + STAGES;
+  unsigned long long* const v_full = k_empty + STAGES;
+  unsigned long long* const v_empty = v_full + STAGES;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    sc::mbar_init(q_full, 1);
+    sc::mbar_init(q_empty, 8);
+    for (int s = 0; s < STAGES; ++s) {
+      sc::mbar_init(&k_full[s], 1);
+      sc::mbar_init(&k_empty[s], 8);
+      sc::mbar_init(&v_full[s], 1);
+      sc::mbar_init(&v_empty[s], 8);
+    }
+    sc::fence_mbar_init();
+  }
+  __syncthreads();
+
+  auto info = [&](int tile) {
+    return fa90::tile_info(tile, num_m, nheads, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                           total_q, total_k, window_left, window_right, BN);
+  };
+  const bool varlen = cu_seqlens_q != nullptr;
+
+  if (wg == 0) {
+    sc::setmaxnreg_dec<24>();
+    if (threadIdx.x == 0) {
+      sc::tma_prefetch_map(&tmap_q);
+      sc::tma_prefetch_map(&tmap_k);
+      sc::tma_prefetch_map(&tmap_v);
+      int stage = 0;
+      unsigned phase = 0, q_phase = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const fa90::Tile t = info(tile);
+        if (t.rows_q <= 0 || t.n_begin >= t.n_end) continue;
+        const int bc = varlen ? 0 : t.batch, kv_head = t.head / heads_per_kv;
+        sc::mbar_wait(q_empty, q_phase ^ 1);
+        q_phase ^= 1;
+        sc::mbar_arrive_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+        for (int c = 0; c < DC; ++c)
+          sc::tma_load_4d(sQ + c * BM * 128, &tmap_q, c * 64, t.q_off + t.m0, t.head, bc, q_full);
+        // key blocks from the last to the first: the blocks crossing the causal diagonal come first
+        for (int nb = t.n_end - 1; nb >= t.n_begin; --nb) {
+          const int row = t.k_off + nb * BN;
+          sc::mbar_wait(&k_empty[stage], phase ^ 1);
+          sc::mbar_arrive_expect_tx(&k_full[stage], KV_BYTES);
+#pragma unroll
+          for (int c = 0; c < DC; ++c)
+            sc::tma_load_4d(sK + stage * KV_BYTES + c * BN * 128, &tmap_k, c * 64, row, kv_head, bc, &k_full[stage]);
+          sc::mbar_wait(&v_empty[stage], phase ^ 1);
+          sc::mbar_arrive_expect_tx(&v_full[stage], KV_BYTES);
+#pragma unroll
+          for (int c = 0; c < DC; ++c)
+            sc::tma_load_4d(sV + stage * KV_BYTES + c * BN * 128, &tmap_v, c * 64, row, kv_head, bc, &v_full[stage]);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  sc::setmaxnreg_inc<240>();
+  const int cw = wg - 1;  // consumer index: rows 64 cw .. 64 cw + 63 of the tile
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, q4 = lane % 4;
+  const int row_in_tile = cw * 64 + warp * 16 + g;  // and + 8
+  int stage = 0;
+  unsigned phase = 0, q_phase = 0;
+  // Pingpong: the two consumers take turns issuing their GEMMs (named barrier 1 + cw is "cw's turn"), so that
+  // one's softmax runs while the other's GEMMs occupy the tensor cores.  Consumer 0 goes first.
+  auto turn_begin = [&]() {
+    if constexpr (PINGPONG) sc::named_bar_sync(1 + cw, 256);
+  };
+  auto turn_end = [&]() {
+    if constexpr (PINGPONG) sc::named_bar_arrive(2 - cw, 256);
+  };
+  if (PINGPONG && cw == 1) sc::named_bar_arrive(1, 256);
+
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const fa90::Tile t = info(tile);
+    if (t.rows_q <= 0) continue;
+    T* const o_rows = out + t.batch * o_batch_stride + (long long)(t.q_off + t.m0) * o_row_stride +
+                      t.head * o_head_stride;
+    float* const lse_rows = lse == nullptr ? nullptr
+                                           : lse + t.batch * lse_batch_stride + t.head * lse_head_stride + t.q_off + t.m0;
+    if (t.n_begin >= t.n_end) {  // no query row of this tile sees any key: zeros, lse = -inf
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_in_tile + 8 * h;
+        if (r >= t.rows_q) continue;
+        for (int c = 8 * q4; c < head_dim; c += 32)
+          *reinterpret_cast<uint4*>(o_rows + r * o_row_stride + c) = make_uint4(0, 0, 0, 0);
+        if (lse_rows != nullptr && q4 == 0) lse_rows[r] = neg_inf();
+      }
+      continue;
+    }
+
+    const int diag = t.sk - t.sq;
+    const int m_last = t.m0 + t.rows_q - 1;
+    const int lo_last = max(0, m_last + diag - window_left);
+    const int hi_first = min(t.sk, t.m0 + diag + window_right + 1);
+    const int rel_lo = diag - window_left, rel_hi = diag + window_right;
+
+    float o[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[i] = 0.f;
+    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+    float s[NS];
+    unsigned p[KP][4];
+
+    sc::mbar_wait(q_full, q_phase);
+    q_phase ^= 1;
+    const unsigned char* const q_tile = sQ + cw * 64 * 128;
+    auto issue_s = [&](int st) {  // S = Q K^T from the K tile of stage st
+      const unsigned char* const k_tile = sK + st * KV_BYTES;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int c = kk / 4, off = (kk % 4) * 32;
+        sc::Wgmma<BN, T, 0>::mma(s, sc::wgmma_desc_k128(q_tile + c * BM * 128 + off),
+                                 sc::wgmma_desc_k128(k_tile + c * BN * 128 + off), kk > 0 ? 1 : 0);
+      }
+      sc::wgmma_commit();
+    };
+    auto issue_pv = [&](int st) {  // O += P V from the V tile of stage st
+      const unsigned char* const v_tile = sV + st * KV_BYTES;
+#pragma unroll
+      for (int kk = 0; kk < KP; ++kk)
+        sc::WgmmaRS<D, T>::mma(o, p[kk], sc::wgmma_desc_mn128(v_tile + kk * 16 * 128, BN * 128));
+      sc::wgmma_commit();
+    };
+    auto fence_s = [&]() {
+#pragma unroll
+      for (int i = 0; i < NS; ++i) sc::wgmma_fence_operand(s[i]);
+    };
+    auto fence_o = [&]() {
+#pragma unroll
+      for (int i = 0; i < NO; ++i) sc::wgmma_fence_operand(o[i]);
+    };
+    // Softcap, mask and the online softmax of block nb: S becomes unnormalized P (fp32, in place); returns
+    // whether some row's max grew (then O must be multiplied by corr).
+    auto softmax = [&](int nb, float* corr) {
+      if constexpr (HAS_SOFTCAP) {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) s[i] = softcap_log2(s[i], softcap_pre, softcap_post);
+      }
+      const int n0 = nb * BN;
+      if (n0 < lo_last || n0 + BN > hi_first) {  // a boundary block: visible iff rel_lo <= col - row <= rel_hi
+        const int rel0 = n0 + 2 * q4 - (t.m0 + row_in_tile);
+        const int cols_left = t.sk - n0 - 2 * q4;
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+          const int dc = (i / 4) * 8 + (i % 2), rel = rel0 + dc - ((i % 4) >= 2 ? 8 : 0);
+          if (rel < rel_lo || rel > rel_hi || dc >= cols_left) s[i] = neg_inf();
+        }
+      }
+      // base 2; the running max lags by up to 8 before O is rescaled (see attention.cu).  -inf - -inf is
+      // NaN, which compares false: a row with no key yet needs nothing.
+      bool grow = false;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int i = 0; i < NS / 4; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        corr[h] = 1.f;
+        if ((mx - row_max[h]) * scale_log2 > 8.f) {
+          grow = true;
+          corr[h] = row_max[h] == neg_inf() ? 1.f : sc::fast_exp2((row_max[h] - mx) * scale_log2);
+          row_max[h] = mx;
+        }
+        // subtract 0 rather than -inf for a row with no key yet, so that exp2 gives 0, not NaN
+        const float m_scaled = row_max[h] == neg_inf() ? 0.f : row_max[h] * scale_log2;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < NS / 4; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = sc::fast_exp2(fmaf(s[4 * i + 2 * h + e], scale_log2, -m_scaled));
+            s[4 * i + 2 * h + e] = pv;
+            sum += pv;
+          }
+        row_sum[h] = row_sum[h] * corr[h] + sum;
+      }
+      return __any_sync(0xffffffffu, grow);
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+      for (int kk = 0; kk < KP; ++kk) {
+        p[kk][0] = pack_f32x2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack_f32x2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack_f32x2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack_f32x2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+    };
+    auto advance = [&]() {
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
+
+    // The first block (the last key block): S alone.
+    int nb = t.n_end - 1;
+    sc::mbar_wait(&k_full[stage], phase);
+    fence_s();
+    sc::wgmma_fence();
+    turn_begin();
+    issue_s(stage);
+    turn_end();
+    sc::wgmma_wait<0>();
+    fence_s();
+    if (lane == 0) {
+      sc::mbar_arrive(&k_empty[stage]);
+      if (nb == t.n_begin) sc::mbar_arrive(q_empty);
+    }
+    {
+      float corr[2];
+      softmax(nb, corr);  // O is still zero: nothing to rescale
+    }
+    pack_p();
+    int prev = stage;  // the stage of the block whose P V is pending
+    unsigned prev_phase = phase;
+    advance();
+    // Then S of block nb and P V of block nb + 1 in flight together; the softmax of nb runs behind P V.
+    for (--nb; nb >= t.n_begin; --nb) {
+      sc::mbar_wait(&k_full[stage], phase);
+      fence_s();
+      fence_o();
+      sc::wgmma_fence();
+      sc::mbar_wait(&v_full[prev], prev_phase);
+      turn_begin();
+      issue_s(stage);
+      issue_pv(prev);
+      turn_end();
+      sc::wgmma_wait<1>();
+      fence_s();
+      if (lane == 0) {
+        sc::mbar_arrive(&k_empty[stage]);
+        if (nb == t.n_begin) sc::mbar_arrive(q_empty);
+      }
+      float corr[2];
+      const bool grow = softmax(nb, corr);
+      sc::wgmma_wait<0>();
+      fence_o();
+      if (lane == 0) sc::mbar_arrive(&v_empty[prev]);
+      if (grow) {
+#pragma unroll
+        for (int i = 0; i < NO; ++i) o[i] *= corr[(i % 4) >= 2 ? 1 : 0];
+      }
+      pack_p();
+      prev = stage;
+      prev_phase = phase;
+      advance();
+    }
+    // The last block's P V.
+    sc::mbar_wait(&v_full[prev], prev_phase);
+    fence_o();
+    sc::wgmma_fence();
+    turn_begin();
+    issue_pv(prev);
+    turn_end();
+    sc::wgmma_wait<0>();
+    fence_o();
+    if (lane == 0) sc::mbar_arrive(&v_empty[prev]);
+
+    // Epilogue: normalize and store straight from the accumulators (rows past the sequence are dropped).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = row_sum[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int r = row_in_tile + 8 * h;
+      if (r < t.rows_q) {
+        T* const o_row = o_rows + r * o_row_stride + 2 * q4;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          if (j * 8 < head_dim)
+            *reinterpret_cast<unsigned*>(o_row + j * 8) =
+                pack_f32x2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        if (lse_rows != nullptr && q4 == 0)
+          lse_rows[r] = l > 0.f ? (row_max[h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
+      }
+    }
+  }
+  if (PINGPONG && cw == 0) sc::named_bar_sync(1, 256);  // consumer 1's last hand-over
+}
