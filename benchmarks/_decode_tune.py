@@ -1,11 +1,14 @@
 """Tuning sweep for the paged decode kernel (not a bench suite: prints a table).
 
-python benchmarks/_decode_tune.py  -- sweeps (warps, stages) and num_splits at the bench shapes.
+python benchmarks/_decode_tune.py [rounds]  -- at each shape, torch SDPA's cuDNN backend and our kernel in several
+(warps, stages) configurations and split counts, interleaved, in the same process and on the same data (ours on
+a shuffled paged copy).  A variant named ``old`` runs kernels/_decode_old.cu when that file exists (a copy of an
+earlier kernels/decode.cu, for A/B runs).  Every variant's output is checked against cuDNN's.
 """
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -13,88 +16,117 @@ from speedcore import decode as D  # noqa: E402
 from speedcore import _arrays as A  # noqa: E402
 from speedcore._compile import Kernel, compile_kernel  # noqa: E402
 
-CONFIGS = [(4, 3, 2), (4, 2, 2)]
+HERE = os.path.dirname(os.path.abspath(__file__))
+OLD = os.path.exists(os.path.join(HERE, "..", "kernels", "_decode_old.cu"))
+# name -> (source, warps, stages)
+VARIANTS = {"w4s3": ("decode.cu", 4, 3)}
+if OLD:
+    VARIANTS = {"old": ("_decode_old.cu", 4, 3), **VARIANTS}
+# (batch, seqlen, heads, kv_heads, head_dim) -> {variant: split counts (None: the heuristic's)}
 SWEEP = {
-    (64, 4096, 32, 8, 128): [1, 2],
-    (8, 32768, 32, 8, 128): [4, 8, 16],
-    (1, 131072, 32, 8, 128): [33, 66, 128],
-    (16, 8192, 32, 8, 128): [1, 2, 3],
-    (32, 2048, 64, 8, 128): [1, 2],
+    (64, 4096, 32, 8, 128): {"old": [None], "w4s3": [None, 2], "w2s3": [None, 2]},
+    (8, 32768, 32, 8, 128): {"old": [None], "w4s3": [None, 8], "w2s3": [None, 4, 16]},
+    (1, 131072, 32, 8, 128): {"old": [None], "w4s3": [None, 66], "w2s3": [None, 33, 132]},
+    (256, 1024, 32, 32, 128): {"old": [None], "w4s3": [None], "w2s3": [None]},
+    (16, 8192, 32, 8, 128): {"w4s3": [None], "w2s3": [None, 2, 8]},
+    (32, 2048, 64, 8, 128): {"w4s3": [None], "w2s3": [None, 1]},
 }
 
 
-def kern(cfg):
-    return Kernel(D.SOURCE, f"paged_decode_kernel<__nv_bfloat16, 128, {cfg[0]}, {cfg[1]}, {cfg[2]}>")
+def kernels(name):
+    src, w, s = VARIANTS[name]
+    return (Kernel(src, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {D.L2_HINT}>"),
+            Kernel(src, "decode_merge_kernel<__nv_bfloat16, 128>"))
 
 
-def _compile(cfg):
-    c = compile_kernel(kern(cfg), "sm_90")
-    return cfg, c.resources["registers"], c.resources["spill_stores"]
+def use(name):
+    """Point the module at one variant (kernels, config and the split heuristic's occupancy)."""
+    _, w, s = VARIANTS[name]
+    D.DECODE_CONFIGS[128] = (w, s)
+    D.decode_config.cache_clear()
+    D.decode_num_splits.cache_clear()
+    D._attn_kernel = lambda dtype, d: kernels(name)[0]
+    D._merge_kernel = lambda dtype, d: kernels(name)[1]
+    D._DECODE_PLANS.clear()
 
 
 def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     t0 = time.time()
-    with ProcessPoolExecutor(8) as ex:
-        for cfg, regs, spill in ex.map(_compile, CONFIGS):
-            print(f"compiled {cfg} regs={regs} spill={spill}", flush=True)
+    ks = [k for n in VARIANTS for k in kernels(n)]
+    with ThreadPoolExecutor(8) as ex:
+        for k, c in zip(ks, ex.map(lambda k: compile_kernel(k, "sm_90"), ks)):
+            r = c.resources
+            print(f"compiled {k.source} {k.name} regs={r['registers']} spill={r['spill_stores']}", flush=True)
     print(f"compile {time.time() - t0:.1f}s", flush=True)
     from speedcore.bench import Bench
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    b = Bench(quick=True)
+    b = Bench(quick=False)
     torch = b.torch
-    orig = D.decode_config
-    orig_kernel = D._attn_kernel
-    for (batch, seqlen, heads, kvh, hd), splits_list in SWEEP.items():
-        q = torch.randn(batch, heads, hd, device="cuda", dtype=torch.bfloat16)
+    F = torch.nn.functional
+    summary = []
+    for (batch, seqlen, heads, kvh, hd), plan in SWEEP.items():
+        dt = torch.bfloat16
+        q = torch.randn(batch, heads, hd, device="cuda", dtype=dt)
+        k = torch.randn(batch, kvh, seqlen, hd, device="cuda", dtype=dt)
+        v = torch.randn_like(k)
         nblocks = batch * seqlen // 16
-        kc = torch.randn(nblocks, 16, kvh, hd, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        table = torch.randperm(nblocks, device="cuda").view(batch, -1).int()
+        perm = torch.randperm(nblocks, device="cuda")
+
+        def paged(x):
+            pages = x.view(batch, kvh, seqlen // 16, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, kvh, hd)
+            out = torch.empty_like(pages)
+            out[perm] = pages
+            return out
+
+        kc, vc = paged(k), paged(v)
+        table = perm.view(batch, -1).int()
         lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
         out = torch.empty_like(q)
-        nbytes = 2 * kc.numel() * 2
+        nbytes = 2 * k.numel() * 2
         wr = [A.wrap(x, n) for x, n in ((q, "q"), (kc, "k_cache"), (vc, "v_cache"), (table, "block_table"),
                                          (lens, "seq_lens"), (out, "out"))]
-        default = D._plan_paged_decode(*wr, None, 0.0, -1, sms=132, smem_per_sm=233472)["num_splits"]
-        for cfg in CONFIGS:
-            w, s, hint = cfg
-            smem = max(w * s * 2 * 16 * hd * 2, w * 8 * hd * 4 + w * 64)
-            D.decode_config = lambda d, w=w, s=s, smem=smem: (w, s, smem)
-            D._attn_kernel = lambda dtype, d, cfg=cfg: kern(cfg)
-            D._DECODE_PLANS.clear()
-            row = []
-            for ns in sorted(set(splits_list + [default])):
-                ms = b.time_ms(lambda: D._paged_decode(*wr, None, 0.0, -1, False, num_splits=ns))
-                row.append(f"s{ns}{'*' if ns == default else ''}={nbytes / ms / 1e9:.3f}")
-            print(f"B{batch} S{seqlen} H{heads}/{kvh} cfg{cfg}: " + " ".join(row), flush=True)
-        D.decode_config = orig
-        D._attn_kernel = orig_kernel
-        D._DECODE_PLANS.clear()
-        fn = lambda: D._paged_decode(*wr, None, 0.0, -1, False)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            D._decode_plan(*wr, None, 0.0, -1, None)
-        host_us = (time.perf_counter() - t0) / 200 * 1e6
-        t0 = time.perf_counter()
-        for _ in range(50):
-            fn()
-        launch_us = (time.perf_counter() - t0) / 50 * 1e6
-        s_ev, e_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s_ev.record()
-        for _ in range(20):
-            fn()
-        e_ev.record()
-        torch.cuda.synchronize()
-        ms = s_ev.elapsed_time(e_ev) / 20
-        print(f"  default back-to-back (no flush) {nbytes / ms / 1e9:.3f} TB/s; host plan hit {host_us:.1f} us, "
-              f"host call {launch_us:.1f} us", flush=True)
-        D.decode_config = orig
-        D._attn_kernel = orig_kernel
-        D._DECODE_PLANS.clear()
-        del kc, vc
+        q4 = q.view(batch, heads, 1, hd)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn = lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kvh)  # noqa: E731
+            ref = cudnn().view_as(q).float()
+        results = {}
+        if heads != kvh or batch * heads <= 8192:
+            try:
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    fl = lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kvh)  # noqa: E731
+                    results["flash"] = [nbytes / b.time_ms(fl) / 1e9]
+            except Exception as e:  # noqa: BLE001
+                print(f"  flash unavailable: {e}", flush=True)
+        for _ in range(rounds):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                results.setdefault("cudnn", []).append(nbytes / b.time_ms(cudnn) / 1e9)
+            for name, splits_list in plan.items():
+                if name not in VARIANTS:
+                    continue
+                use(name)
+                default = D._plan_paged_decode(*wr, None, 0.0, -1, sms=132, smem_per_sm=233472)["num_splits"]
+                for ns in splits_list:
+                    ns = ns or default
+                    fn = lambda: D._paged_decode(*wr, None, 0.0, -1, False, num_splits=ns)  # noqa: E731
+                    fn()
+                    torch.cuda.synchronize()
+                    err = (out.float() - ref).abs().max().item()
+                    if not err < 5e-2:
+                        print(f"  WRONG {name} s{ns}: max err {err}", flush=True)
+                    tag = f"{name}/s{ns}{'*' if ns == default else ''}"
+                    results.setdefault(tag, []).append(nbytes / b.time_ms(fn) / 1e9)
+        case = f"B{batch} S{seqlen} H{heads}/{kvh}"
+        base = max(results["cudnn"])
+        row = " ".join(f"{t}={max(v):.3f}({max(v) / base:.3f})[{min(v):.3f}]" for t, v in results.items())
+        print(f"{case}: {row}", flush=True)
+        summary.append(f"{case}: " + " ".join(f"{t}={max(v) / base:.3f}" for t, v in results.items()))
+        del kc, vc, k, v
         torch.cuda.empty_cache()
+    print("---- ratios to cuDNN (best of rounds) ----")
+    for line in summary:
+        print(line)
 
 
 if __name__ == "__main__":

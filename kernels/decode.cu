@@ -89,6 +89,12 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
 
   extern __shared__ uint4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#ifdef DECODE_TRACE
+  auto gtime = []() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; };
+  unsigned long long* trace = reinterpret_cast<unsigned long long*>(lse_out) + (long long)blockIdx.x * 8;
+  if (threadIdx.x == 0) { unsigned smid; asm volatile("mov.u32 %0, %smid;" : "=r"(smid)); trace[0] = gtime(); trace[4] = smid; }
+  lse_out = nullptr;
+#endif
 
   int bid = blockIdx.x;
   const int unit = bid % units;
@@ -100,16 +106,34 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
   const int nq = min(8, group - q0);              // queries served by this CTA
   const int h0 = kvh * group + q0;                // first query head
 
-  // Attended range [lo, hi): the whole sequence, or the last window_left + 1 tokens.
-  const int len = min(seq_lens[b * sl_stride], max_len);
-  const int hi = max(len, 0);
-  const int lo = window_left >= 0 ? max(0, hi - 1 - window_left) : 0;
-  const int tile_lo = lo >> 4, tile_hi = (hi + 15) >> 4;
-  const int ntiles = max(tile_hi - tile_lo, 0);
-  int per_split = (ntiles + num_splits - 1) / num_splits;
-  per_split = (per_split + WARPS - 1) / WARPS * WARPS;
-  const int t_begin = tile_lo + split * per_split;
-  const int t_end = min(t_begin + per_split, tile_hi);
+  // Attended range [lo, hi) of a sequence of length len: the whole sequence, or the last window_left + 1
+  // tokens; this split's tiles [t_begin, t_end).
+  auto range = [&](int len, int& lo, int& hi, int& t_begin, int& t_end) {
+    hi = max(len, 0);
+    lo = window_left >= 0 ? max(0, hi - 1 - window_left) : 0;
+    const int tile_lo = lo >> 4, tile_hi = (hi + 15) >> 4;
+    const int ntiles = max(tile_hi - tile_lo, 0);
+    int per_split = (ntiles + num_splits - 1) / num_splits;
+    per_split = (per_split + WARPS - 1) / WARPS * WARPS;
+    t_begin = tile_lo + split * per_split;
+    t_end = min(t_begin + per_split, tile_hi);
+  };
+  const int* bt_row = block_table + (long long)b * bt_stride;
+  // The block-table entries of this warp's first STAGES tiles are loaded together with seq_lens[b], for the
+  // range a sequence of full length (max_len, the table's capacity) would give: they are the right entries
+  // whenever the real range starts on the same tile and no earlier token (always for split 0 without a window,
+  // and for full sequences), which takes one dependent memory round trip off the start of every CTA.
+  int spec_lo, spec_hi, spec_begin, spec_end;
+  range(max_len, spec_lo, spec_hi, spec_begin, spec_end);
+  const int spec_first = spec_begin + warp;
+  int spec_page[STAGES];
+#pragma unroll
+  for (int j = 0; j < STAGES; ++j) {
+    const int tok = (spec_first + j * WARPS) * 16 + lane;
+    spec_page[j] = lane < 16 && tok >= spec_lo && tok < spec_hi ? bt_row[tok / block_size] : 0;
+  }
+  int lo, hi, t_begin, t_end;
+  range(min(seq_lens[b * sl_stride], max_len), lo, hi, t_begin, t_end);
 
   // Q^T as the B operand of S^T = K Q^T: lane holds Q[query lane/4][d = 16kk + 2(lane%4) + {0,1}] and d + 8.
   unsigned qf[KT][2];
@@ -126,13 +150,13 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
 
   const T* kbase = k_cache + (long long)kvh * c_stride_head;
   const T* vbase = v_cache + (long long)kvh * c_stride_head;
-  const int* bt_row = block_table + (long long)b * bt_stride;
   uint4* ring = smem + warp * (STAGES * 2 * TILE);
   const unsigned long long policy = HINT == 2 ? dec::evict_first_policy() : 0ull;
 
   // This warp's tiles: t_begin + warp + j * WARPS for j < njobs.
   const int first = t_begin + warp;
   const int njobs = t_end > first ? (t_end - first + WARPS - 1) / WARPS : 0;
+  const bool use_spec = first == spec_first && lo >= spec_lo;  // [lo, hi) lies inside the speculated range
 
   // Lane r < 16 resolves row r of a tile: its page (loaded early, to hide the block-table latency) and slot.
   auto fetch_row = [&](int j, int& page, int& slot) -> bool {
@@ -141,8 +165,23 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
     page = 0;
     slot = 0;
     if (ok) {
-      page = bt_row[tok / block_size];
-      slot = tok - (tok / block_size) * block_size;
+      const int blk = tok / block_size;
+      page = bt_row[blk];
+      slot = tok - blk * block_size;
+    }
+    return ok;
+  };
+  // The same for the first STAGES tiles (j a compile-time index after unrolling), whose entries may have been
+  // loaded speculatively.
+  auto fetch_first_row = [&](int j, int& page, int& slot) -> bool {
+    const int tok = (first + j * WARPS) * 16 + lane;
+    const bool ok = lane < 16 && j < njobs && tok >= lo && tok < hi;
+    page = 0;
+    slot = 0;
+    if (ok) {
+      const int blk = tok / block_size;
+      page = use_spec ? spec_page[j] : bt_row[blk];
+      slot = tok - blk * block_size;
     }
     return ok;
   };
@@ -178,16 +217,19 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) {
     int page, slot;
-    const bool ok = fetch_row(j, page, slot);
+    const bool ok = fetch_first_row(j, page, slot);
     if (j < njobs) issue(j, page, slot, ok);
     sc::cp_async_commit();
   }
   int pf_page, pf_slot;
-  bool pf_ok = fetch_row(STAGES - 1, pf_page, pf_slot);
+  bool pf_ok = fetch_first_row(STAGES - 1, pf_page, pf_slot);
 
   for (int j = 0; j < njobs; ++j) {
     sc::cp_async_wait<STAGES - 2>();
     __syncwarp();
+#ifdef DECODE_TRACE
+    if (j == 0 && threadIdx.x == 0) trace[1] = gtime();
+#endif
     // Refill the slot consumed in the previous iteration (every lane is past it after __syncwarp).
     if (j + STAGES - 1 < njobs) issue(j + STAGES - 1, pf_page, pf_slot, pf_ok);
     sc::cp_async_commit();
@@ -252,6 +294,9 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
     }
   }
   sc::cp_async_wait<0>();
+#ifdef DECODE_TRACE
+  if (threadIdx.x == 0) trace[2] = gtime();
+#endif
 
   // Row sums: each lane summed only its own tokens.
 #pragma unroll
@@ -310,12 +355,17 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
       if (d == 0) part_lse[row] = lse;
     }
   }
+#ifdef DECODE_TRACE
+  __syncthreads();
+  if (threadIdx.x == 0) trace[3] = gtime();
+#endif
 }
 
-// Combines the splits of one (sequence, query head) per CTA with weights exp(lse_s - max).  Latency-bound
-// (a few KB per row), so there is no block-wide reduction before the loads: every warp computes the max and
-// the total of the split lse values itself (at most 256 values), warps take interleaved splits and lanes
-// 4-float columns, loads are unrolled so several splits are in flight per lane, and one shared-memory pass
+// Combines the splits of one (sequence, query head) per CTA with weights exp(lse_s - max).  Latency-bound (a
+// few KB per row, just written, so in L2): every load is issued before any result is used, so the kernel costs
+// one L2 round trip plus the arithmetic.  Warps take interleaved splits and lanes 4-float columns, each lane
+// holding up to BATCH splits in registers; every lane also loads all the split lse values itself (at most 256,
+// 8 per lane) for the max and the total, so no block-wide reduction precedes the sums.  One shared-memory pass
 // sums the warps.  The host picks the warp count (1 to 8) from the number of splits.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, float* __restrict__ lse_out,
@@ -327,34 +377,64 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, 
   constexpr int LPS = V4 < 32 ? V4 : 32;    // lanes per split row
   constexpr int SPW = 32 / LPS;             // splits a warp reads per step
   constexpr int VPL = V4 / LPS;             // float4 per lane
+  constexpr int BATCH = 8 / SPW;            // splits per lane loaded at once: 64 per CTA of 8 warps
+  constexpr int LSE_PER_LANE = 8;           // MAX_SPLITS / 32
   __shared__ float4 red[8][V4];
   const int row = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const float* lse = part_lse + (long long)row * num_splits;
-  float mx = dec::neg_inf();
-  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse[s]);
+  const int sub = lane / LPS, v = lane - sub * LPS;
+  const int step = nwarps * SPW;
+  const int s0 = warp * SPW + sub;
+  const float4* src = reinterpret_cast<const float4*>(part_out) + (long long)row * num_splits * V4 + v;
+
+  float4 x[BATCH][VPL];
+  float xl[BATCH];
+#pragma unroll
+  for (int i = 0; i < BATCH; ++i) {
+    const int s = s0 + i * step;
+    const bool ok = s < num_splits;
+#pragma unroll
+    for (int k = 0; k < VPL; ++k) x[i][k] = ok ? src[(long long)s * V4 + k * LPS] : make_float4(0.f, 0.f, 0.f, 0.f);
+    xl[i] = ok ? lse[s] : dec::neg_inf();
+  }
+  float lv[LSE_PER_LANE];
+#pragma unroll
+  for (int i = 0; i < LSE_PER_LANE; ++i) {
+    const int s = lane + 32 * i;
+    lv[i] = s < num_splits ? lse[s] : dec::neg_inf();
+  }
+  float mx = lv[0];
+#pragma unroll
+  for (int i = 1; i < LSE_PER_LANE; ++i) mx = fmaxf(mx, lv[i]);
   mx = sc::warp_max(mx);
   const bool empty = mx == dec::neg_inf();
   float total = 0.f;
-  for (int s = lane; s < num_splits; s += 32) total += empty ? 0.f : __expf(lse[s] - mx);
+#pragma unroll
+  for (int i = 0; i < LSE_PER_LANE; ++i) total += empty ? 0.f : __expf(lv[i] - mx);
   total = sc::warp_sum(total);
 
-  const int sub = lane / LPS, v = lane - sub * LPS;
-  const float4* src = reinterpret_cast<const float4*>(part_out) + (long long)row * num_splits * V4 + v;
   float4 acc[VPL];
 #pragma unroll
-  for (int i = 0; i < VPL; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int s = warp * SPW + sub; s < num_splits; s += nwarps * SPW) {
-    const float w = empty ? 0.f : __expf(lse[s] - mx);
+  for (int k = 0; k < VPL; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto add = [&](float w, const float4* xs) {
 #pragma unroll
-    for (int i = 0; i < VPL; ++i) {
-      const float4 x = src[(long long)s * V4 + i * LPS];
-      acc[i].x += w * x.x;
-      acc[i].y += w * x.y;
-      acc[i].z += w * x.z;
-      acc[i].w += w * x.w;
+    for (int k = 0; k < VPL; ++k) {
+      acc[k].x += w * xs[k].x;
+      acc[k].y += w * xs[k].y;
+      acc[k].z += w * xs[k].z;
+      acc[k].w += w * xs[k].w;
     }
+  };
+#pragma unroll
+  for (int i = 0; i < BATCH; ++i) add(empty || xl[i] == dec::neg_inf() ? 0.f : __expf(xl[i] - mx), x[i]);
+  // More splits than one batch covers (over 64 splits at 8 warps): the rest, a few in flight per lane.
+#pragma unroll 4
+  for (int s = s0 + BATCH * step; s < num_splits; s += step) {
+    float4 xs[VPL];
+#pragma unroll
+    for (int k = 0; k < VPL; ++k) xs[k] = src[(long long)s * V4 + k * LPS];
+    add(empty ? 0.f : __expf(lse[s] - mx), xs);
   }
   if constexpr (SPW == 2) {  // two splits per warp step: fold the upper half-warp into the lower
 #pragma unroll

@@ -20,7 +20,7 @@ SOURCE = "decode.cu"
 HEAD_DIMS = (64, 128, 256)
 TILE_TOKENS = 16           # tokens per tile of the attention kernel (one mma M dimension)
 QUERIES_PER_CTA = 8        # query heads of one KV head served by one CTA (the mma N dimension)
-MAX_SPLITS = 256           # the merge kernel stages one weight per split in 256 floats of shared memory
+MAX_SPLITS = 256           # the merge kernel holds the split lse values in registers, 8 per lane
 MIN_TILES_PER_SPLIT = 32   # 512 tokens: below this a split's fixed costs (Q load, merge traffic) dominate
 SPLIT_PENALTY = 0.01       # cost of splitting, as a fraction of the kernel time (partials + merge pass)
 L2_HINT = 2                # cp.async with an L2 evict-first policy: K/V are read once (measured +0.5-2%)
@@ -33,13 +33,21 @@ def decode_config(head_dim: int) -> tuple:
 
     Each warp streams its own ring of ``stages`` tiles of 16 tokens (K and V, 16 x head_dim each), so
     ``warps * (stages - 1)`` tiles are in flight per CTA: 96 KB of K/V per CTA at head_dim 128 (two CTAs,
-    ~128 KB in flight per SM, several times the ~35 KB that HBM latency x bandwidth per SM asks for).
+    ~128 KB in flight per SM, several times the ~35 KB that HBM latency x bandwidth per SM asks for).  Measured
+    on the H200 at head_dim 128: 2 warps x 3 stages (four CTAs per SM, so 512 units run as one wave instead of
+    two) is no faster at (64, 4096) and 1-9% slower where the sequence is split.
     """
-    warps = 4
-    stages = {64: 4, 128: 3, 256: 3}[head_dim]
+    warps, stages = DECODE_CONFIGS[head_dim]
+    return warps, stages, _decode_smem(head_dim, warps, stages)
+
+
+DECODE_CONFIGS = {64: (4, 4), 128: (4, 3), 256: (4, 3)}  # head_dim -> (warps, stages)
+
+
+def _decode_smem(head_dim: int, warps: int, stages: int) -> int:
     ring = warps * stages * 2 * TILE_TOKENS * head_dim * 2
     merge = warps * QUERIES_PER_CTA * head_dim * 4 + warps * 2 * QUERIES_PER_CTA * 4
-    return warps, stages, max(ring, merge)
+    return max(ring, merge)
 
 
 @lru_cache(maxsize=4096)
