@@ -1,8 +1,9 @@
 // FlashAttention forward for Hopper (sm_90a): TMA -> shared-memory ring (mbarriers) -> wgmma, warp-specialized
 // and persistent.  Same masking rules, softcap and lse as kernels/attention.cu (the sm_80 path).
 //
-// 384 threads: warpgroup 0 is the producer (one thread issues every TMA load; setmaxnreg gives its registers
-// to the consumers), warpgroups 1 and 2 are consumers that each own 64 of the BM = 128 query rows of a tile.
+// 128 (NC + 1) threads: warpgroup 0 is the producer (one thread issues every TMA load; setmaxnreg gives its
+// registers to the consumers), warpgroups 1 to NC are consumers that each own 64 of the BM = 64 NC query rows
+// of a tile.
 // Tiles (m-block, head, batch) are handed out statically, tile = blockIdx.x + i * gridDim.x with the m-block
 // varying fastest (concurrent CTAs share one head's K and V in L2); the producer runs ahead into the next tile
 // while the consumers finish the last.
@@ -27,8 +28,6 @@
 
 namespace fa90 {
 
-constexpr int BM = 128;  // query rows per tile: two consumer warpgroups of 64
-
 // Everything about one tile that both the producer and the consumers derive from its index.
 struct Tile {
   int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end;
@@ -36,7 +35,7 @@ struct Tile {
 
 __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int reverse_m, int seqlen_q,
                                           int seqlen_k, const int* cu_q, const int* cu_k, int total_q, int total_k,
-                                          int window_left, int window_right, int bn) {
+                                          int window_left, int window_right, int bm, int bn) {
   Tile t;
   const int m_idx = tile % num_m, rest = tile / num_m;
   const int m_block = reverse_m ? num_m - 1 - m_idx : m_idx;
@@ -52,8 +51,8 @@ __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int r
     t.k_off = min(max(cu_k[t.batch], 0), total_k);
     t.sk = min(max(cu_k[t.batch + 1], t.k_off), total_k) - t.k_off;
   }
-  t.m0 = m_block * BM;
-  t.rows_q = min(BM, t.sq - t.m0);
+  t.m0 = m_block * bm;
+  t.rows_q = min(bm, t.sq - t.m0);
   // key j is visible to query i iff lo(i) <= j < hi(i) (see kernels/attention.cu)
   const int diag = t.sk - t.sq;
   const int lo_first = max(0, t.m0 + diag - window_left);
@@ -67,8 +66,8 @@ __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int r
 
 // tmap_q: (head_dim, tokens, nheads, batch) with box (64, BM, 1, 1); tmap_k / tmap_v: (head_dim, tokens,
 // nheads_kv, batch) with box (64, BN, 1, 1).  Varlen: batch extent 1 and token coordinates offset by cu_seqlens.
-template <typename T, int D, int BN, int STAGES, bool HAS_SOFTCAP, bool PINGPONG>
-__global__ void __launch_bounds__(384, 1) flash_fwd_sm90_kernel(
+template <typename T, int D, int BN, int STAGES, bool HAS_SOFTCAP, bool PINGPONG, int NC>
+__global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     const __grid_constant__ sc::TmaMap tmap_q, const __grid_constant__ sc::TmaMap tmap_k,
     const __grid_constant__ sc::TmaMap tmap_v, T* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, long long o_batch_stride,
@@ -77,13 +76,16 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90_kernel(
     int num_tiles, int window_left, int window_right, float scale_log2, float softcap_pre, float softcap_post,
     int reverse_m) {
   using namespace fa;
-  using fa90::BM;
+  constexpr int BM = 64 * NC;  // query rows per tile: NC consumer warpgroups of 64
   constexpr int DC = D / 64;                 // 128-byte column chunks of a row
   constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
   constexpr int NS = BN / 2;                 // S accumulators per thread (m64 x BN)
   constexpr int NO = D / 2;                  // O accumulators per thread (m64 x D)
   constexpr int KP = BN / 16;                // k-steps of P V
-  static_assert(D % 64 == 0 && D <= 256 && (BN == 64 || BN == 128), "unsupported tile");
+  static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 192 && (NC == 2 || NC == 3), "unsupported tile");
+  constexpr int CONSUMER_WARPS = 4 * NC;
+  // registers: the producer keeps 24, the consumers share the rest of the 64K (multiples of 8)
+  constexpr int CONSUMER_REGS = ((65536 / 128 - 24) / NC) / 8 * 8 > 240 ? 240 : ((65536 / 128 - 24) / NC) / 8 * 8;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The 128-byte swizzle repeats every 1024 bytes and the wgmma descriptors assume tiles aligned to it.
@@ -102,12 +104,12 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90_kernel(
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     sc::mbar_init(q_full, 1);
-    sc::mbar_init(q_empty, 8);
+    sc::mbar_init(q_empty, CONSUMER_WARPS);
     for (int s = 0; s < STAGES; ++s) {
       sc::mbar_init(&k_full[s], 1);
-      sc::mbar_init(&k_empty[s], 8);
+      sc::mbar_init(&k_empty[s], CONSUMER_WARPS);
       sc::mbar_init(&v_full[s], 1);
-      sc::mbar_init(&v_empty[s], 8);
+      sc::mbar_init(&v_empty[s], CONSUMER_WARPS);
     }
     sc::fence_mbar_init();
   }
@@ -115,7 +117,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90_kernel(
 
   auto info = [&](int tile) {
     return fa90::tile_info(tile, num_m, nheads, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-                           total_q, total_k, window_left, window_right, BN);
+                           total_q, total_k, window_left, window_right, BM, BN);
   };
   const bool varlen = cu_seqlens_q != nullptr;
 
@@ -160,22 +162,22 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90_kernel(
     return;
   }
 
-  sc::setmaxnreg_inc<240>();
+  sc::setmaxnreg_inc<CONSUMER_REGS>();
   const int cw = wg - 1;  // consumer index: rows 64 cw .. 64 cw + 63 of the tile
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, q4 = lane % 4;
   const int row_in_tile = cw * 64 + warp * 16 + g;  // and + 8
   int stage = 0;
   unsigned phase = 0, q_phase = 0;
-  // Pingpong: the two consumers take turns issuing their GEMMs (named barrier 1 + cw is "cw's turn"), so that
-  // one's softmax runs while the other's GEMMs occupy the tensor cores.  Consumer 0 goes first.
+  // Pingpong: the consumers take turns issuing their GEMMs, round robin (named barrier 1 + cw is "cw's turn"),
+  // so that one's softmax runs while another's GEMMs occupy the tensor cores.  Consumer 0 goes first.
   auto turn_begin = [&]() {
     if constexpr (PINGPONG) sc::named_bar_sync(1 + cw, 256);
   };
   auto turn_end = [&]() {
-    if constexpr (PINGPONG) sc::named_bar_arrive(2 - cw, 256);
+    if constexpr (PINGPONG) sc::named_bar_arrive(1 + (cw + 1) % NC, 256);
   };
-  if (PINGPONG && cw == 1) sc::named_bar_arrive(1, 256);
+  if (PINGPONG && cw == NC - 1) sc::named_bar_arrive(1, 256);
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const fa90::Tile t = info(tile);
@@ -385,5 +387,5 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90_kernel(
       }
     }
   }
-  if (PINGPONG && cw == 0) sc::named_bar_sync(1, 256);  // consumer 1's last hand-over
+  if (PINGPONG && cw == 0) sc::named_bar_sync(1, 256);  // the last consumer's last hand-over
 }

@@ -108,9 +108,13 @@ def all_kernels() -> list:
 SOURCE_SM90 = "attention_sm90.cu"
 PATHS = ("sm80", "sm90")
 SM90_HEAD_DIMS = (64, 128, 192, 256)
-SM90_BLOCK_M = 128  # query rows per tile: two consumer warpgroups of 64 rows
-# (keys per tile BN, K/V ring stages) per kernel head dim: BN x D tiles of K and V per stage, Q (128 x D) once.
-_SM90_TILES = {64: (128, 4), 128: (128, 2), 192: (64, 3), 256: (64, 2)}
+# (keys per tile BN, K/V ring stages, consumer warpgroups NC, pingpong) per (kernel head dim, masked): BN x D
+# tiles of K and V per stage, a (64 NC) x D tile of Q.  "masked" tiles (causal, windows, varlen) have unequal
+# work.  Picked on an H200 (benchmarks/_fa90_tune.py) among the spill-free candidates.
+_SM90_TILES = {(64, False): (128, 4, 2, True), (64, True): (128, 4, 2, True),
+               (128, False): (128, 2, 2, False), (128, True): (128, 2, 2, True),
+               (192, False): (64, 3, 2, True), (192, True): (64, 3, 2, True),
+               (256, False): (64, 2, 2, False), (256, True): (64, 2, 2, False)}
 
 
 def sm90_head_dim(head_dim: int) -> int:
@@ -119,17 +123,21 @@ def sm90_head_dim(head_dim: int) -> int:
     return next(d for d in SM90_HEAD_DIMS if head_dim <= d)
 
 
-def smem_bytes_sm90(d: int, bn: int, stages: int) -> int:
+def smem_bytes_sm90(d: int, bn: int, stages: int, nc: int = 2) -> int:
     """Q, the K and V stages, the mbarriers, and 1 KB to align the tiles to the 128-byte swizzle's period."""
-    return SM90_BLOCK_M * d * 2 + 2 * stages * bn * d * 2 + (2 + 4 * stages) * 8 + 1024
+    return 64 * nc * d * 2 + 2 * stages * bn * d * 2 + (2 + 4 * stages) * 8 + 1024
 
 
 @lru_cache(maxsize=None)
-def flash_attn_sm90_config(head_dim: int) -> tuple:
-    """(kernel head dim D, keys per tile BN, stages) of the sm_90 path."""
+def flash_attn_sm90_config(head_dim: int, masked: bool = False, softcap: bool = False) -> tuple:
+    """(kernel head dim D, keys per tile BN, stages, consumer warpgroups, pingpong) of the sm_90 path.  Softcap
+    needs a few more registers: its variants keep BN <= 128 and two consumers (spill-free)."""
     d = sm90_head_dim(head_dim)
-    bn, stages = _SM90_TILES[d]
-    return d, bn, stages
+    bn, stages, nc, pingpong = _SM90_TILES[(d, bool(masked))]
+    if softcap and (bn > 128 or nc > 2):
+        bn, stages, nc = 128, max(2, (200 * 1024 - 128 * d * 2) // (4 * 128 * d)), 2
+        stages = min(stages, 4)
+    return d, bn, stages, nc, pingpong
 
 
 @lru_cache(maxsize=4096)
@@ -142,24 +150,21 @@ def attention_path(head_dim: int, cc: tuple, softcap: bool) -> str:
     return "sm90"
 
 
-# Pingpong between the two consumer warpgroups, per kernel head dim.
-SM90_PINGPONG = {64: False, 128: False, 192: True, 256: True}
-
-
-def _kernel_sm90(dtype: str, d: int, bn: int, stages: int, softcap: bool, pingpong: bool = None) -> Kernel:
+def _kernel_sm90(dtype: str, d: int, bn: int, stages: int, nc: int, pingpong: bool, softcap: bool) -> Kernel:
     b = lambda x: "true" if x else "false"  # noqa: E731
-    pingpong = SM90_PINGPONG[d] if pingpong is None else pingpong
     return Kernel(SOURCE_SM90, f"flash_fwd_sm90_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {stages}, {b(softcap)}, "
-                               f"{b(pingpong)}>", _OPTIONS, hopper=True)
+                               f"{b(pingpong)}, {nc}>", _OPTIONS, hopper=True)
 
 
 def all_kernels_sm90() -> list:
     out = []
     for dtype in A.HALF_DTYPES:
         for d in SM90_HEAD_DIMS:
-            for softcap in (False, True):
-                if attention_path(d, (9, 0), softcap) == "sm90":
-                    out.append(_kernel_sm90(dtype, *flash_attn_sm90_config(d), softcap))
+            for masked in (False, True):
+                for softcap in (False, True):
+                    k = _kernel_sm90(dtype, *flash_attn_sm90_config(d, masked, softcap), softcap)
+                    if attention_path(d, (9, 0), softcap) == "sm90" and k not in out:
+                        out.append(k)
     return out
 
 
@@ -297,11 +302,17 @@ def _tma_strides(a, varlen: bool) -> tuple:
 def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
                  varlen, nheads, nheads_kv, head_dim, left, right, softcap, scale_log2, softcap_pre, softcap_post,
                  reverse, lse_strides):
-    d, bn, stages = flash_attn_sm90_config(head_dim)
-    num_m = -(-max_seqlen_q // SM90_BLOCK_M)
+    # Tiles of equal work (no mask, fixed lengths) go to a persistent grid, one CTA per SM, whose producer
+    # prefetches the next tile during the current one's epilogue.  Tiles of unequal work (causal, windows,
+    # varlen) get one CTA each: the hardware then hands the next tile to whichever SM frees up first, and with
+    # the heaviest m-blocks of each head first that keeps the tail short.
+    uniform = not varlen and left < 0 and right < 0
+    d, bn, stages, nc, pingpong = flash_attn_sm90_config(head_dim, not uniform, softcap > 0)
+    bm = 64 * nc
+    num_m = -(-max_seqlen_q // bm)
     num_tiles = num_m * nheads * batch
     maps = []
-    for a, rows in ((qa, SM90_BLOCK_M), (ka, bn), (va, bn)):
+    for a, rows in ((qa, bm), (ka, bn), (va, bn)):
         dims, strides = _tma_strides(a, varlen)
         maps.append(_tma.tile_map(a.ptr, a.dtype, dims, strides, (64, rows, 1, 1)))
     os_ = (0, oa.strides[0], oa.strides[1]) if varlen else (oa.strides[0], oa.strides[1], oa.strides[2])
@@ -311,14 +322,10 @@ def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, s
             i32(total_q), i32(total_k), i32(head_dim), i32(nheads), i32(nheads // nheads_kv), i32(num_m),
             i32(num_tiles), i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED),
             np.float32(scale_log2), np.float32(softcap_pre), np.float32(softcap_post), i32(reverse))
-    # Tiles of equal work (no mask, fixed lengths) go to a persistent grid, one CTA per SM, whose producer
-    # prefetches the next tile during the current one's epilogue.  Tiles of unequal work (causal, windows,
-    # varlen) get one CTA each: the hardware then hands the next tile to whichever SM frees up first, and with
-    # the heaviest m-blocks of each head first that keeps the tail short.
-    uniform = not varlen and left < 0 and right < 0
     grid = min(num_tiles, dev.sms) if uniform else num_tiles
-    cfg = LaunchConfig((grid,), (384,), smem_bytes_sm90(d, bn, stages))
-    launch(_kernel_sm90(qa.dtype, d, bn, stages, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
+    cfg = LaunchConfig((grid,), (128 * (nc + 1),), smem_bytes_sm90(d, bn, stages, nc))
+    launch(_kernel_sm90(qa.dtype, d, bn, stages, nc, pingpong, softcap > 0), cfg, args, device=qa.device,
+           stream=A.stream_of(qa))
 
 
 def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
@@ -327,6 +334,8 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
     if max_seqlen_q == 0 or batch == 0 or nheads == 0:
         return
     path = "sm80" if config is not None else _choose_path(dev, head_dim, softcap, path)
+    if (total_k if varlen else seqlen_k) == 0:
+        path = "sm80"  # no key at all: zeros and -inf, and no tensor map of an empty K
     d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages = config or flash_attn_config(head_dim, dev.smem_per_block_optin)
     bm = block_m(mt, warps)
     num_m = -(-max_seqlen_q // bm)

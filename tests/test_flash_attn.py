@@ -160,7 +160,8 @@ def test_attention_path():
     assert fa.attention_path(128, (10, 0), False) == "sm80"
     assert [fa.sm90_head_dim(d) for d in (40, 64, 72, 128, 136, 192, 256)] == [64, 64, 128, 128, 192, 192, 256]
     for d in fa.SM90_HEAD_DIMS:
-        assert fa.smem_bytes_sm90(*fa.flash_attn_sm90_config(d)) <= 227 * 1024
+        for masked in (False, True):
+            assert fa.smem_bytes_sm90(*fa.flash_attn_sm90_config(d, masked)[:4]) <= 227 * 1024
 
 
 def test_forced_path_is_checked():
