@@ -24,12 +24,12 @@ if OLD:
     VARIANTS = {"old": ("_decode_old.cu", 4, 3), **VARIANTS}
 # (batch, seqlen, heads, kv_heads, head_dim) -> {variant: split counts (None: the heuristic's)}
 SWEEP = {
-    (64, 4096, 32, 8, 128): {"old": [None], "w4s3": [None, 2], "w2s3": [None, 2]},
-    (8, 32768, 32, 8, 128): {"old": [None], "w4s3": [None, 8], "w2s3": [None, 4, 16]},
-    (1, 131072, 32, 8, 128): {"old": [None], "w4s3": [None, 66], "w2s3": [None, 33, 132]},
-    (256, 1024, 32, 32, 128): {"old": [None], "w4s3": [None], "w2s3": [None]},
-    (16, 8192, 32, 8, 128): {"w4s3": [None], "w2s3": [None, 2, 8]},
-    (32, 2048, 64, 8, 128): {"w4s3": [None], "w2s3": [None, 1]},
+    (64, 4096, 32, 8, 128): {"old": [None], "w4s3": [None, 2]},
+    (8, 32768, 32, 8, 128): {"old": [None], "w4s3": [None, 8]},
+    (1, 131072, 32, 8, 128): {"old": [None], "w4s3": [None, 66]},
+    (256, 1024, 32, 32, 128): {"old": [None], "w4s3": [None]},
+    (16, 8192, 32, 8, 128): {"old": [None], "w4s3": [None, 4]},
+    (32, 2048, 64, 8, 128): {"old": [None], "w4s3": [None, 2]},
 }
 
 

@@ -69,6 +69,11 @@ __device__ __forceinline__ float tanh_exp(float x) {
 //
 // With num_splits > 1 the CTA writes its normalized partial output (fp32) and its log-sum-exp to the
 // workspace, and decode_merge_kernel combines the splits.
+//
+// Measured on the H200 (benchmarks/_decode_diag.py): the CTAs of one launch stream at rates up to ~20% apart,
+// so the last ~10 us of a 130-250 us launch run below full bandwidth.  Sharing a unit's tiles among its warps
+// and splits by atomic tickets (chunks of 2 tiles) was 2-12% slower at every bench shape: the KV heads of a
+// sequence then no longer walk the same pages at the same time (the cache interleaves heads within a page).
 template <typename T, int D, int WARPS, int STAGES, int HINT = 0>
 __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ part_out, float* __restrict__ part_lse,
