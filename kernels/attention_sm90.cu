@@ -4,9 +4,9 @@
 // 128 (NC + 1) threads: warpgroup 0 is the producer (one thread issues every TMA load; setmaxnreg gives its
 // registers to the consumers), warpgroups 1 to NC are consumers that each own 64 of the BM = 64 NC query rows
 // of a tile.
-// Tiles (m-block, head, batch) are handed out statically, tile = blockIdx.x + i * gridDim.x with the m-block
-// varying fastest (concurrent CTAs share one head's K and V in L2); the producer runs ahead into the next tile
-// while the consumers finish the last.
+// Tiles (m-block, head, batch), the m-block varying fastest (concurrent CTAs share one head's K and V in L2) and
+// the heaviest first where causal, are handed out dynamically through a global counter; the producer runs
+// ahead into the next tile while the consumers finish the last.
 //
 // Shared memory: Q (BM x D), and STAGES slots of K (BN x D) and V (BN x D).  Every tile is stored as D / 64
 // column chunks of rows x 128 bytes with the 128-byte swizzle (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B,
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     long long o_row_stride, long long o_head_stride, long long lse_batch_stride, long long lse_head_stride,
     int seqlen_q, int seqlen_k, int total_q, int total_k, int head_dim, int nheads, int heads_per_kv, int num_m,
     int num_tiles, int window_left, int window_right, float scale_log2, float softcap_pre, float softcap_post,
-    int reverse_m) {
+    int reverse_m, int* __restrict__ tile_counter) {
   using namespace fa;
   constexpr int BM = 64 * NC;  // query rows per tile: NC consumer warpgroups of 64
   constexpr int DC = D / 64;                 // 128-byte column chunks of a row
@@ -100,6 +100,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   unsigned long long* const k_empty = k_full + STAGES;
   unsigned long long* const v_full = k_empty + STAGES;
   unsigned long long* const v_empty = v_full + STAGES;
+  unsigned long long* const tile_full = v_empty + STAGES;  // [2]
+  unsigned long long* const tile_empty = tile_full + 2;    // [2]
+  int* const tile_ring = reinterpret_cast<int*>(tile_empty + 2);  // [2]
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -110,6 +113,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       sc::mbar_init(&k_empty[s], CONSUMER_WARPS);
       sc::mbar_init(&v_full[s], 1);
       sc::mbar_init(&v_empty[s], CONSUMER_WARPS);
+    }
+    for (int s = 0; s < 2; ++s) {
+      sc::mbar_init(&tile_full[s], 1);
+      sc::mbar_init(&tile_empty[s], CONSUMER_WARPS);
     }
     sc::fence_mbar_init();
   }
@@ -127,9 +134,20 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       sc::tma_prefetch_map(&tmap_q);
       sc::tma_prefetch_map(&tmap_k);
       sc::tma_prefetch_map(&tmap_v);
-      int stage = 0;
-      unsigned phase = 0, q_phase = 0;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      int stage = 0, tslot = 0;
+      unsigned phase = 0, q_phase = 0, tphase = 0;
+      // Dynamic schedule: after its first tile (blockIdx.x) a CTA takes the next unclaimed one from a global
+      // counter, so SMs that drew light tiles (causal, short sequences) take more of them.  The tile index
+      // reaches the consumers through a two-slot ring; num_tiles or more means "done".
+      for (int tile = blockIdx.x;; tile = gridDim.x + atomicAdd(tile_counter, 1)) {
+        sc::mbar_wait(&tile_empty[tslot], tphase ^ 1);
+        tile_ring[tslot] = tile;
+        sc::mbar_arrive(&tile_full[tslot]);
+        if (++tslot == 2) {
+          tslot = 0;
+          tphase ^= 1;
+        }
+        if (tile >= num_tiles) break;
         const fa90::Tile t = info(tile);
         if (t.rows_q <= 0 || t.n_begin >= t.n_end) continue;
         const int bc = varlen ? 0 : t.batch, kv_head = t.head / heads_per_kv;
@@ -158,6 +176,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
           }
         }
       }
+      // The last CTA out resets the counters for the next launch on this stream (no memset needed).
+      if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
+        atomicExch(tile_counter, 0);
+        atomicExch(tile_counter + 1, 0);
+      }
     }
     return;
   }
@@ -179,21 +202,28 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   };
   if (PINGPONG && cw == NC - 1) sc::named_bar_arrive(1, 256);
 
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  for (unsigned titer = 0;; ++titer) {  // slot titer % 2, phase (titer / 2) % 2
+    const int tslot = titer & 1;
+    sc::mbar_wait(&tile_full[tslot], (titer >> 1) & 1);
+    // broadcast from lane 0: a provably warp-uniform value keeps ptxas from serializing the wgmmas below
+    const int tile = __shfl_sync(0xffffffffu, *reinterpret_cast<volatile int*>(&tile_ring[tslot]), 0);
+    if (lane == 0) sc::mbar_arrive(&tile_empty[tslot]);
+    if (tile >= num_tiles) break;
     const fa90::Tile t = info(tile);
     if (t.rows_q <= 0) continue;
-    T* const o_rows = out + t.batch * o_batch_stride + (long long)(t.q_off + t.m0) * o_row_stride +
-                      t.head * o_head_stride;
-    float* const lse_rows = lse == nullptr ? nullptr
-                                           : lse + t.batch * lse_batch_stride + t.head * lse_head_stride + t.q_off + t.m0;
+    T* const o_rows_p = out + t.batch * o_batch_stride + (long long)(t.q_off + t.m0) * o_row_stride +
+                        t.head * o_head_stride;
+    float* const lse_rows_p = lse + t.batch * lse_batch_stride + t.head * lse_head_stride + t.q_off + t.m0;
+    auto o_rows = [&]() { return o_rows_p; };
+    auto lse_rows = [&]() { return lse_rows_p; };
     if (t.n_begin >= t.n_end) {  // no query row of this tile sees any key: zeros, lse = -inf
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row_in_tile + 8 * h;
         if (r >= t.rows_q) continue;
         for (int c = 8 * q4; c < head_dim; c += 32)
-          *reinterpret_cast<uint4*>(o_rows + r * o_row_stride + c) = make_uint4(0, 0, 0, 0);
-        if (lse_rows != nullptr && q4 == 0) lse_rows[r] = neg_inf();
+          *reinterpret_cast<uint4*>(o_rows() + r * o_row_stride + c) = make_uint4(0, 0, 0, 0);
+        if (lse != nullptr && q4 == 0) lse_rows()[r] = neg_inf();
       }
       continue;
     }
@@ -322,19 +352,20 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       softmax(nb, corr);  // O is still zero: nothing to rescale
     }
     pack_p();
-    int prev = stage;  // the stage of the block whose P V is pending
-    unsigned prev_phase = phase;
     advance();
+    // the stage (and its phase) of the block whose P V is pending: the one before `stage`
+    auto prev = [&]() { return stage == 0 ? STAGES - 1 : stage - 1; };
+    auto prev_phase = [&]() { return stage == 0 ? phase ^ 1 : phase; };
     // Then S of block nb and P V of block nb + 1 in flight together; the softmax of nb runs behind P V.
     for (--nb; nb >= t.n_begin; --nb) {
       sc::mbar_wait(&k_full[stage], phase);
       fence_s();
       fence_o();
       sc::wgmma_fence();
-      sc::mbar_wait(&v_full[prev], prev_phase);
+      sc::mbar_wait(&v_full[prev()], prev_phase());
       turn_begin();
       issue_s(stage);
-      issue_pv(prev);
+      issue_pv(prev());
       turn_end();
       sc::wgmma_wait<1>();
       fence_s();
@@ -346,26 +377,24 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       const bool grow = softmax(nb, corr);
       sc::wgmma_wait<0>();
       fence_o();
-      if (lane == 0) sc::mbar_arrive(&v_empty[prev]);
+      if (lane == 0) sc::mbar_arrive(&v_empty[prev()]);
       if (grow) {
 #pragma unroll
         for (int i = 0; i < NO; ++i) o[i] *= corr[(i % 4) >= 2 ? 1 : 0];
       }
       pack_p();
-      prev = stage;
-      prev_phase = phase;
       advance();
     }
     // The last block's P V.
-    sc::mbar_wait(&v_full[prev], prev_phase);
+    sc::mbar_wait(&v_full[prev()], prev_phase());
     fence_o();
     sc::wgmma_fence();
     turn_begin();
-    issue_pv(prev);
+    issue_pv(prev());
     turn_end();
     sc::wgmma_wait<0>();
     fence_o();
-    if (lane == 0) sc::mbar_arrive(&v_empty[prev]);
+    if (lane == 0) sc::mbar_arrive(&v_empty[prev()]);
 
     // Epilogue: normalize and store straight from the accumulators (rows past the sequence are dropped).
 #pragma unroll
@@ -376,14 +405,14 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int r = row_in_tile + 8 * h;
       if (r < t.rows_q) {
-        T* const o_row = o_rows + r * o_row_stride + 2 * q4;
+        T* const o_row = o_rows() + r * o_row_stride + 2 * q4;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
           if (j * 8 < head_dim)
             *reinterpret_cast<unsigned*>(o_row + j * 8) =
                 pack_f32x2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-        if (lse_rows != nullptr && q4 == 0)
-          lse_rows[r] = l > 0.f ? (row_max[h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
+        if (lse != nullptr && q4 == 0)
+          lse_rows()[r] = l > 0.f ? (row_max[h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
       }
     }
   }

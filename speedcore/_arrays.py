@@ -167,6 +167,17 @@ def empty(ref: Array, shape, dtype: str, name: str = "out") -> Array:
     return wrap(c, name)
 
 
+def zeros(ref: Array, shape, dtype: str, name: str = "out") -> Array:
+    """A new zero-filled array of ``ref``'s library on ``ref``'s device."""
+    if ref.lib == "torch":
+        torch = _torch()
+        return wrap(torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=ref.obj.device), name)
+    cupy = _cupy()
+    with cupy.cuda.Device(ref.device):
+        c = cupy.zeros(tuple(shape), dtype=_cupy_dtype(dtype))
+    return wrap(c, name)
+
+
 def _cupy_dtype(dtype: str):
     if dtype == "bfloat16":
         import ml_dtypes

@@ -111,7 +111,7 @@ SM90_HEAD_DIMS = (64, 128, 192, 256)
 # (keys per tile BN, K/V ring stages, consumer warpgroups NC, pingpong) per (kernel head dim, masked): BN x D
 # tiles of K and V per stage, a (64 NC) x D tile of Q.  "masked" tiles (causal, windows, varlen) have unequal
 # work.  Picked on an H200 (benchmarks/_fa90_tune.py) among the spill-free candidates.
-_SM90_TILES = {(64, False): (128, 4, 2, True), (64, True): (128, 4, 2, True),
+_SM90_TILES = {(64, False): (128, 4, 3, True), (64, True): (128, 4, 3, True),
                (128, False): (128, 2, 2, False), (128, True): (128, 2, 2, True),
                (192, False): (64, 3, 2, True), (192, True): (64, 3, 2, True),
                (256, False): (64, 2, 2, False), (256, True): (64, 2, 2, False)}
@@ -125,7 +125,7 @@ def sm90_head_dim(head_dim: int) -> int:
 
 def smem_bytes_sm90(d: int, bn: int, stages: int, nc: int = 2) -> int:
     """Q, the K and V stages, the mbarriers, and 1 KB to align the tiles to the 128-byte swizzle's period."""
-    return 64 * nc * d * 2 + 2 * stages * bn * d * 2 + (2 + 4 * stages) * 8 + 1024
+    return 64 * nc * d * 2 + 2 * stages * bn * d * 2 + (2 + 4 * stages + 4) * 8 + 2 * 4 + 1024
 
 
 @lru_cache(maxsize=None)
@@ -299,14 +299,28 @@ def _tma_strides(a, varlen: bool) -> tuple:
     return shape, tuple(strides)
 
 
+_counters: dict = {}
+
+
+def _tile_counter(ref, stream):
+    """Two int32 zeros per (library, device, stream) for the sm_90 kernel's dynamic tile schedule: the kernel
+    leaves them zero when it ends, and launches on one stream run in order, so they can share them."""
+    key = (ref.lib, ref.device, getattr(stream, "ptr", 0))
+    buf = _counters.get(key)
+    if buf is None:
+        buf = A.zeros(ref, (2,), "int32", "tile_counter")
+        _counters[key] = buf
+    return buf
+
+
 def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
                  varlen, nheads, nheads_kv, head_dim, left, right, softcap, scale_log2, softcap_pre, softcap_post,
                  reverse, lse_strides):
-    # Tiles of equal work (no mask, fixed lengths) go to a persistent grid, one CTA per SM, whose producer
-    # prefetches the next tile during the current one's epilogue.  Tiles of unequal work (causal, windows,
-    # varlen) get one CTA each: the hardware then hands the next tile to whichever SM frees up first, and with
-    # the heaviest m-blocks of each head first that keeps the tail short.
+    # A persistent grid, one CTA per SM, whose producer prefetches the next tile during the current one's
+    # epilogue; tiles are claimed dynamically (a counter per stream), so unequal work (causal, windows, varlen)
+    # balances itself.  "Masked" problems get their own tile shapes.
     uniform = not varlen and left < 0 and right < 0
+    stream = A.stream_of(qa)
     d, bn, stages, nc, pingpong = flash_attn_sm90_config(head_dim, not uniform, softcap > 0)
     bm = 64 * nc
     num_m = -(-max_seqlen_q // bm)
@@ -321,11 +335,12 @@ def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, s
             cu_k.ptr if cu_k is not None else 0, *(i64(x) for x in os_ + lse_strides), i32(seqlen_q), i32(seqlen_k),
             i32(total_q), i32(total_k), i32(head_dim), i32(nheads), i32(nheads // nheads_kv), i32(num_m),
             i32(num_tiles), i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED),
-            np.float32(scale_log2), np.float32(softcap_pre), np.float32(softcap_post), i32(reverse))
-    grid = min(num_tiles, dev.sms) if uniform else num_tiles
+            np.float32(scale_log2), np.float32(softcap_pre), np.float32(softcap_post), i32(reverse),
+            _tile_counter(qa, stream).ptr)
+    grid = min(num_tiles, dev.sms)
     cfg = LaunchConfig((grid,), (128 * (nc + 1),), smem_bytes_sm90(d, bn, stages, nc))
     launch(_kernel_sm90(qa.dtype, d, bn, stages, nc, pingpong, softcap > 0), cfg, args, device=qa.device,
-           stream=A.stream_of(qa))
+           stream=stream)
 
 
 def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
