@@ -50,6 +50,14 @@ MT_CHOICES = (1, 2, 4, 8)   # 8-row tiles of x per CTA: M <= 8, 16, 32, 64 per c
 MAX_MMA_M = 128             # above this (and where a dense matmul is available) dequantize + cuBLAS
 _ITEM = {"float16": 2, "bfloat16": 2}
 
+# The small-M streaming kernel (gemv_kernel) on its fragment-major prepacked layout; must match kernels/quant.cu.
+KIND_INT4, KIND_INT8 = 0, 1
+GEMV_MAX_M = 16             # rows of x it handles (two 8-row mma tiles)
+GEMV_WARPS = 8
+GEMV_STEP_K = 32            # k per pipeline stage
+GEMV_GROUP_BYTES = 192      # INT4 group record per (block, group)
+GEMV_CTAS_PER_SM = 2
+
 
 def _block_k(fmt: int) -> int:
     return 32 if fmt == FMT_INT8 else 64
@@ -354,6 +362,146 @@ def mma_config(m: int, n: int, k: int, fmt: int, sms: int) -> MMAConfig:
     return MMAConfig(mt, m_chunks, n_tiles, splits, tps, smem_bytes(fmt, mt))
 
 
+def gemv_block_n(kind: int) -> int:
+    """Output channels per block of the fragment-major layout: 64 (INT4, 4 mma tiles) or 32 (INT8, 2)."""
+    return 64 if kind == KIND_INT4 else 32
+
+
+def gemv_stages(kind: int, mt: int) -> int:
+    """cp.async ring depth per warp of gemv_kernel<T, kind, mt> (Gemv<>::D in kernels/quant.cu)."""
+    if kind == KIND_INT4:
+        return 7 if mt == 1 else 5
+    return 8 if mt == 1 else 6
+
+
+def gemv_smem_bytes(kind: int, mt: int) -> int:
+    """Dynamic shared memory of gemv_kernel: per-warp rings (weights, x, group records) + the reduction rows."""
+    slot = 1024 + 512 * mt + (GEMV_GROUP_BYTES if kind == KIND_INT4 else 0)
+    red = GEMV_WARPS * 8 * (gemv_block_n(kind) + 4) * 4
+    return GEMV_WARPS * gemv_stages(kind, mt) * slot + red
+
+
+def gemv_supported(kind: int, k: int, n: int, group: int = 0) -> bool:
+    """Shapes the fragment-major layout covers: K % 32 == 0, N a multiple of the block, G % 32 == 0 (INT4)."""
+    if k <= 0 or n <= 0 or k % GEMV_STEP_K or n % gemv_block_n(kind):
+        return False
+    return kind == KIND_INT8 or (group > 0 and group % GEMV_STEP_K == 0)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    mt: int       # 8-row mma tiles of x (M <= 8: 1, M <= 16: 2)
+    blocks: int   # NB: channel blocks
+    steps: int    # KS: 32-k steps per block
+    grid: int     # persistent CTAs; each owns an equal run of the NB x KS steps (stream-K)
+    smem: int
+
+
+@lru_cache(maxsize=8192)
+def gemv_config(m: int, n: int, k: int, kind: int, sms: int) -> GemvConfig:
+    """Launch shape of gemv_kernel (a pure function of the problem and the SM count): two CTAs per SM, each
+    with an equal share of the steps, but at least 16 steps (two per warp) per CTA on small problems."""
+    mt = 1 if m <= 8 else 2
+    nb, ks = n // gemv_block_n(kind), k // GEMV_STEP_K
+    units = nb * ks
+    grid = max(1, min(GEMV_CTAS_PER_SM * sms, units // 16))
+    return GemvConfig(mt, nb, ks, grid, gemv_smem_bytes(kind, mt))
+
+
+def gemv_schedule(units_per_block: int, blocks: int, grid: int, warps: int = GEMV_WARPS):
+    """The stream-K schedule of gemv_kernel, as Python (mirrors the kernel's index math; for tests): a list
+    over CTAs of lists of (block, segment start, segment end, [(piece start, piece end) per warp])."""
+    total = blocks * units_per_block
+    out = []
+    for c in range(grid):
+        u0, u1 = total * c // grid, total * (c + 1) // grid
+        segs = []
+        if u0 < u1:
+            for b in range(u0 // units_per_block, (u1 - 1) // units_per_block + 1):
+                base = b * units_per_block
+                s0, s1 = max(u0, base) - base, min(u1, base + units_per_block) - base
+                pieces = [(s0 + (w * (s1 - s0)) // warps, s0 + ((w + 1) * (s1 - s0)) // warps) for w in range(warps)]
+                segs.append((b, s0, s1, pieces))
+        out.append(segs)
+    return out
+
+
+_AWQ_NIB = tuple((o >> 1) if o % 2 == 0 else 4 + (o >> 1) for o in range(8))  # == _AWQ_POS
+
+
+def gemv_pack_int4_reference(q) -> np.ndarray:
+    """The fragment-major INT4 layout of q (K, N) values 0..15, as uint32 words (NumPy; what
+    gemv_pack_int4_kernel makes on the GPU).  Word [b, s, h, lane, t]: channels n = 64 b + 16 t + g + 8 j,
+    k = 32 s + 16 h + 4 c + d (lane = 4 g + c); nibble i holds (d, j) = (i // 4 + 2 ((i // 2) % 2), i % 2)."""
+    q = np.asarray(q, np.uint32)
+    k, n = q.shape
+    nb, ks = n // 64, k // 32
+    # (ks, h, c, d, nb, t, j, g) view of q: k = 32 s + 16 h + 4 c + d; n = 64 b + 16 t + 8 j + g
+    v = q.reshape(ks, 2, 4, 4, nb, 4, 2, 8)
+    words = np.zeros((nb, ks, 2, 8, 4, 4), np.uint32)  # [b, s, h, g, c, t]
+    for i in range(8):
+        d = i // 4 + 2 * ((i // 2) % 2)
+        j = i % 2
+        part = v[:, :, :, d, :, :, j, :]             # (ks, h, c, nb, t, g)
+        words |= part.transpose(3, 0, 1, 5, 2, 4) << np.uint32(4 * i)
+    return words.reshape(-1)
+
+
+def gemv_unpack_int4_reference(words, k: int, n: int) -> np.ndarray:
+    """Inverse of gemv_pack_int4_reference, written from the consumer's side: each lane's word t of half h is
+    the A fragment of mma tile t (a0..a3 = nibble pairs (0,4), (1,5), (2,6), (3,7); a0/a2 row g, a1/a3 row
+    g + 8; a0/a1 mma k slots 2c, 2c+1, a2/a3 slots 2c+8, 2c+9), and mma k slots 2c, 2c+1, 2c+8, 2c+9 of a lane
+    stand for k = 4c, 4c+1, 4c+2, 4c+3 (its 8 bytes of x)."""
+    w = np.asarray(words, np.uint32).reshape(n // 64, k // 32, 2, 32, 4)
+    q = np.zeros((k, n), np.uint8)
+    slot_to_k = {}
+    for cc in range(4):
+        slot_to_k[2 * cc], slot_to_k[2 * cc + 1], slot_to_k[2 * cc + 8], slot_to_k[2 * cc + 9] = (
+            4 * cc, 4 * cc + 1, 4 * cc + 2, 4 * cc + 3)
+    for lane in range(32):
+        g, cc = lane // 4, lane % 4
+        for reg, (lo_nib, row_off, slot0) in enumerate(((0, 0, 2 * cc), (1, 8, 2 * cc), (2, 0, 2 * cc + 8),
+                                                         (3, 8, 2 * cc + 8))):
+            for half in range(2):
+                nib = lo_nib + 4 * half
+                kk = slot_to_k[slot0 + half]
+                for t in range(4):
+                    vals = (w[:, :, :, lane, t] >> np.uint32(4 * nib)) & 15     # (nb, ks, h)
+                    for h in range(2):
+                        rows = 32 * np.arange(k // 32) + 16 * h + kk
+                        cols = 64 * np.arange(n // 64) + 16 * t + g + row_off
+                        q[np.ix_(rows, cols)] = vals[:, :, h].T
+    return q
+
+
+def gemv_pack_groups_reference(zeros, scales_u16) -> np.ndarray:
+    """INT4 group records (uint8, 192 bytes per (block, group)) from zero points (NG, N) (true zeros, GPTQ's
+    +1 applied) and the scales' 16-bit patterns (NG, N)."""
+    z = np.asarray(zeros, np.uint8)
+    s = np.asarray(scales_u16, np.uint16)
+    ng, n = z.shape
+    nb = n // 64
+    # channel order inside a record: [g][o], o = 2 t + j, n = 64 b + 16 t + g + 8 j
+    zv = z.reshape(ng, nb, 4, 2, 8).transpose(1, 0, 4, 2, 3).reshape(nb, ng, 64)
+    sv = s.reshape(ng, nb, 4, 2, 8).transpose(1, 0, 4, 2, 3).reshape(nb, ng, 64)
+    rec = np.zeros((nb, ng, 192), np.uint8)
+    rec[:, :, :128] = sv.astype("<u2").view(np.uint8).reshape(nb, ng, 128)
+    rec[:, :, 128:] = zv
+    return rec.reshape(-1)
+
+
+def gemv_pack_int8_reference(weight) -> np.ndarray:
+    """The fragment-major INT8 layout of weight (N, K) int8 as uint32 words (what gemv_pack_int8_kernel makes)."""
+    w = np.asarray(weight).view(np.uint8).astype(np.uint32)
+    n, k = w.shape
+    nb, ks = n // 32, k // 32
+    # (nb, t, j, g, ks, h, c, p, e): n = 32 b + 16 t + 8 j + g, k = 32 s + 16 h + 4 c + 2 p + e
+    v = w.reshape(nb, 2, 2, 8, ks, 2, 4, 2, 2)
+    word = (v[:, :, 0, :, :, :, :, :, 0] | v[:, :, 0, :, :, :, :, :, 1] << 8
+            | v[:, :, 1, :, :, :, :, :, 0] << 16 | v[:, :, 1, :, :, :, :, :, 1] << 24)  # (nb, t, g, ks, h, c, p)
+    return word.transpose(0, 3, 4, 2, 5, 1, 6).reshape(-1).astype(np.uint32)  # [b, s, h, g, c, t, p]
+
+
 @lru_cache(maxsize=None)
 def _mma_kernel(dtype: str, fmt: int, mt: int) -> Kernel:
     return Kernel(SOURCE, f"quant::quant_mma_kernel<{A.CTYPE[dtype]}, {fmt}, {mt}>")
@@ -371,6 +519,14 @@ def _gather_kernel(dtype: str) -> Kernel:
 
 _PERMUTE_KERNEL = Kernel(SOURCE, "quant::gptq_permute_k_kernel")
 _PACK_KERNELS = {fmt: Kernel(SOURCE, f"quant::pack_tiles_kernel<{fmt}>") for fmt in (FMT_AWQ, FMT_GPTQ, FMT_INT8)}
+_GEMV_PACK_INT4 = {fmt: Kernel(SOURCE, f"quant::gemv_pack_int4_kernel<{fmt}>") for fmt in (FMT_AWQ, FMT_GPTQ)}
+_GEMV_PACK_GROUPS = {fmt: Kernel(SOURCE, f"quant::gemv_pack_groups_kernel<{fmt}>") for fmt in (FMT_AWQ, FMT_GPTQ)}
+_GEMV_PACK_INT8 = Kernel(SOURCE, "quant::gemv_pack_int8_kernel")
+
+
+@lru_cache(maxsize=None)
+def _gemv_kernel(dtype: str, kind: int, mt: int) -> Kernel:
+    return Kernel(SOURCE, f"quant::gemv_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>")
 
 
 def all_kernels() -> list:
@@ -383,8 +539,14 @@ def all_kernels() -> list:
         for fmt in (FMT_AWQ, FMT_GPTQ):
             out.append(_dequant_kernel(dtype, fmt))
         out.append(_gather_kernel(dtype))
+        for kind in (KIND_INT4, KIND_INT8):
+            for mt in (1, 2):
+                out.append(_gemv_kernel(dtype, kind, mt))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
+    out.extend(_GEMV_PACK_INT4.values())
+    out.extend(_GEMV_PACK_GROUPS.values())
+    out.append(_GEMV_PACK_INT8)
     return out
 
 
@@ -413,6 +575,7 @@ class AWQWeight:
     out_features: int
     packed: object = None
     fast: object = field(default=None, repr=False, compare=False)
+    gemv: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -431,6 +594,7 @@ class GPTQWeight:
     g_idx: object = None
     packed: object = None
     fast: object = field(default=None, repr=False, compare=False)
+    gemv: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -442,6 +606,21 @@ class Int8Weight:
     out_features: int
     packed: object = None
     fast: object = field(default=None, repr=False, compare=False)
+    gemv: object = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class _GemvLayer:
+    """The fragment-major copy for gemv_kernel (M <= 16): weight words, INT4 group records (scales of
+    ``dtype`` + zero bytes; INT8: none, dtype None = any), steps per group, groups."""
+    kind: int
+    dtype: object
+    weight: object
+    groups: object
+    w_ptr: int
+    g_ptr: int
+    spg: int
+    ng: int
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -589,8 +768,12 @@ def _alloc_out(xa, rows: int, n: int):
 
 
 def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds, bias_ptr, n, group,
-                packed: bool):
-    """Allocate y (rows, N) and run quant_mma_kernel; returns y (the caller's library)."""
+                packed: bool, gemv=None):
+    """Allocate y (rows, N) and run quant_mma_kernel, or gemv_kernel for M <= 16 when the layer has the
+    fragment-major copy (``gemv``) for x's dtype; returns y (the caller's library)."""
+    if (gemv is not None and 0 < rows <= GEMV_MAX_M and _GEMV_ENABLED
+            and (gemv.dtype is None or gemv.dtype == xa.dtype)):
+        return _launch_gemv(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
     y, y_ptr = _alloc_out(xa, rows, n)
     if rows == 0:
         return y
@@ -604,6 +787,81 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
         np.int64(ldx), np.int64(ldq), np.int64(ldz), np.int64(lds)) + tail + (np.int32(1 if packed else 0),)
     launch(kernel, lcfg, args, device=xa.device, stream=stream)
     return y
+
+
+_GEMV_ENABLED = True  # benchmarks switch it off to time quant_mma_kernel on the same prepacked layers
+
+
+@lru_cache(maxsize=8192)
+def _gemv_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int):
+    cfg = gemv_config(rows, n, k, kind, sms)
+    scalars = (np.int32(rows), np.int32(n), np.int32(cfg.steps), np.int32(cfg.blocks), np.int32(spg), np.int32(ng))
+    return cfg, _gemv_kernel(dtype, kind, cfg.mt), LaunchConfig((cfg.grid,), (GEMV_WARPS * 32,), cfg.smem), scalars
+
+
+_gemv_scratch_bufs: dict = {}
+
+
+def _zeroed(xa, key, count: int, dtype: str):
+    """A zeroed grow-only buffer of at least ``count`` elements, one per (library, device, stream, key).  The
+    kernels that use these leave them zeroed again, so launches on one stream can share them."""
+    buf = _gemv_scratch_bufs.get(key)
+    if buf is None or buf.numel < count:
+        size = max(4096, 1 << (count - 1).bit_length())
+        if xa.lib == "torch":
+            import torch
+
+            obj = torch.zeros(size, dtype=getattr(torch, dtype), device=xa.obj.device)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(xa.device):
+                obj = cupy.zeros(size, dtype=dtype)
+        buf = A.wrap(obj, "workspace")
+        _gemv_scratch_bufs[key] = buf
+    return buf.ptr
+
+
+def _gemv_scratch(xa, stream, floats: int, tickets: int):
+    key = (xa.lib, xa.device, getattr(stream, "ptr", 0))
+    return _zeroed(xa, key + ("ws",), floats, "float32"), _zeroed(xa, key + ("tickets",), tickets, "int32")
+
+
+def _launch_gemv(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
+    y, y_ptr = _alloc_out(xa, rows, n)
+    cfg, kernel, lcfg, scalars = _gemv_plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng,
+                                            device_info(xa.device).sms)
+    stream = A.stream_of(xa)
+    ws_ptr, tickets_ptr = _gemv_scratch(xa, stream, rows * n, cfg.blocks)
+    args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, gl.w_ptr, gl.g_ptr,
+            scales_ptr if gl.kind == KIND_INT8 else 0, bias_ptr) + scalars + (np.int64(ldx),)
+    launch(kernel, lcfg, args, device=xa.device, stream=stream)
+    return y
+
+
+def _gemv_pack(fmt, qa, za, sa, k, n, group):
+    """The fragment-major copy (and INT4 group records) of a checked layer, made on the GPU."""
+    stream = A.stream_of(qa)
+    if fmt == FMT_INT8:
+        words = A.empty(qa, (n * k // 4,), "int32", name="gemv_weight")
+        total = words.shape[0]
+        launch(_GEMV_PACK_INT8, LaunchConfig((-(-total // 256),), (256,)),
+               (words.ptr, qa.ptr, np.int32(k // GEMV_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
+               device=qa.device, stream=stream)
+        return _GemvLayer(KIND_INT8, None, words.obj, None, words.ptr, 0, 1, 1)
+    words = A.empty(qa, (n * k // 8,), "int32", name="gemv_weight")
+    total = words.shape[0]
+    launch(_GEMV_PACK_INT4[fmt], LaunchConfig((-(-total // 256),), (256,)),
+           (words.ptr, qa.ptr, np.int32(k // GEMV_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
+           device=qa.device, stream=stream)
+    ng = -(-k // group)
+    nb = n // 64
+    recs = A.empty(qa, (nb * ng * GEMV_GROUP_BYTES,), "uint8", name="gemv_groups")
+    total = nb * ng * 8
+    launch(_GEMV_PACK_GROUPS[fmt], LaunchConfig((-(-total // 256),), (256,)),
+           (recs.ptr, za.ptr, sa.ptr, np.int32(ng), np.int64(_row_stride(za)), np.int64(_row_stride(sa)),
+            np.int64(total)), device=qa.device, stream=stream)
+    return _GemvLayer(KIND_INT4, sa.dtype, words.obj, recs.obj, words.ptr, recs.ptr, group // GEMV_STEP_K, ng)
 
 
 @dataclass(frozen=True)
@@ -622,6 +880,7 @@ class _FastLayer:
     ldz: int
     scales_ptr: int
     lds: int
+    gemv: object = None
 
 
 def _fast_call(f: _FastLayer, x, bias):
@@ -645,15 +904,15 @@ def _fast_call(f: _FastLayer, x, bias):
         xa = _rows_copy(xa, rows, f.k)
         ldx = f.k
     y = _launch_mma(f.fmt, xa, rows, f.k, ldx, f.qw_ptr, f.ldq, f.qz_ptr, f.ldz, f.scales_ptr, f.lds, bias_ptr, f.n,
-                    f.group, True)
+                    f.group, True, f.gemv)
     return y.reshape(out_shape)
 
 
-def _make_fast(fmt, packed_obj, qa, za, sa, k, n, g):
+def _make_fast(fmt, packed_obj, qa, za, sa, k, n, g, gemv=None):
     pa = A.wrap(packed_obj, "packed")
     return _FastLayer(fmt, sa.dtype, qa.lib, qa.device, k, n, g, pa.ptr, _row_stride(qa),
                       za.ptr if za is not None else 0, _row_stride(za) if za is not None else 0, sa.ptr,
-                      _row_stride(sa) if sa.ndim == 2 else 0)
+                      _row_stride(sa) if sa.ndim == 2 else 0, gemv)
 
 
 def packed_shape(fmt: int, k: int, n: int) -> tuple:
@@ -771,11 +1030,13 @@ def prepack_awq(qweight, qzeros, scales, *, group_size: int = 128, dtype=None) -
         if dtype not in A.HALF_DTYPES:
             raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
         sa = _as_dtype(sa, dtype, "scales")
-    packed = fast = None
+    packed = fast = gemv = None
     if n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0 and all(_aligned_rows(a) for a in (qa, za, sa)):
         packed = _pack(FMT_AWQ, qa, k, n).obj
-        fast = _make_fast(FMT_AWQ, packed, qa, za, sa, k, n, g)
-    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n, packed, fast)
+        if gemv_supported(KIND_INT4, k, n, g):
+            gemv = _gemv_pack(FMT_AWQ, qa, za, sa, k, n, g)
+        fast = _make_fast(FMT_AWQ, packed, qa, za, sa, k, n, g, gemv)
+    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n, packed, fast, gemv)
 
 
 def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, bias=None):
@@ -807,12 +1068,13 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
         y = _fast_call(qweight.fast, x, bias)
         if y is not None:
             return y
-    packed = None
+    packed = gemv = None
     if isinstance(qweight, AWQWeight):
         pw = qweight
         if qzeros is not None or scales is not None:
             raise TypeError("awq_linear: pass either an AWQWeight or (qweight, qzeros, scales), not both")
-        qweight, qzeros, scales, group_size, packed = pw.qweight, pw.qzeros, pw.scales, pw.group_size, pw.packed
+        qweight, qzeros, scales, group_size, packed, gemv = (pw.qweight, pw.qzeros, pw.scales, pw.group_size,
+                                                             pw.packed, pw.gemv)
     elif qzeros is None or scales is None:
         raise TypeError("awq_linear: qzeros and scales are required with a stored qweight")
     xa, rows, k, ldx = _x_rows(x)
@@ -840,7 +1102,8 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
         xa = _rows_copy(xa, rows, k)
         ldx = k
     y = _launch_mma(FMT_AWQ, xa, rows, k, ldx, pk.ptr if pk is not None else qa.ptr, _row_stride(qa), za.ptr,
-                    _row_stride(za), sa.ptr, _row_stride(sa), ba.ptr if ba is not None else 0, n, g, pk is not None)
+                    _row_stride(za), sa.ptr, _row_stride(sa), ba.ptr if ba is not None else 0, n, g, pk is not None,
+                    gemv)
     return y.reshape(out_shape)
 
 
@@ -948,12 +1211,14 @@ def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, 
         perm_a = _to_device_like(qa, perm)
         qa = _permute_gptq(qa, perm_a, k, n)
         perm_obj = perm_a.obj
-    packed = fast = None
+    packed = fast = gemv = None
     if n % 64 == 0 and _fast_group_ok(g) and all(_aligned_rows(a) for a in (qa, za, sa)):
         packed = _pack(FMT_GPTQ, qa, k, n).obj
+        if gemv_supported(KIND_INT4, k, n, g):
+            gemv = _gemv_pack(FMT_GPTQ, qa, za, sa, k, n, g)
         if perm_obj is None:
-            fast = _make_fast(FMT_GPTQ, packed, qa, za, sa, k, n, g)
-    return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, perm=perm_obj, packed=packed, fast=fast)
+            fast = _make_fast(FMT_GPTQ, packed, qa, za, sa, k, n, g, gemv)
+    return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, perm=perm_obj, packed=packed, fast=fast, gemv=gemv)
 
 
 def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size: int = 128, bias=None):
@@ -980,13 +1245,13 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
         y = _fast_call(qweight.fast, x, bias)
         if y is not None:
             return y
-    perm = packed = None
+    perm = packed = gemv = None
     if isinstance(qweight, GPTQWeight):
         pw = qweight
         if qzeros is not None or scales is not None or g_idx is not None:
             raise TypeError("gptq_linear: pass either a GPTQWeight or (qweight, qzeros, scales, g_idx), not both")
-        qweight, qzeros, scales, g_idx, group_size, perm, packed = (pw.qweight, pw.qzeros, pw.scales, pw.g_idx,
-                                                                     pw.group_size, pw.perm, pw.packed)
+        qweight, qzeros, scales, g_idx, group_size, perm, packed, gemv = (
+            pw.qweight, pw.qzeros, pw.scales, pw.g_idx, pw.group_size, pw.perm, pw.packed, pw.gemv)
     elif qzeros is None or scales is None:
         raise TypeError("gptq_linear: qzeros and scales are required with a stored qweight")
     xa, rows, k, ldx = _x_rows(x)
@@ -1034,7 +1299,8 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
         xa = _rows_copy(xa, rows, k)
         ldx = k
     y = _launch_mma(FMT_GPTQ, xa, rows, k, ldx, pk.ptr if pk is not None else qa.ptr, _row_stride(qa), za.ptr,
-                    _row_stride(za), sa.ptr, _row_stride(sa), ba.ptr if ba is not None else 0, n, g, pk is not None)
+                    _row_stride(za), sa.ptr, _row_stride(sa), ba.ptr if ba is not None else 0, n, g, pk is not None,
+                    gemv)
     return y.reshape(out_shape)
 
 
@@ -1070,11 +1336,13 @@ def prepack_int8(weight, scales, *, dtype=None) -> Int8Weight:
         if dtype not in A.HALF_DTYPES:
             raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
         sa = _as_dtype(sa, dtype, "scales")
-    packed = fast = None
+    packed = fast = gemv = None
     if n % 64 == 0 and k % 16 == 0 and _aligned_rows(wa) and sa.is_contiguous():
         packed = _pack(FMT_INT8, wa, k, n).obj
-        fast = _make_fast(FMT_INT8, packed, wa, None, sa, k, n, 0)
-    return Int8Weight(wa.obj, sa.obj, k, n, packed, fast)
+        if gemv_supported(KIND_INT8, k, n):
+            gemv = _gemv_pack(FMT_INT8, wa, None, sa, k, n, 0)
+        fast = _make_fast(FMT_INT8, packed, wa, None, sa, k, n, 0, gemv)
+    return Int8Weight(wa.obj, sa.obj, k, n, packed, fast, gemv)
 
 
 def int8_linear(x, weight, scales=None, *, bias=None):
@@ -1097,11 +1365,11 @@ def int8_linear(x, weight, scales=None, *, bias=None):
         y = _fast_call(weight.fast, x, bias)
         if y is not None:
             return y
-    packed = None
+    packed = gemv = None
     if isinstance(weight, Int8Weight):
         if scales is not None:
             raise TypeError("int8_linear: pass either an Int8Weight or (weight, scales), not both")
-        weight, scales, packed = weight.weight, weight.scales, weight.packed
+        weight, scales, packed, gemv = weight.weight, weight.scales, weight.packed, weight.gemv
     elif scales is None:
         raise TypeError("int8_linear: scales is required with a stored weight")
     xa, rows, k, ldx = _x_rows(x)
@@ -1147,7 +1415,7 @@ def int8_linear(x, weight, scales=None, *, bias=None):
         xa = _rows_copy(xa, rows, k)
         ldx = k
     y = _launch_mma(FMT_INT8, xa, rows, k, ldx, pk.ptr if pk is not None else wa.ptr, _row_stride(wa), 0, 0, sa.ptr,
-                    0, ba.ptr if ba is not None else 0, n, 0, pk is not None)
+                    0, ba.ptr if ba is not None else 0, n, 0, pk is not None, gemv)
     return y.reshape(out_shape)
 
 

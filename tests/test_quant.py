@@ -200,7 +200,8 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 34
+    assert len(names) == len(set(names)) == 47
+    assert "quant::gemv_kernel<__nv_bfloat16, 0, 1>" in names
     assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
 
 
@@ -209,6 +210,78 @@ def test_dispatch():
     assert not Q.use_dense(Q.MAX_MMA_M, "torch", "float16")
     assert Q.use_dense(Q.MAX_MMA_M + 1, "torch", "bfloat16")
     assert not Q.use_dense(4096, "cupy", "bfloat16")
+
+
+# ------------------------------------------------------------------------------------------------ gemv layout (CPU)
+
+def test_gemv_int4_layout_roundtrip_and_hand_made():
+    rng = np.random.default_rng(21)
+    for k, n in [(32, 64), (96, 128), (320, 192)]:
+        q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+        words = Q.gemv_pack_int4_reference(q)
+        assert words.dtype == np.uint32 and words.size == k * n // 8
+        assert np.array_equal(Q.gemv_unpack_int4_reference(words, k, n), q)
+    # lane 4 g + c = 5 (g 1, c 1), tile t = 2, half 0: channels 33 (nibbles 0 2 4 6) and 41 (1 3 5 7),
+    # k = 4 .. 7 as (k 4, k 5) at nibbles (0, 4) / (1, 5) and (k 6, k 7) at (2, 6) / (3, 7)
+    q = np.zeros((32, 64), np.uint8)
+    q[4, 33], q[5, 33], q[6, 33], q[7, 33] = 1, 2, 3, 4
+    q[4, 41], q[5, 41], q[6, 41], q[7, 41] = 5, 6, 7, 8
+    words = Q.gemv_pack_int4_reference(q).reshape(1, 1, 2, 32, 4)
+    assert words[0, 0, 0, 5, 2] == 0x84627351
+    assert np.count_nonzero(words) == 1
+
+
+def test_gemv_int8_and_group_layouts_hand_made():
+    w = np.zeros((32, 32), np.int8)
+    # lane 4 g + c = 9 (g 2, c 1), half 1, tile 1, word p = 1: channels 18 / 26, k = 16 + 4 + 2 = 22, 23
+    w[18, 22], w[18, 23], w[26, 22], w[26, 23] = 1, -1, 127, -128
+    words = Q.gemv_pack_int8_reference(w).reshape(1, 1, 2, 32, 4)
+    assert words[0, 0, 1, 9, 3] == 0x807FFF01
+    assert np.count_nonzero(words) == 1
+    z = np.arange(2 * 128).reshape(2, 128) % 17          # zero points up to 16 (GPTQ's stored 15 + 1)
+    s = np.arange(2 * 128, dtype=np.uint16).reshape(2, 128) + 1000
+    rec = Q.gemv_pack_groups_reference(z, s).reshape(2, 2, 192)   # (block, group, bytes)
+    b, grp, g = 1, 1, 3
+    for o in range(8):
+        n = 64 * b + 16 * (o // 2) + g + 8 * (o % 2)
+        assert rec[b, grp, 16 * g + 2 * o: 16 * g + 2 * o + 2].view("<u2")[0] == s[grp, n]
+        assert rec[b, grp, 128 + 8 * g + o] == z[grp, n]
+
+
+@pytest.mark.parametrize("blocks,steps,grid", [(128, 256, 264), (448, 256, 264), (8, 32, 16), (3, 5, 7), (1, 1, 1),
+                                               (16, 4, 4), (64, 96, 264)])
+def test_gemv_schedule_covers_every_step_once(blocks, steps, grid):
+    sched = Q.gemv_schedule(steps, blocks, grid)
+    seen = np.zeros((blocks, steps), np.int32)
+    ticket = np.zeros(blocks, np.int64)
+    for segs in sched:
+        for b, s0, s1, pieces in segs:
+            assert 0 <= s0 < s1 <= steps
+            assert pieces[0][0] == s0 and pieces[-1][1] == s1
+            for (lo, hi), (lo2, _) in zip(pieces, pieces[1:] + [(s1, s1)]):
+                assert lo <= hi == lo2
+                seen[b, lo:hi] += 1
+            if not (s0 == 0 and s1 == steps):
+                ticket[b] += s1 - s0
+    assert (seen == 1).all()
+    # a block is either covered by one CTA (direct store) or its partial CTAs' tickets add up to KS
+    assert all(t in (0, steps) for t in ticket)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8192, 8192), (1, 28672, 8192), (16, 8192, 28672), (9, 4096, 4096),
+                                   (1, 512, 1024), (3, 64, 32)])
+def test_gemv_config(m, n, k):
+    for kind in (Q.KIND_INT4, Q.KIND_INT8):
+        cfg = Q.gemv_config(m, n, k, kind, 132)
+        assert cfg.mt == (1 if m <= 8 else 2)
+        assert cfg.blocks * Q.gemv_block_n(kind) == n and cfg.steps * 32 == k
+        assert 1 <= cfg.grid <= 264
+        assert cfg.smem <= 227 * 1024 and 2 * (cfg.smem + 16 + 1024) <= 228 * 1024  # two CTAs per SM
+        if n * k >= 8192 * 8192:
+            assert cfg.grid == 264
+    assert Q.gemv_supported(Q.KIND_INT4, 4096, 4096, 128) and not Q.gemv_supported(Q.KIND_INT4, 4096, 4096, 48)
+    assert not Q.gemv_supported(Q.KIND_INT4, 4112, 4096, 16) and not Q.gemv_supported(Q.KIND_INT8, 4096, 4080)
+    assert Q.gemv_supported(Q.KIND_INT8, 96, 32) and not Q.gemv_supported(Q.KIND_INT4, 96, 32, 32)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -251,10 +324,15 @@ def test_awq_linear_small(dtype, m, n, k, g):
     # repeated call (split-K tickets must have been reset) gives the same bits
     y2 = Q.awq_linear(x, torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g, bias=bias)
     assert torch.equal(y, y2)
-    # the tile-major prepacked copy feeds the same shared-memory image: the same bits
     packed = Q.prepack_awq(torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g)
     assert packed.packed is not None
-    assert torch.equal(Q.awq_linear(x, packed, bias=bias), y)
+    if packed.gemv is not None and m <= Q.GEMV_MAX_M:
+        # M <= 16 takes gemv_kernel on the fragment-major copy (split-K order differs: compare values)
+        err, finite = _rel_err(Q.awq_linear(x, packed, bias=bias), _ref(x, ref_w, bias))
+        assert finite and err < 1e-2, err
+    else:
+        # the tile-major prepacked copy feeds the same shared-memory image: the same bits
+        assert torch.equal(Q.awq_linear(x, packed, bias=bias), y)
 
 
 @pytest.mark.gpu
@@ -286,7 +364,121 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
     if not act_order:
         y3 = Q.gptq_linear(x, *args[:3], group_size=g)
         assert torch.equal(y, y3)
-        assert torch.equal(y, y2)
+        if packed.gemv is None or m > Q.GEMV_MAX_M:
+            assert torch.equal(y, y2)
+
+
+def _gemv_layer(torch, fmt, n, k, g, td, rng):
+    """Random packed INT4 / INT8 tensors (every nibble / byte value), the prepacked layer, the float W (K, N)."""
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    if fmt == Q.FMT_INT8:
+        q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        s = (rng.random(n) * 0.02 + 0.001).astype(np.float16)
+        s_t = t(s).to(td)
+        return Q.prepack_int8(t(q), s_t), Q.dequantize_int8_reference(q, s_t.float().cpu().numpy()), (t(q), s_t)
+    gg = k if g == -1 else g
+    ng = -(-k // gg)
+    q = rng.integers(0, 16, (k, n))
+    s = (rng.random((ng, n)) * 0.02 + 0.001).astype(np.float16)
+    s_t = t(s).to(td)
+    s_f = s_t.float().cpu().numpy()
+    if fmt == Q.FMT_AWQ:
+        z = rng.integers(0, 16, (ng, n))
+        args = (t(Q.pack_awq(q)), t(Q.pack_awq(z)), s_t)
+        return (Q.prepack_awq(*args, group_size=g), Q.dequantize_awq_reference(Q.pack_awq(q), Q.pack_awq(z), s_f, gg),
+                args)
+    z = rng.integers(0, 16, (ng, n))  # stored zero - 1: 15 means a zero point of 16
+    args = (t(Q.pack_rows(q)), t(Q.pack_cols(z)), s_t)
+    return (Q.prepack_gptq(*args, group_size=g),
+            Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(z), s_f, None, gg), args)
+
+
+def _linear(fmt, x, layer, bias=None):
+    f = {Q.FMT_AWQ: Q.awq_linear, Q.FMT_GPTQ: Q.gptq_linear, Q.FMT_INT8: Q.int8_linear}[fmt]
+    return f(x, layer, bias=bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8])
+@pytest.mark.parametrize("m,n,k,g", [(1, 512, 4096, 128), (5, 4096, 4096, 128), (8, 14336, 512, 64),
+                                     (9, 192, 320, 128), (16, 1024, 1024, 32), (3, 64, 32, -1), (16, 1024, 8192, 128)])
+def test_gemv_small(dtype, fmt, m, n, k, g):
+    """gemv_kernel (M <= 16, prepacked): values against float64, stream-K splits with partial and whole blocks,
+    repeated calls (zeroed workspace and tickets restored), and the same layer through quant_mma_kernel."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    if fmt == Q.FMT_INT8 and n % 32:
+        pytest.skip("INT8 blocks are 32 channels")
+    if fmt == Q.FMT_AWQ and g > 0 and k % g:
+        g = 64  # AWQ has whole groups only (GPTQ keeps the short last group)
+    rng = np.random.default_rng(m * 31 + n + k + fmt)
+    layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
+    assert layer.gemv is not None
+    x = torch.randn(m, k, device="cuda", dtype=td)
+    bias = torch.randn(n, device="cuda", dtype=td) if m % 2 else None
+    ref = _ref(x, w_kn, bias)
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+    for _ in range(3):
+        y = _linear(fmt, x, layer, bias)
+        err, finite = _rel_err(y, ref)
+        assert finite and err < 1e-2, err
+    Q._GEMV_ENABLED = False
+    try:
+        y_mma = _linear(fmt, x, layer, bias)
+    finally:
+        Q._GEMV_ENABLED = True
+    assert (y.float() - y_mma.float()).abs().max().item() <= 2e-2 * y_mma.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8])
+def test_gemv_pack_kernels_match_references_small(fmt):
+    torch = _torch()
+    rng = np.random.default_rng(40 + fmt)
+    k, n, g = 320, 192, 64
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    if fmt == Q.FMT_INT8:
+        q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        layer = Q.prepack_int8(t(q), t(np.ones(n, np.float16)))
+        got = layer.gemv.weight.cpu().numpy().view(np.uint32)
+        assert np.array_equal(got, Q.gemv_pack_int8_reference(q))
+        return
+    q = rng.integers(0, 16, (k, n))
+    z = rng.integers(0, 16, (k // g, n))
+    s = (rng.random((k // g, n)) + 0.5).astype(np.float16)
+    if fmt == Q.FMT_AWQ:
+        layer = Q.prepack_awq(t(Q.pack_awq(q)), t(Q.pack_awq(z)), t(s), group_size=g)
+        zeros = z
+    else:
+        layer = Q.prepack_gptq(t(Q.pack_rows(q)), t(Q.pack_cols(z)), t(s), group_size=g)
+        zeros = z + 1
+    assert np.array_equal(layer.gemv.weight.cpu().numpy().view(np.uint32), Q.gemv_pack_int4_reference(q))
+    assert np.array_equal(layer.gemv.groups.cpu().numpy(), Q.gemv_pack_groups_reference(zeros, s.view(np.uint16)))
+
+
+@pytest.mark.gpu
+def test_gemv_exact_rows_small():
+    """x = one-hot rows (M = 16 and 5) pick rows of W exactly through gemv_kernel: every nibble / byte, zero
+    point (GPTQ's 16 included) and scale position, whole blocks and split ones."""
+    torch = _torch()
+    rng = np.random.default_rng(12)
+    for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8):
+        for td in (torch.float16, torch.bfloat16):
+            k, n, g = 1024, 512, 32  # 8 blocks x 32 steps on 16 CTAs: every block split between two
+            layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
+            if fmt != Q.FMT_INT8:
+                s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
+                qw, qz = (layer.qweight, layer.qzeros)
+                layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
+                ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
+                args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
+                w_kn = ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
+            for rows in (slice(0, 16), slice(101, 106)):
+                eye = torch.eye(k, device="cuda", dtype=td)[rows]
+                y = _linear(fmt, eye, layer)
+                expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
+                assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
 
 
 @pytest.mark.gpu
@@ -323,7 +515,12 @@ def test_int8_linear_small(dtype, m, n, k):
     assert finite and err < 1e-2, err
     packed = Q.prepack_int8(torch.from_numpy(q).cuda(), s_t)
     assert packed.packed is not None
-    assert torch.equal(Q.int8_linear(x, packed, bias=bias), y)
+    yp = Q.int8_linear(x, packed, bias=bias)
+    if packed.gemv is not None and m <= Q.GEMV_MAX_M:
+        err, finite = _rel_err(yp, _ref(x, ref_w, bias))
+        assert finite and err < 1e-2, err
+    else:
+        assert torch.equal(yp, y)
 
 
 @pytest.mark.gpu
@@ -526,6 +723,15 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(Q, "_workspace_ptr", lambda xa, stream, nbytes: 0x5000)
     monkeypatch.setattr(Q, "_ticket_buffer", lambda xa, stream, count: type("T", (), {"ptr": 0x6000})())
     monkeypatch.setattr(Q, "_pack", lambda fmt, qa, k, n: wrap(_FakeTensor(Q.packed_shape(fmt, k, n), "int32"), "p"))
+    monkeypatch.setattr(Q, "_gemv_scratch", lambda xa, stream, floats, tickets: (0x7000, 0x8000))
+
+    def gemv_pack(fmt, qa, za, sa, k, n, group):
+        w = _FakeTensor((n * k // 8,), "int32")
+        kind = Q.KIND_INT8 if fmt == Q.FMT_INT8 else Q.KIND_INT4
+        return Q._GemvLayer(kind, None if kind == Q.KIND_INT8 else sa.dtype, w, None, w.ptr, 0x9000,
+                            max(group // 32, 1), -(-k // group) if group else 1)
+
+    monkeypatch.setattr(Q, "_gemv_pack", gemv_pack)
     return calls
 
 
@@ -533,7 +739,7 @@ def _same_launch(a, b):
     ka, ca, aa = a
     kb, cb, ab = b
     assert ka == kb and ca == cb
-    assert len(aa) == len(ab) == 21
+    assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name else 21)
     for u, v in zip(aa, ab):
         assert type(u) is type(v) and u == v, (aa, ab)
 
@@ -553,7 +759,13 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
     _same_launch(calls[0], calls[1])
     args = calls[0][2]
-    assert args[4] == pw.fast.qw_ptr and int(args[-1]) == 1 and args[7] == bias.ptr and int(args[8]) == m
+    if m <= Q.GEMV_MAX_M:
+        assert "gemv_kernel" in calls[0][0].name
+        assert args[4] == pw.gemv.w_ptr and args[5] == pw.gemv.g_ptr and int(args[-1]) == k
+    else:
+        assert "quant_mma_kernel" in calls[0][0].name
+        assert args[4] == pw.fast.qw_ptr and int(args[-1]) == 1
+    assert args[7] == bias.ptr and int(args[8]) == m
     pg = Q.prepack_gptq(_FakeTensor((k // 8, n), "int32"), _FakeTensor((k // g, n // 8), "int32"),
                         _FakeTensor((k // g, n), "bfloat16"), group_size=g)
     Q.gptq_linear(x, pg)
