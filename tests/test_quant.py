@@ -1,4 +1,5 @@
 """Weight-only quantized linear layers: formats (CPU, bit-exact), heuristics, and the GPU kernels."""
+import contextlib
 import json
 import struct
 
@@ -284,6 +285,17 @@ def test_gemv_config(m, n, k):
     assert Q.gemv_supported(Q.KIND_INT8, 96, 32) and not Q.gemv_supported(Q.KIND_INT4, 96, 32, 32)
 
 
+def test_use_gemv_dispatch():
+    # the measured corners: small M on large weights, larger M on smaller weights; INT8 stays on the mma kernel
+    assert Q.use_gemv(Q.KIND_INT4, 1, 28672, 8192) and Q.use_gemv(Q.KIND_INT4, 4, 8192, 28672)
+    assert not Q.use_gemv(Q.KIND_INT4, 1, 8192, 8192) and not Q.use_gemv(Q.KIND_INT4, 16, 28672, 8192)
+    assert Q.use_gemv(Q.KIND_INT4, 16, 8192, 8192) and Q.use_gemv(Q.KIND_INT4, 8, 4096, 4096)
+    assert not Q.use_gemv(Q.KIND_INT4, 17, 4096, 4096) and not Q.use_gemv(Q.KIND_INT4, 0, 4096, 4096)
+    assert not any(Q.use_gemv(Q.KIND_INT8, m, 28672, 8192) for m in range(1, 17))
+    assert Q._want_gemv_layout(Q.KIND_INT4, 4096, 4096, 128) and not Q._want_gemv_layout(Q.KIND_INT8, 4096, 4096)
+    assert not Q._want_gemv_layout(Q.KIND_INT4, 4096, 4096, 48)
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 def _torch():
@@ -368,6 +380,17 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
             assert torch.equal(y, y2)
 
 
+@contextlib.contextmanager
+def _gemv_mode(mode):
+    """Force the small-M dispatch ("on": gemv_kernel wherever prepack built its layout, "off": never)."""
+    old = Q._GEMV_MODE
+    Q._GEMV_MODE = mode
+    try:
+        yield
+    finally:
+        Q._GEMV_MODE = old
+
+
 def _gemv_layer(torch, fmt, n, k, g, td, rng):
     """Random packed INT4 / INT8 tensors (every nibble / byte value), the prepacked layer, the float W (K, N)."""
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
@@ -413,27 +436,30 @@ def test_gemv_small(dtype, fmt, m, n, k, g):
     if fmt == Q.FMT_AWQ and g > 0 and k % g:
         g = 64  # AWQ has whole groups only (GPTQ keeps the short last group)
     rng = np.random.default_rng(m * 31 + n + k + fmt)
-    layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
-    assert layer.gemv is not None
-    x = torch.randn(m, k, device="cuda", dtype=td)
-    bias = torch.randn(n, device="cuda", dtype=td) if m % 2 else None
-    ref = _ref(x, w_kn, bias)
-    y = torch.full((m, n), float("nan"), device="cuda", dtype=td)
-    for _ in range(3):
-        y = _linear(fmt, x, layer, bias)
-        err, finite = _rel_err(y, ref)
-        assert finite and err < 1e-2, err
-    Q._GEMV_ENABLED = False
-    try:
+    with _gemv_mode("on"):
+        layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
+        assert layer.gemv is not None
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        bias = torch.randn(n, device="cuda", dtype=td) if m % 2 else None
+        ref = _ref(x, w_kn, bias)
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+        for _ in range(3):
+            y = _linear(fmt, x, layer, bias)
+            err, finite = _rel_err(y, ref)
+            assert finite and err < 1e-2, err
+    with _gemv_mode("off"):
         y_mma = _linear(fmt, x, layer, bias)
-    finally:
-        Q._GEMV_ENABLED = True
     assert (y.float() - y_mma.float()).abs().max().item() <= 2e-2 * y_mma.float().abs().max().item() + 1e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8])
 def test_gemv_pack_kernels_match_references_small(fmt):
+    with _gemv_mode("on"):
+        _check_gemv_pack_kernels(fmt)
+
+
+def _check_gemv_pack_kernels(fmt):
     torch = _torch()
     rng = np.random.default_rng(40 + fmt)
     k, n, g = 320, 192, 64
@@ -461,6 +487,11 @@ def test_gemv_pack_kernels_match_references_small(fmt):
 def test_gemv_exact_rows_small():
     """x = one-hot rows (M = 16 and 5) pick rows of W exactly through gemv_kernel: every nibble / byte, zero
     point (GPTQ's 16 included) and scale position, whole blocks and split ones."""
+    with _gemv_mode("on"):
+        _check_gemv_exact_rows()
+
+
+def _check_gemv_exact_rows():
     torch = _torch()
     rng = np.random.default_rng(12)
     for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8):
@@ -759,7 +790,7 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
     _same_launch(calls[0], calls[1])
     args = calls[0][2]
-    if m <= Q.GEMV_MAX_M:
+    if Q.use_gemv(Q.KIND_INT4, m, n, k):
         assert "gemv_kernel" in calls[0][0].name
         assert args[4] == pw.gemv.w_ptr and args[5] == pw.gemv.g_ptr and int(args[-1]) == k
     else:
