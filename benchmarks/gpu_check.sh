@@ -36,6 +36,9 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
   sanitizers=$!
 fi
 
+python3 benchmarks/sass_check.py /tmp/speedcore-sass > "$out/sass.txt" 2>&1
+summary+=("sass:      exit $?  $(tr '\n' ';' < "$out/sass.txt" | cut -c1-400)")
+
 t1=$SECONDS
 python3 -m pytest -q -rs -p no:cacheprovider -m gpu $tests > "$out/pytest.log" 2>&1
 summary+=("gpu tests: exit $?  $(tail -n 1 "$out/pytest.log")  ($((SECONDS - t1)) s)")

@@ -275,6 +275,10 @@ def parse_ptxas_report(log: str, lowered_name: str) -> dict:
         if m:
             res[k] = int(m.group(1))
     res["warnings"] = [l.strip() for l in block if "warning" in l.lower()]
+    # ptxas inserts waits after every wgmma when it cannot prove that no other instruction touches an
+    # accumulator in flight: correct, but the asynchrony (and the speed) is gone.
+    res["wgmma_serialized"] = any("wgmma.mma_async instructions are serialized" in l and lowered_name in l
+                                  for l in log.splitlines())
     return res
 
 

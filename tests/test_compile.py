@@ -118,6 +118,11 @@ def test_ptxas_report_parsing():
     r = _compile.parse_ptxas_report(log, "_Z1fv")
     assert (r["registers"], r["smem"], r["stack"], r["spill_stores"], r["spill_loads"]) == (255, 4096, 24, 8, 12)
     assert _compile.parse_ptxas_report(log, "_Z1gv")["registers"] == 10
+    assert not r["wgmma_serialized"]
+    serial = log + ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                    "due to non wgmma instructions defining accumulator registers in the function '_Z1gv' in line 5\n")
+    assert _compile.parse_ptxas_report(serial, "_Z1gv")["wgmma_serialized"]
+    assert not _compile.parse_ptxas_report(serial, "_Z1fv")["wgmma_serialized"]
 
 
 def test_every_variant_compiles_for_every_arch_without_spills(tmp_path):
@@ -127,7 +132,7 @@ def test_every_variant_compiles_for_every_arch_without_spills(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True)
     print(p.stdout[-4000:], p.stderr[-4000:])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    assert " 0 errors, 0 with spills" in p.stdout
+    assert " 0 errors, 0 with spills, 0 with serialized wgmma" in p.stdout
 
 
 # The NVRTC of the lent H200's image (CuPy there reports 13.0): CI's pip brings a newer 13.x, and the two have
@@ -154,4 +159,4 @@ def test_every_variant_compiles_with_the_gpu_images_nvrtc(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True)
     print(p.stdout[-4000:], p.stderr[-4000:])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    assert " 0 errors, 0 with spills" in p.stdout
+    assert " 0 errors, 0 with spills, 0 with serialized wgmma" in p.stdout
