@@ -24,8 +24,10 @@ for i, k in enumerate(kernels):
     if tool is None:
         print(f"{k.name}: cubin at {path} (no cuobjdump here)")
         continue
-    sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True).stdout
-    n = sum("HGMMA" in line for line in sass.splitlines())
+    r = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True)
+    n = sum("HGMMA" in line for line in r.stdout.splitlines())
+    if n == 0:
+        print(f"cuobjdump exit {r.returncode}: {r.stderr.strip()[:300]} | {r.stdout[:300]!r}")
     failed += n == 0
     print(f"{k.name}: {n} HGMMA instructions, registers {c.resources['registers']}, "
           f"spills {c.resources['spill_stores']}/{c.resources['spill_loads']}, "
