@@ -1,35 +1,21 @@
-"""SASS of the Hopper kernels: compiles one variant of each sm_90a family here (any machine with NVRTC), writes
-the cubin, and counts the HGMMA instructions cuobjdump finds (needs cuobjdump, e.g. on the GPU image).
+"""SASS of the Hopper kernels as dispatched: HGMMA (wgmma) count and local-memory traffic of the main variants,
+from their cubins (no GPU needed; nvdisasm from PATH or the nvidia-cuda-nvdisasm wheel).
 
-    python3 benchmarks/sass_check.py [outdir]
+    python3 benchmarks/sass_check.py
 """
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 
-from speedcore import attention, gemm
+from speedcore import _sass, attention, gemm
 from speedcore._compile import compile_kernel
 
-out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/speedcore-sass")
-out.mkdir(parents=True, exist_ok=True)
-tool = shutil.which("cuobjdump")
-kernels = [k for k in attention.all_kernels() if k.hopper][:1] + [k for k in gemm.all_kernels() if k.hopper][:1]
-kernels += [attention._kernel_sm90("bfloat16", *attention.flash_attn_sm90_config(128, False), False)]
+kernels = [attention._kernel_sm90("bfloat16", *attention.flash_attn_sm90_config(d, masked), False)
+           for d in (64, 128, 256) for masked in (False, True)]
+kernels += [k for k in gemm.all_kernels() if k.hopper][:2]
 failed = 0
-for i, k in enumerate(kernels):
+for k in dict.fromkeys(kernels):
     c = compile_kernel(k, "sm_90a")
-    path = out / f"{i}-{k.name.split('<')[0]}.cubin"
-    path.write_bytes(c.cubin)
-    if tool is None:
-        print(f"{k.name}: cubin at {path} (no cuobjdump here)")
-        continue
-    r = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True)
-    n = sum("HGMMA" in line for line in r.stdout.splitlines())
-    if n == 0:
-        print(f"cuobjdump exit {r.returncode}: {r.stderr.strip()[:300]} | {r.stdout[:300]!r}")
-    failed += n == 0
-    print(f"{k.name}: {n} HGMMA instructions, registers {c.resources['registers']}, "
-          f"spills {c.resources['spill_stores']}/{c.resources['spill_loads']}, "
-          f"serialized wgmma: {c.resources.get('wgmma_serialized')}")
+    for name, text in _sass.sass(c.cubin, "sm_90a").items():
+        hgmma, local = _sass.count(text, "HGMMA"), _sass.count(text, "STL") + _sass.count(text, "LDL")
+        failed += hgmma == 0 or local > 0
+        print(f"{k.name}: {hgmma} HGMMA, {local} local-memory instructions, {c.resources['registers']} registers")
 sys.exit(1 if failed else 0)

@@ -160,3 +160,32 @@ def test_every_variant_compiles_with_the_gpu_images_nvrtc(tmp_path):
     print(p.stdout[-4000:], p.stderr[-4000:])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert " 0 errors, 0 with spills, 0 with serialized wgmma" in p.stdout
+
+
+def test_hopper_kernels_run_wgmma_without_local_memory():
+    """The SASS of the dispatched sm_90a variants: HGMMA in the main loop (wgmma survived NVRTC and ptxas) and
+    no local-memory loads or stores (nothing spilled, no register array demoted to the stack)."""
+    from speedcore import _sass, attention, gemm
+
+    if _sass.find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    kernels = [attention._kernel_sm90("bfloat16", *attention.flash_attn_sm90_config(d, masked), False)
+               for d in (64, 128) for masked in (False, True)]
+    kernels.append(next(k for k in gemm.all_kernels() if k.hopper))
+    for k in dict.fromkeys(kernels):
+        texts = _sass.sass(_compile.compile_kernel(k, "sm_90a").cubin, "sm_90a")
+        assert len(texts) == 1, k.name
+        text = next(iter(texts.values()))
+        assert _sass.count(text, "HGMMA") >= 4, k.name
+        assert _sass.count(text, "STL") == 0 and _sass.count(text, "LDL") == 0, k.name
+
+
+def test_sass_helpers_parse_elf_and_count():
+    from speedcore import _sass
+
+    with pytest.raises(ValueError, match="ELF"):
+        _sass.text_sections(b"not an elf")
+    text = ("        /*2530*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR20], RZ, !UPT ;\n"
+            "        /*2540*/              @!P0 STL [R1], R2 ;\n"
+            "        /*2550*/                   MOV R3, R4 ;\n")
+    assert (_sass.count(text, "HGMMA"), _sass.count(text, "STL"), _sass.count(text, "LDL")) == (1, 1, 0)
