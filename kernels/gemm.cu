@@ -170,42 +170,7 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
 
   // Fragment layout of m16n8: c0, c1 at (row g, cols 2t, 2t+1); c2, c3 at row g + 8.
   const int g = lane >> 2, t = lane & 3;
-  if (act == sc::ACT_NONE && bias == nullptr && m0 + BM <= M && n0 + BN <= N) {
-    // The common case in a few compact instructions per pair: no predicates, immediate offsets.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      T* r0 = out + (long long)(m0 + wm * WTM + mt * 16 + g) * ldo + (n0 + wn * WTN + 2 * t);
-      T* r8 = r0 + 8 * ldo;
-#pragma unroll
-      for (int nt = 0; nt < NT8; ++nt) {
-        *reinterpret_cast<unsigned*>(r0 + nt * 8) = sc::pack2<T>(acc[mt][nt][0], acc[mt][nt][1]);
-        *reinterpret_cast<unsigned*>(r8 + nt * 8) = sc::pack2<T>(acc[mt][nt][2], acc[mt][nt][3]);
-      }
-    }
-    return;
-  }
-  sc::with_activation(act, [&](auto tag) {
-    constexpr int ACT = decltype(tag)::value;
-#pragma unroll
-    for (int nt = 0; nt < NT8; ++nt) {
-      const int col = n0 + wn * WTN + nt * 8 + 2 * t;
-      if (col >= N) continue;
-      float b0 = 0.f, b1 = 0.f;
-      if (bias != nullptr) {
-        const float2 bb = sc::unpack2<T>(*reinterpret_cast<const unsigned*>(bias + col));
-        b0 = bb.x;
-        b1 = bb.y;
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int row = m0 + wm * WTM + mt * 16 + g;
-        if (row < M)
-          *reinterpret_cast<unsigned*>(out + row * ldo + col) =
-              sc::pack2<T>(sc::activate<ACT>(acc[mt][nt][0] + b0), sc::activate<ACT>(acc[mt][nt][1] + b1));
-        if (row + 8 < M)
-          *reinterpret_cast<unsigned*>(out + (row + 8) * ldo + col) =
-              sc::pack2<T>(sc::activate<ACT>(acc[mt][nt][2] + b0), sc::activate<ACT>(acc[mt][nt][3] + b1));
-      }
-    }
-  });
+  sc::store_fragments<T, MT, NT8>(out, ldo, bias, act, M, N, m0 + wm * WTM + g, 16, n0 + wn * WTN + 2 * t,
+                                  m0 + BM <= M && n0 + BN <= N,
+                                  [&](int mt, int nt, int e) { return acc[mt][nt][e]; });
 }

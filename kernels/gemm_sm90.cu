@@ -141,43 +141,8 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
     if (lane == 0) sc::mbar_arrive(&empty[prev_stage]);
 
     const int g = lane / 4, q = lane % 4;
-    if (act == sc::ACT_NONE && bias == nullptr && m0 + BM <= M && n0 + BN <= N) {
-      // The common case in a few compact instructions per pair: no predicates, immediate offsets.
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        T* r0 = out + (long long)(m0 + cw * WG_M + mi * 64 + warp * 16 + g) * ldo + (n0 + 2 * q);
-        T* r8 = r0 + 8 * ldo;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          *reinterpret_cast<unsigned*>(r0 + j * 8) = sc::pack2<T>(acc[mi][4 * j], acc[mi][4 * j + 1]);
-          *reinterpret_cast<unsigned*>(r8 + j * 8) = sc::pack2<T>(acc[mi][4 * j + 2], acc[mi][4 * j + 3]);
-        }
-      }
-      continue;
-    }
-    sc::with_activation(act, [&](auto tag) {
-      constexpr int ACT = decltype(tag)::value;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = n0 + j * 8 + 2 * q;
-        if (col >= N) continue;
-        float b0 = 0.f, b1 = 0.f;
-        if (bias != nullptr) {
-          const float2 bb = sc::unpack2<T>(*reinterpret_cast<const unsigned*>(bias + col));
-          b0 = bb.x;
-          b1 = bb.y;
-        }
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          const int row = m0 + cw * WG_M + mi * 64 + warp * 16 + g;
-          if (row < M)
-            *reinterpret_cast<unsigned*>(out + row * ldo + col) = sc::pack2<T>(
-                sc::activate<ACT>(acc[mi][4 * j] + b0), sc::activate<ACT>(acc[mi][4 * j + 1] + b1));
-          if (row + 8 < M)
-            *reinterpret_cast<unsigned*>(out + (row + 8) * ldo + col) = sc::pack2<T>(
-                sc::activate<ACT>(acc[mi][4 * j + 2] + b0), sc::activate<ACT>(acc[mi][4 * j + 3] + b1));
-        }
-      }
-    });
+    sc::store_fragments<T, MI, BN / 8>(out, ldo, bias, act, M, N, m0 + cw * WG_M + warp * 16 + g, 64, n0 + 2 * q,
+                                       m0 + BM <= M && n0 + BN <= N,
+                                       [&](int mi, int j, int e) { return acc[mi][4 * j + e]; });
   }
 }

@@ -62,17 +62,23 @@ class Array:
         rows = 1
         for s in self.shape[:-1]:
             rows *= s
-        lead = [(sz, st) for sz, st in zip(self.shape[:-1], self.strides[:-1]) if sz != 1]
-        if not lead:
+        if all(s == 1 for s in self.shape[:-1]):
             return rows, n
-        row_stride = lead[-1][1]
-        expect = row_stride
+        return rows, self.lead_stride(self.ndim - 1, "rows")
+
+    def lead_stride(self, nlead: int, what: str) -> int:
+        """The one element stride that steps through the first ``nlead`` dims as a single flat index (0 when
+        they are all of size 1); a ValueError naming ``what`` when no single stride describes them."""
+        lead = [(sz, st) for sz, st in zip(self.shape[:nlead], self.strides[:nlead]) if sz != 1]
+        if not lead:
+            return 0
+        stride = expect = lead[-1][1]
         for sz, st in reversed(lead):
             if st != expect:
                 raise ValueError(f"{self.name}: the leading dimensions of shape {self.shape} with strides "
-                                 f"{self.strides} cannot be viewed as rows of one stride; pass .contiguous()")
+                                 f"{self.strides} cannot be viewed as {what} of one stride; pass .contiguous()")
             expect = st * sz
-        return rows, row_stride
+        return stride
 
     def aligned(self, nbytes: int) -> bool:
         return self.ptr % nbytes == 0
@@ -155,27 +161,33 @@ def _extent(a: Array) -> int:
     return (1 + sum((s - 1) * st for s, st in zip(a.shape, a.strides))) * a.itemsize
 
 
-def empty(ref: Array, shape, dtype: str, name: str = "out") -> Array:
-    """A new array of ``ref``'s library on ``ref``'s device."""
+def empty(ref: Array, shape, dtype: str, name: str = "out", *, zeroed: bool = False) -> Array:
+    """A new array of ``ref``'s library on ``ref``'s device (filled with zeros when ``zeroed``)."""
     if ref.lib == "torch":
         torch = _torch()
-        t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=ref.obj.device)
-        return wrap(t, name)
+        alloc = torch.zeros if zeroed else torch.empty
+        return wrap(alloc(tuple(shape), dtype=getattr(torch, dtype), device=ref.obj.device), name)
     cupy = _cupy()
+    alloc = cupy.zeros if zeroed else cupy.empty
     with cupy.cuda.Device(ref.device):
-        c = cupy.empty(tuple(shape), dtype=_cupy_dtype(dtype))
+        c = alloc(tuple(shape), dtype=_cupy_dtype(dtype))
     return wrap(c, name)
 
 
-def zeros(ref: Array, shape, dtype: str, name: str = "out") -> Array:
-    """A new zero-filled array of ``ref``'s library on ``ref``'s device."""
-    if ref.lib == "torch":
-        torch = _torch()
-        return wrap(torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=ref.obj.device), name)
-    cupy = _cupy()
-    with cupy.cuda.Device(ref.device):
-        c = cupy.zeros(tuple(shape), dtype=_cupy_dtype(dtype))
-    return wrap(c, name)
+_stream_buffers: dict = {}
+
+
+def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: int = 4096,
+                  zeroed: bool = False) -> Array:
+    """A grow-only scratch buffer of at least ``n`` elements, one per (kind, library, device, stream): launches on
+    one stream run in order, so they can share it.  ``zeroed`` buffers start as zeros; kernels that use them as
+    counters leave them zero when they end."""
+    key = (kind, ref.lib, ref.device, getattr(stream, "ptr", 0))
+    buf = _stream_buffers.get(key)
+    if buf is None or buf.numel < n:
+        buf = empty(ref, (max(min_n, 1 << max(0, n - 1).bit_length()),), dtype, kind, zeroed=zeroed)
+        _stream_buffers[key] = buf
+    return buf
 
 
 def _cupy_dtype(dtype: str):

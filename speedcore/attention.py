@@ -306,18 +306,10 @@ def _tma_strides(a, varlen: bool) -> tuple:
     return shape, tuple(strides)
 
 
-_counters: dict = {}
-
-
 def _tile_counter(ref, stream):
     """Two int32 zeros per (library, device, stream) for the sm_90 kernel's dynamic tile schedule: the kernel
     leaves them zero when it ends, and launches on one stream run in order, so they can share them."""
-    key = (ref.lib, ref.device, getattr(stream, "ptr", 0))
-    buf = _counters.get(key)
-    if buf is None:
-        buf = A.zeros(ref, (2,), "int32", "tile_counter")
-        _counters[key] = buf
-    return buf
+    return A.stream_buffer("attention_tiles", ref, stream, 2, "int32", min_n=2, zeroed=True)
 
 
 def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
@@ -401,6 +393,18 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
     launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
 
 
+def _inputs_and_out(qa, ka, va, oa):
+    """Check ``out`` and the row views, copy inputs the kernel cannot read in place, allocate ``out``."""
+    if oa is not None:
+        _check_out(oa, qa, ka, va)
+    for a in (qa, ka, va):
+        _row_view(a, a.name)
+    qa, ka, va = (_aligned_input(a) for a in (qa, ka, va))
+    if oa is None:
+        oa = A.empty(qa, qa.shape, qa.dtype, "out")
+    return qa, ka, va, oa
+
+
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
                out=None, _path=None):
     """Scaled dot-product attention forward, as ``flash_attn.flash_attn_func`` (flash-attn 2).
@@ -445,13 +449,7 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
     if batch >= 65536:
         raise ValueError(f"q: at most 65535 sequences per call, got batch {batch}")
     softmax_scale, left, right, softcap = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
-    if oa is not None:
-        _check_out(oa, qa, ka, va)
-    for a in (qa, ka, va):
-        _row_view(a, a.name)
-    qa, ka, va = (_aligned_input(a) for a in (qa, ka, va))
-    if oa is None:
-        oa = A.empty(qa, qa.shape, qa.dtype, "out")
+    qa, ka, va, oa = _inputs_and_out(qa, ka, va, oa)
     lse = A.empty(qa, (batch, nheads, seqlen_q), "float32", "lse") if return_lse else None
     if seqlen_q > 0:
         _launch(oa, lse, qa, ka, va, None, None, batch=batch, max_seqlen_q=seqlen_q, seqlen_q=seqlen_q,
@@ -514,13 +512,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if max(total_q, total_k, int(max_seqlen_q), int(max_seqlen_k)) > MAX_SEQLEN:
         raise ValueError(f"q, k: more than {MAX_SEQLEN} tokens are not supported")
     softmax_scale, left, right, softcap = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
-    if oa is not None:
-        _check_out(oa, qa, ka, va)
-    for a in (qa, ka, va):
-        _row_view(a, a.name)
-    qa, ka, va = (_aligned_input(a) for a in (qa, ka, va))
-    if oa is None:
-        oa = A.empty(qa, qa.shape, qa.dtype, "out")
+    qa, ka, va, oa = _inputs_and_out(qa, ka, va, oa)
     lse = A.empty(qa, (nheads, total_q), "float32", "lse") if return_lse else None
     if total_q > 0 and batch > 0 and max_seqlen_q > 0:
         _launch(oa, lse, qa, ka, va, cq, ck, batch=batch, max_seqlen_q=int(max_seqlen_q), seqlen_q=0, seqlen_k=0,

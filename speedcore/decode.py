@@ -142,19 +142,7 @@ def all_kernels() -> list:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
-def _lead_stride(a: A.Array, nlead: int, what: str) -> int:
-    """The single element stride that steps over the first ``nlead`` dims of ``a`` viewed as one flat index."""
-    lead = [(sz, st) for sz, st in zip(a.shape[:nlead], a.strides[:nlead]) if sz != 1]
-    if not lead:
-        return 0
-    stride = lead[-1][1]
-    expect = stride
-    for sz, st in reversed(lead):
-        if st != expect:
-            raise ValueError(f"{a.name}: its {what} dimensions (shape {a.shape}, strides {a.strides}) cannot be "
-                             f"viewed as one strided dimension; pass .contiguous()")
-        expect = st * sz
-    return stride
+
 
 
 def _aligned16(a: A.Array, strides) -> bool:
@@ -477,7 +465,7 @@ def _plan_rotary(pa, qa, ka, csa, is_neox) -> dict:
             continue
         if head_size > 1 and a.strides[-1] != 1:
             raise ValueError(f"{a.name}: head_size must be contiguous, got strides {a.strides}")
-        strides[a.name] = (_lead_stride(a, len(lead), "token"), a.strides[-2])
+        strides[a.name] = (a.lead_stride(len(lead), "tokens"), a.strides[-2])
     n = 16 // qa.itemsize
     span = rot_dim // 2 if is_neox else rot_dim
     # the cos/sin values of one task are read as one vector of (n or n/2) values: check its alignment

@@ -699,28 +699,10 @@ def _x_rows(x, k_expected=None):
     return xa, rows, k, ldx
 
 
-_tickets: dict = {}
-
-
 def _ticket_buffer(xa, stream, count: int):
-    """Zeroed int32 counters for the split-K reduction, one buffer per (library, device, stream); each CTA that
-    finishes a tile resets its counter, so the buffer stays zero between launches on that stream."""
-    key = (xa.lib, xa.device, getattr(stream, "ptr", 0))
-    buf = _tickets.get(key)
-    if buf is None or buf.numel < count:
-        n = max(4096, 1 << (count - 1).bit_length())
-        if xa.lib == "torch":
-            import torch
-
-            obj = torch.zeros(n, dtype=torch.int32, device=xa.obj.device)
-        else:
-            import cupy
-
-            with cupy.cuda.Device(xa.device):
-                obj = cupy.zeros(n, dtype=cupy.int32)
-        buf = A.wrap(obj, "tickets")
-        _tickets[key] = buf
-    return buf
+    """Zeroed int32 counters for the split-K reduction; each CTA that finishes a tile resets its counter, so the
+    buffer stays zero between launches on that stream."""
+    return A.stream_buffer("tickets", xa, stream, count, "int32", zeroed=True)
 
 
 @lru_cache(maxsize=8192)
@@ -736,28 +718,9 @@ def _plan(fmt: int, dtype: str, rows: int, n: int, k: int, group: int, sms: int)
     return cfg, _mma_kernel(dtype, fmt, cfg.mt), LaunchConfig((cfg.grid,), (THREADS,), cfg.smem), head, tail
 
 
-_workspaces: dict = {}
-
-
 def _workspace_ptr(xa, stream, nbytes: int) -> int:
-    """Scratch for the split-K partials, one grow-only buffer per (library, device, stream): launches on one
-    stream run in order, so they can share it."""
-    key = (xa.lib, xa.device, getattr(stream, "ptr", 0))
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel < nbytes:
-        size = max(1 << 20, 1 << (nbytes - 1).bit_length())
-        if xa.lib == "torch":
-            import torch
-
-            obj = torch.empty(size, dtype=torch.uint8, device=xa.obj.device)
-        else:
-            import cupy
-
-            with cupy.cuda.Device(xa.device):
-                obj = cupy.empty(size, dtype=cupy.uint8)
-        buf = A.wrap(obj, "workspace")
-        _workspaces[key] = buf
-    return buf.ptr
+    """Scratch for the split-K partials."""
+    return A.stream_buffer("workspace", xa, stream, nbytes, "uint8", min_n=1 << 20).ptr
 
 
 def _alloc_out(xa, rows: int, n: int):
@@ -823,32 +786,11 @@ def _gemv_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: i
     return cfg, _gemv_kernel(dtype, kind, cfg.mt), LaunchConfig((cfg.grid,), (GEMV_WARPS * 32,), cfg.smem), scalars
 
 
-_gemv_scratch_bufs: dict = {}
-
-
-def _zeroed(xa, key, count: int, dtype: str):
-    """A zeroed grow-only buffer of at least ``count`` elements, one per (library, device, stream, key).  The
-    kernels that use these leave them zeroed again, so launches on one stream can share them."""
-    buf = _gemv_scratch_bufs.get(key)
-    if buf is None or buf.numel < count:
-        size = max(4096, 1 << (count - 1).bit_length())
-        if xa.lib == "torch":
-            import torch
-
-            obj = torch.zeros(size, dtype=getattr(torch, dtype), device=xa.obj.device)
-        else:
-            import cupy
-
-            with cupy.cuda.Device(xa.device):
-                obj = cupy.zeros(size, dtype=dtype)
-        buf = A.wrap(obj, "workspace")
-        _gemv_scratch_bufs[key] = buf
-    return buf.ptr
-
-
 def _gemv_scratch(xa, stream, floats: int, tickets: int):
-    key = (xa.lib, xa.device, getattr(stream, "ptr", 0))
-    return _zeroed(xa, key + ("ws",), floats, "float32"), _zeroed(xa, key + ("tickets",), tickets, "int32")
+    """Zeroed fp32 partial sums and int32 tickets for gemv_kernel's split blocks; the kernel leaves both zeroed
+    again, so launches on one stream can share them."""
+    return (A.stream_buffer("gemv_ws", xa, stream, floats, "float32", zeroed=True).ptr,
+            A.stream_buffer("gemv_tickets", xa, stream, tickets, "int32", zeroed=True).ptr)
 
 
 def _launch_gemv(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):

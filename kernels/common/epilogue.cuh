@@ -5,6 +5,7 @@
 // every element's code (as before) inlined all activations 100+ times per thread: ~200 KB of code whose
 // instruction-cache misses cost ~50 us per output tile on the H200.
 #pragma once
+#include "types.cuh"
 
 namespace sc {
 
@@ -38,6 +39,54 @@ template <typename F> __device__ __forceinline__ void with_activation(int act, F
     case ACT_RELU: body(ActTag<ACT_RELU>{}); break;
     default: body(ActTag<ACT_NONE>{}); break;
   }
+}
+
+// out = act(acc + bias) for an accumulator tile in the m16n8 C-fragment layout (that of mma.sync m16n8 and of
+// wgmma's m64nN per 8-column block): frag(mt, nt, e) is element e of 16-row block mt, 8-column block nt, at row
+// row0 + mt * row_step (+ 8 for e >= 2) and columns col0 + 8 nt (+ 1 for odd e); row0 and col0 already hold the
+// lane's offsets (g, 2t).  `full`: the tile lies inside M x N, so the common no-bias no-activation case stores
+// without predicates.
+template <typename T, int MT, int NT8, typename Frag>
+__device__ __forceinline__ void store_fragments(T* __restrict__ out, long long ldo, const T* __restrict__ bias,
+                                                int act, int M, int N, int row0, int row_step, int col0, bool full,
+                                                Frag&& frag) {
+  if (act == ACT_NONE && bias == nullptr && full) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      T* r0 = out + (long long)(row0 + mt * row_step) * ldo + col0;
+      T* r8 = r0 + 8 * ldo;
+#pragma unroll
+      for (int nt = 0; nt < NT8; ++nt) {
+        *reinterpret_cast<unsigned*>(r0 + nt * 8) = pack2<T>(frag(mt, nt, 0), frag(mt, nt, 1));
+        *reinterpret_cast<unsigned*>(r8 + nt * 8) = pack2<T>(frag(mt, nt, 2), frag(mt, nt, 3));
+      }
+    }
+    return;
+  }
+  with_activation(act, [&](auto tag) {
+    constexpr int ACT = decltype(tag)::value;
+#pragma unroll
+    for (int nt = 0; nt < NT8; ++nt) {
+      const int col = col0 + nt * 8;
+      if (col >= N) continue;
+      float b0 = 0.f, b1 = 0.f;
+      if (bias != nullptr) {
+        const float2 bb = unpack2<T>(*reinterpret_cast<const unsigned*>(bias + col));
+        b0 = bb.x;
+        b1 = bb.y;
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int row = row0 + mt * row_step;
+        if (row < M)
+          *reinterpret_cast<unsigned*>(out + row * ldo + col) =
+              pack2<T>(activate<ACT>(frag(mt, nt, 0) + b0), activate<ACT>(frag(mt, nt, 1) + b1));
+        if (row + 8 < M)
+          *reinterpret_cast<unsigned*>(out + (row + 8) * ldo + col) =
+              pack2<T>(activate<ACT>(frag(mt, nt, 2) + b0), activate<ACT>(frag(mt, nt, 3) + b1));
+      }
+    }
+  });
 }
 
 }  // namespace sc
