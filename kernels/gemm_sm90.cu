@@ -7,9 +7,6 @@
 // 64 k.  Otherwise B(k, n) = b[k, n] (row-major (K, N)); TMA loads it as BN / 64 column blocks of 64 k rows
 // x 64 n (128 bytes, swizzled), and wgmma reads it transposed (MN-major descriptor).
 //
-// Split-K (splits > 1, for problems with fewer tiles than SMs): unit u covers k-blocks [u % splits] of tile
-// u / splits; partial tiles meet in an fp32 workspace (atomic adds) and the last split applies the epilogue.
-//
 // 384 threads: warpgroup 0 is the producer (one thread issues every TMA load; its registers are given
 // back with setmaxnreg.dec), warpgroups 1 and 2 are consumers that each own BM / 2 rows of the BM x BN tile
 // and run m64nBNk16 wgmmas from the ring.  Tiles are handed out statically (tile = blockIdx.x + i * grid) in
@@ -27,8 +24,7 @@
 template <typename T, int BM, int BN, int STAGES, bool B_KMAJOR>
 __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_a, const __grid_constant__ sc::TmaMap tmap_b, T* __restrict__ out,
-    const T* __restrict__ bias, int M, int N, int K, long long ldo, int act, int group_m, int splits,
-    float* __restrict__ ws, int* __restrict__ tickets) {
+    const T* __restrict__ bias, int M, int N, int K, long long ldo, int act, int group_m) {
   constexpr int BK = 64;
   constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
   constexpr int WG_M = BM / 2;     // rows per consumer warpgroup
@@ -57,13 +53,6 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
   const int m_tiles = (M + BM - 1) / BM, n_tiles = (N + BN - 1) / BN, tiles = m_tiles * n_tiles;
   const int per_group = group_m * n_tiles;
   const int k_blocks = (K + BK - 1) / BK;
-  // Work units: (tile, split) with the splits of one tile adjacent, so they run at the same time.
-  const int units = tiles * splits;
-  auto k_range = [&](int unit, int& kb0, int& kb1) {
-    const int split = unit % splits;
-    kb0 = (int)((long long)split * k_blocks / splits);
-    kb1 = (int)((long long)(split + 1) * k_blocks / splits);
-  };
   auto tile_origin = [&](int tile, int& m0, int& n0) {
     const int first_m = (tile / per_group) * group_m;
     const int gsize = min(m_tiles - first_m, group_m);
@@ -78,11 +67,10 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
       sc::tma_prefetch_map(&tmap_b);
       int stage = 0;
       unsigned phase = 0;
-      for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-        int m0, n0, kb0, kb1;
-        tile_origin(unit / splits, m0, n0);
-        k_range(unit, kb0, kb1);
-        for (int kb = kb0; kb < kb1; ++kb) {
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int m0, n0;
+        tile_origin(tile, m0, n0);
+        for (int kb = 0; kb < k_blocks; ++kb) {
           sc::mbar_wait(&empty[stage], phase ^ 1);
           sc::mbar_arrive_expect_tx(&full[stage], A_BYTES + B_BYTES);
           sc::tma_load_2d(ring_a + stage * A_BYTES, &tmap_a, kb * BK, m0, &full[stage]);
@@ -109,14 +97,11 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
   float acc[MI][NACC];
   int stage = 0;
   unsigned phase = 0;
-  __shared__ int last_split;
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int tile = unit / splits;
-    int m0, n0, kb0, kb1;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int m0, n0;
     tile_origin(tile, m0, n0);
-    k_range(unit, kb0, kb1);
     int prev_stage = -1;
-    for (int kb = kb0; kb < kb1; ++kb) {
+    for (int kb = 0; kb < k_blocks; ++kb) {
       sc::mbar_wait(&full[stage], phase);
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
@@ -132,7 +117,7 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
           sc::Wgmma<BN, T, B_KMAJOR ? 0 : 1>::mma(acc[mi], sc::wgmma_desc_k128(a_tile + mi * 64 * 128 + k16 * 32), db,
-                                (kb > kb0 || k16 > 0) ? 1 : 0);
+                                (kb > 0 || k16 > 0) ? 1 : 0);
       }
       sc::wgmma_commit();
 #pragma unroll
@@ -156,42 +141,8 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
     if (lane == 0) sc::mbar_arrive(&empty[prev_stage]);
 
     const int g = lane / 4, q = lane % 4;
-    const int row0 = m0 + cw * WG_M + warp * 16 + g, col0 = n0 + 2 * q;
-    // Split-K only for tiles of at most 64 accumulators per thread (the wider ones would spill with it; the
-    // host never splits them).
-    if constexpr (MI * NACC <= 64) {
-      if (splits > 1) {
-        // Split-K: add this split's partial tile into the fp32 workspace (rows and columns inside M x N); the
-        // last split of the tile to arrive reads the sums back, runs the epilogue, and leaves the workspace and
-        // its ticket zero for the next launch on this stream.
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int i = 0; i < NACC; ++i) {
-            const int row = row0 + mi * 64 + ((i % 4) >= 2 ? 8 : 0), col = col0 + (i / 4) * 8 + (i % 2);
-            if (row < M && col < N) atomicAdd(ws + (long long)row * N + col, acc[mi][i]);
-          }
-        __threadfence();
-        sc::named_bar_sync(1, 256);
-        if (threadIdx.x == 128) last_split = atomicAdd(tickets + tile, 1) == splits - 1;
-        sc::named_bar_sync(1, 256);
-        if (!last_split) continue;
-        __threadfence();
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int i = 0; i < NACC; ++i) {
-            const int row = row0 + mi * 64 + ((i % 4) >= 2 ? 8 : 0), col = col0 + (i / 4) * 8 + (i % 2);
-            if (row < M && col < N) {
-              float* const w = ws + (long long)row * N + col;
-              acc[mi][i] = __ldcg(w);
-              __stcg(w, 0.f);
-            }
-          }
-        if (threadIdx.x == 128) tickets[tile] = 0;
-      }
-    }
-    sc::store_fragments<T, MI, BN / 8>(out, ldo, bias, act, M, N, row0, 64, col0, m0 + BM <= M && n0 + BN <= N,
+    sc::store_fragments<T, MI, BN / 8>(out, ldo, bias, act, M, N, m0 + cw * WG_M + warp * 16 + g, 64, n0 + 2 * q,
+                                       m0 + BM <= M && n0 + BN <= N,
                                        [&](int mi, int j, int e) { return acc[mi][4 * j + e]; });
   }
 }

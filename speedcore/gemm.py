@@ -92,8 +92,6 @@ class WgmmaConfig:
 
 WGMMA_TILES = ((128, 256), (256, 128), (128, 128), (128, 64))
 WGMMA_MAX_STAGES = 8
-WGMMA_MAX_SPLITS = 16
-WGMMA_SPLIT_MAX_TILE = 128 * 128  # the kernel has split-K for tiles of at most 64 accumulators per thread
 
 
 def _ceil(a: int, b: int) -> int:
@@ -147,15 +145,6 @@ def wgmma_config(m: int, n: int, k: int, sms: int, smem_per_block: int) -> Wgmma
         if best_key is None or key < best_key:
             best, best_key = (bm, bn), key
     return WgmmaConfig(best[0], best[1], _wgmma_stages(best[0], best[1], smem_per_block))
-
-
-def wgmma_splits(m: int, n: int, k: int, cfg: WgmmaConfig, sms: int) -> int:
-    """Split-K factor of the Hopper kernel: problems with fewer tiles than half the SMs (decode-sized M, or
-    small N) split K so that tiles x splits fills the GPU, keeping at least 4 k-blocks (256 of K) per split."""
-    tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
-    if 2 * tiles > sms or cfg.bm * cfg.bn > WGMMA_SPLIT_MAX_TILE:
-        return 1
-    return max(1, min(sms // tiles, _ceil(k, cfg.bk) // 4, WGMMA_MAX_SPLITS))
 
 
 def _wgmma_stages(bm: int, bn: int, smem_per_block: int) -> int:
@@ -233,8 +222,8 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
     act = _ACT_ARG[activation]
     bias_ptr = bias.ptr if bias is not None else 0
     stream = A.stream_of(aa)
-    cfg, kernel, lcfg, sizes, splits = _plan(path, aa.dtype, m, n, k, b_kmajor, dev.sms, dev.smem_per_sm,
-                                             dev.smem_per_block_optin)
+    cfg, kernel, lcfg, sizes = _plan(path, aa.dtype, m, n, k, b_kmajor, dev.sms, dev.smem_per_sm,
+                                     dev.smem_per_block_optin)
     if path == "hopper":
         from . import _tma
 
@@ -243,13 +232,7 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
             tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=n, cols=k, row_stride=ldb, box_rows=cfg.bn, box_cols=64)
         else:
             tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=k, cols=n, row_stride=ldb, box_rows=64, box_cols=64)
-        ws = tickets = 0
-        if splits > 1:  # zeroed fp32 partial sums and per-tile tickets; the kernel leaves both zero
-            ws = A.stream_buffer("gemm_splitk_ws", aa, stream, m * n, "float32", zeroed=True).ptr
-            tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
-            tickets = A.stream_buffer("gemm_splitk_tickets", aa, stream, tiles, "int32", zeroed=True).ptr
-        args = (tmap_a, tmap_b, oa.ptr, bias_ptr) + sizes + (np.int64(ldo), act, _GROUP_ARG, np.int32(splits), ws,
-                                                            tickets)
+        args = (tmap_a, tmap_b, oa.ptr, bias_ptr) + sizes + (np.int64(ldo), act, _GROUP_ARG)
     else:
         args = (oa.ptr, aa.ptr, ba.ptr, bias_ptr) + sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act,
                                                             _GROUP_ARG)
@@ -264,18 +247,15 @@ _GROUP_ARG = np.int32(GROUP_M)
 def _plan(path: str, dtype: str, m: int, n: int, k: int, b_kmajor: bool, sms: int, smem_per_sm: int,
           smem_per_block: int) -> tuple:
     """What a launch needs that depends only on the problem and the device: the tile config, the variant, the
-    launch configuration, the size arguments and the split-K factor (cached: the host time of a call matters for
-    decode shapes)."""
+    launch configuration and the size arguments (cached: the host time of a call matters for decode shapes)."""
     sizes = (np.int32(m), np.int32(n), np.int32(k))
     if path == "hopper":
         cfg = wgmma_config(m, n, k, sms, smem_per_block)
-        splits = wgmma_splits(m, n, k, cfg, sms)
-        grid = min(_ceil(m, cfg.bm) * _ceil(n, cfg.bn) * splits, sms)  # persistent: at most one CTA per SM
-        return (cfg, _wgmma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes,
-                splits)
+        grid = min(_ceil(m, cfg.bm) * _ceil(n, cfg.bn), sms)  # persistent: at most one CTA per SM
+        return cfg, _wgmma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
     cfg = mma_config(m, n, k, sms, smem_per_sm, path == "skinny")
     grid = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
-    return cfg, _mma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes, 1
+    return cfg, _mma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
 
 
 def _out(out, ref: A.Array, shape: tuple, inputs) -> A.Array:
