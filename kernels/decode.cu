@@ -164,28 +164,16 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
   const bool use_spec = first == spec_first && lo >= spec_lo;  // [lo, hi) lies inside the speculated range
 
   // Lane r < 16 resolves row r of a tile: its page (loaded early, to hide the block-table latency) and slot.
-  auto fetch_row = [&](int j, int& page, int& slot) -> bool {
-    const int tok = (first + j * WARPS) * 16 + lane;
-    const bool ok = lane < 16 && j < njobs && tok >= lo && tok < hi;
-    page = 0;
-    slot = 0;
-    if (ok) {
-      const int blk = tok / block_size;
-      page = bt_row[blk];
-      slot = tok - blk * block_size;
-    }
-    return ok;
-  };
-  // The same for the first STAGES tiles (j a compile-time index after unrolling), whose entries may have been
+  // spec: one of the first STAGES tiles (j a compile-time index after unrolling), whose entries may have been
   // loaded speculatively.
-  auto fetch_first_row = [&](int j, int& page, int& slot) -> bool {
+  auto fetch_row = [&](bool spec, int j, int& page, int& slot) -> bool {
     const int tok = (first + j * WARPS) * 16 + lane;
     const bool ok = lane < 16 && j < njobs && tok >= lo && tok < hi;
     page = 0;
     slot = 0;
     if (ok) {
       const int blk = tok / block_size;
-      page = use_spec ? spec_page[j] : bt_row[blk];
+      page = spec && use_spec ? spec_page[j] : bt_row[blk];
       slot = tok - blk * block_size;
     }
     return ok;
@@ -222,12 +210,12 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) {
     int page, slot;
-    const bool ok = fetch_first_row(j, page, slot);
+    const bool ok = fetch_row(true, j, page, slot);
     if (j < njobs) issue(j, page, slot, ok);
     sc::cp_async_commit();
   }
   int pf_page, pf_slot;
-  bool pf_ok = fetch_first_row(STAGES - 1, pf_page, pf_slot);
+  bool pf_ok = fetch_row(true, STAGES - 1, pf_page, pf_slot);
 
   for (int j = 0; j < njobs; ++j) {
     sc::cp_async_wait<STAGES - 2>();
@@ -238,7 +226,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
     // Refill the slot consumed in the previous iteration (every lane is past it after __syncwarp).
     if (j + STAGES - 1 < njobs) issue(j + STAGES - 1, pf_page, pf_slot, pf_ok);
     sc::cp_async_commit();
-    pf_ok = fetch_row(j + STAGES, pf_page, pf_slot);
+    pf_ok = fetch_row(false, j + STAGES, pf_page, pf_slot);
 
     const uint4* ks = ring + (j % STAGES) * 2 * TILE;
     const uint4* vs = ks + TILE;

@@ -84,6 +84,7 @@ def block_m(m_tiles: int, warps: int) -> int:
 _OPTIONS = ()  # extra NVRTC options for every variant (experiments: ("-DFA_LAZY_RESCALE=0",))
 
 
+@lru_cache(maxsize=None)
 def _kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int, q_ks: int, rowsum_mma: int, stages: int,
             softcap: bool = False) -> Kernel:
     b = lambda x: "true" if x else "false"  # noqa: E731
@@ -156,6 +157,7 @@ def attention_path(head_dim: int, cc: tuple, softcap: bool) -> str:
     return "sm90"
 
 
+@lru_cache(maxsize=None)
 def _kernel_sm90(dtype: str, d: int, bn: int, stages: int, nc: int, pingpong: bool, softcap: bool) -> Kernel:
     b = lambda x: "true" if x else "false"  # noqa: E731
     return Kernel(SOURCE_SM90, f"flash_fwd_sm90_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {stages}, {b(softcap)}, "

@@ -124,7 +124,7 @@ def test_out_must_not_overlap_k_or_v():
 # ---------------------------------------------------------------- GPU: both kernels
 
 @pytest.fixture(params=["sm80", "sm90"])
-def path(request, monkeypatch):  # noqa: PT004
+def path(request, monkeypatch):
     """Runs a GPU test once on each kernel: "sm80" forces kernels/attention.cu; "sm90" keeps the dispatcher's
     choice (kernels/attention_sm90.cu wherever it applies) and needs an sm_90 GPU."""
     if request.param == "sm90":

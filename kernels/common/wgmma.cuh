@@ -45,10 +45,6 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 // Keep the compiler from moving accesses of an accumulator register across wgmma issue/wait points.
 __device__ __forceinline__ void wgmma_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-template <typename T> struct WgmmaType;
-template <> struct WgmmaType<__half> { static constexpr const char* name = "f16"; };
-template <> struct WgmmaType<__nv_bfloat16> { static constexpr const char* name = "bf16"; };
-
 // d (N/2 floats) = A(64x16, descriptor) * B(16xN, descriptor) + (scale_d ? d : 0).  TRANS_B = 1 reads B
 // from an N-major (MN-major) tile.  A and B both come from shared memory.
 template <int N, typename T, int TRANS_B = 0> struct Wgmma;
