@@ -26,6 +26,31 @@
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 
+// Diagnostics (benchmarks/_fa90_trace.py): with -DFA90_TRACE, thread 0 of each warpgroup stamps clock64() at
+// the phases of each tile into fa90_trace[cta][warpgroup][tile iteration][event].
+#ifdef FA90_TRACE
+#define FA90_TRACE_ITERS 256
+#define FA90_TRACE_EVENTS 12
+extern "C" __device__ long long fa90_trace[160 * 4 * FA90_TRACE_ITERS * FA90_TRACE_EVENTS];
+#define FA90_MARK_V(it, ev, v)                                                                              \
+  do {                                                                                                      \
+    if ((threadIdx.x & 127) == 0 && (it) < FA90_TRACE_ITERS - 1)                                            \
+      fa90_trace[((blockIdx.x * 4 + threadIdx.x / 128) * FA90_TRACE_ITERS + (it)) * FA90_TRACE_EVENTS + (ev)] = \
+          (v);                                                                                              \
+  } while (0)
+#define FA90_MARK(it, ev) FA90_MARK_V(it, ev, clock64())
+__device__ __forceinline__ long long fa90_globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#else
+#define FA90_MARK_V(it, ev, v) \
+  do {                         \
+  } while (0)
+#define FA90_MARK(it, ev) FA90_MARK_V(it, ev, 0)
+#endif
+
 namespace fa90 {
 
 // Everything about one tile that both the producer and the consumers derive from its index.
@@ -121,6 +146,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     sc::fence_mbar_init();
   }
   __syncthreads();
+  FA90_MARK(FA90_TRACE_ITERS - 2, 0);
+  FA90_MARK_V(FA90_TRACE_ITERS - 2, 1, fa90_globaltimer());
 
   auto info = [&](int tile) {
     return fa90::tile_info(tile, num_m, nheads, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
@@ -139,8 +166,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       // Dynamic schedule: after its first tile (blockIdx.x) a CTA takes the next unclaimed one from a global
       // counter, so SMs that drew light tiles (causal, short sequences) take more of them.  The tile index
       // reaches the consumers through a two-slot ring; num_tiles or more means "done".
-      for (int tile = blockIdx.x;; tile = gridDim.x + atomicAdd(tile_counter, 1)) {
+      int piter = 0;
+      for (int tile = blockIdx.x;; tile = gridDim.x + atomicAdd(tile_counter, 1), ++piter) {
+        FA90_MARK(piter, 0);
         sc::mbar_wait(&tile_empty[tslot], tphase ^ 1);
+        FA90_MARK(piter, 1);
         tile_ring[tslot] = tile;
         sc::mbar_arrive(&tile_full[tslot]);
         if (++tslot == 2) {
@@ -152,6 +182,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
         if (t.rows_q <= 0 || t.n_begin >= t.n_end) continue;
         const int bc = varlen ? 0 : t.batch, kv_head = t.head / heads_per_kv;
         sc::mbar_wait(q_empty, q_phase ^ 1);
+        FA90_MARK(piter, 2);
         q_phase ^= 1;
         sc::mbar_arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
@@ -161,6 +192,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
         for (int nb = t.n_end - 1; nb >= t.n_begin; --nb) {
           const int row = t.k_off + nb * BN;
           sc::mbar_wait(&k_empty[stage], phase ^ 1);
+          if (nb == t.n_end - 1) FA90_MARK(piter, 3);
           sc::mbar_arrive_expect_tx(&k_full[stage], KV_BYTES);
 #pragma unroll
           for (int c = 0; c < DC; ++c)
@@ -175,6 +207,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
             phase ^= 1;
           }
         }
+        FA90_MARK(piter, 5);
+        FA90_MARK_V(piter, 8, tile);
       }
       // The last CTA out resets the counters for the next launch on this stream (no memset needed).
       if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
@@ -204,7 +238,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
 
   for (unsigned titer = 0;; ++titer) {  // slot titer % 2, phase (titer / 2) % 2
     const int tslot = titer & 1;
+    FA90_MARK(titer, 0);
     sc::mbar_wait(&tile_full[tslot], (titer >> 1) & 1);
+    FA90_MARK(titer, 1);
     // broadcast from lane 0: a provably warp-uniform value keeps ptxas from serializing the wgmmas below
     const int tile = __shfl_sync(0xffffffffu, *reinterpret_cast<volatile int*>(&tile_ring[tslot]), 0);
     if (lane == 0) sc::mbar_arrive(&tile_empty[tslot]);
@@ -242,6 +278,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     unsigned p[KP][4];
 
     sc::mbar_wait(q_full, q_phase);
+    FA90_MARK(titer, 2);
+    FA90_MARK_V(titer, 8, tile);
+    FA90_MARK_V(titer, 9, t.n_end - t.n_begin);
     q_phase ^= 1;
     const unsigned char* const q_tile = sQ + cw * 64 * 128;
     auto issue_s = [&](int st) {  // S = Q K^T from the K tile of stage st
@@ -336,6 +375,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     // The first block (the last key block): S alone.
     int nb = t.n_end - 1;
     sc::mbar_wait(&k_full[stage], phase);
+    FA90_MARK(titer, 3);
     fence_s();
     sc::wgmma_fence();
     turn_begin();
@@ -353,6 +393,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     }
     pack_p();
     advance();
+    FA90_MARK(titer, 4);
     // the stage (and its phase) of the block whose P V is pending: the one before `stage`
     auto prev = [&]() { return stage == 0 ? STAGES - 1 : stage - 1; };
     auto prev_phase = [&]() { return stage == 0 ? phase ^ 1 : phase; };
@@ -386,6 +427,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       advance();
     }
     // The last block's P V.
+    FA90_MARK(titer, 5);
     sc::mbar_wait(&v_full[prev()], prev_phase());
     fence_o();
     sc::wgmma_fence();
@@ -395,6 +437,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     sc::wgmma_wait<0>();
     fence_o();
     if (lane == 0) sc::mbar_arrive(&v_empty[prev()]);
+    FA90_MARK(titer, 6);
 
     // Epilogue: normalize and store straight from the accumulators (rows past the sequence are dropped).
 #pragma unroll
@@ -415,6 +458,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
           lse_rows()[r] = l > 0.f ? (row_max[h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
       }
     }
+    FA90_MARK(titer, 7);
   }
+  FA90_MARK(FA90_TRACE_ITERS - 2, 2);
+  FA90_MARK_V(FA90_TRACE_ITERS - 2, 3, fa90_globaltimer());
   if (PINGPONG && cw == 0) sc::named_bar_sync(1, 256);  // the last consumer's last hand-over
 }

@@ -1,0 +1,173 @@
+"""Where the sm_90 attention kernel's time goes, per tile: the kernel compiled with -DFA90_TRACE stamps clock64()
+at each phase of each tile (kernels/attention_sm90.cu); this prints the mean phase durations in microseconds.
+
+    PYTHONPATH=. python3 benchmarks/_fa90_trace.py [--ab]
+
+--ab also times the given alternative tile configurations against the default, in the same process.
+"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import speedcore  # noqa: E402
+from speedcore import attention as att  # noqa: E402
+from speedcore import _launch  # noqa: E402
+
+ITERS, EVENTS = 256, 12
+CASES = [  # (d, causal, seqlen): batch * seqlen = 16k, heads * d = 2048, as the bench
+    (128, False, 512), (128, True, 512), (64, True, 512), (64, False, 512), (128, False, 4096), (64, True, 2048),
+]
+CONS = ["tile wait", "q wait", "k0 wait", "first S+sm", "loop", "last PV", "epilogue"]
+PROD = ["ring wait", "q_empty wait", "k_empty wait", "loads"]
+
+
+def kernel_for(dtype, d, causal, s, softcap=False):
+    short = s <= att.SM90_SHORT
+    cfg = att.flash_attn_sm90_config(d, causal, softcap, short)
+    return att._kernel_sm90(dtype, *cfg, softcap), cfg
+
+
+def trace(b, d, causal, s):
+    torch = b.torch
+    batch, h = max(1, 16384 // s), 2048 // d
+    q, k, v = (torch.randn(batch, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * batch * h * s * s * d / (2 if causal else 1)
+    ms_plain = b.time_ms(lambda: speedcore.flash_attn(q, k, v, causal=causal))
+    kern, cfg = kernel_for("bfloat16", d, causal, s)
+    traced = att.Kernel(kern.source, kern.name, kern.options + ("-DFA90_TRACE",), hopper=True)
+    orig = att._kernel_sm90
+    att._kernel_sm90 = lambda *a: traced
+    try:
+        speedcore.flash_attn(q, k, v, causal=causal)  # compile + load
+        lk = _launch.get_kernel(traced, 0)
+        import cupy
+
+        buf = lk.module.get_global("fa90_trace")
+        n = 160 * 4 * ITERS * EVENTS
+        arr = cupy.ndarray((n,), dtype=cupy.int64, memptr=buf)
+        ms_traced = b.time_ms(lambda: speedcore.flash_attn(q, k, v, causal=causal))
+        arr.fill(0)
+        torch.cuda.synchronize()
+        speedcore.flash_attn(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        tr = cupy.asnumpy(arr).reshape(160, 4, ITERS, EVENTS)
+    finally:
+        att._kernel_sm90 = orig
+    grid = min(132, (tr[:, 0, ITERS - 2, 0] != 0).sum())
+    tr = tr[:grid]
+    # cycles per ns from each CTA's clock64 and globaltimer spans (consumer end stamps are on warpgroup 1)
+    st_c, st_g = tr[:, 0, ITERS - 2, 0], tr[:, 0, ITERS - 2, 1]
+    en_c, en_g = tr[:, 1, ITERS - 2, 2], tr[:, 1, ITERS - 2, 3]
+    ghz = np.median((en_c - st_c) / np.maximum(en_g - st_g, 1))
+    us = lambda c: c / ghz / 1e3  # noqa: E731
+    span_us = (en_g - st_g.min()) / 1e3
+    print(f"\n== d{d} {'causal' if causal else 'full'} s{s} b{batch} h{h} cfg(D,BN,stages,NC,pp)={cfg} "
+          f"{flops / ms_plain / 1e9:.0f} TFLOP/s ({ms_plain * 1e3:.1f} us; traced {ms_traced * 1e3:.1f} us) "
+          f"clock {ghz:.2f} GHz; CTA end p0/p50/p100 {np.percentile(span_us, 0):.1f}/"
+          f"{np.percentile(span_us, 50):.1f}/{span_us.max():.1f} us; start spread {(st_g.max() - st_g.min()) / 1e3:.1f} us")
+    for wg in range(1, 4):
+        c = tr[:, wg]
+        valid = c[:, :ITERS - 2, 7] != 0
+        if not valid.any():
+            continue
+        nblk = c[:, :ITERS - 2, 9][valid]
+        ph = [us(c[:, :ITERS - 2, i + 1][valid] - c[:, :ITERS - 2, i][valid]) for i in range(7)]
+        tiles_per_cta = valid.sum(1)
+        per_tile = us(c[:, :ITERS - 2, 7][valid] - c[:, :ITERS - 2, 0][valid])
+        loop_per_blk = ph[4] / np.maximum(nblk - 1, 1)
+        print(f"  consumer {wg}: tiles/CTA {tiles_per_cta.min()}-{tiles_per_cta.max()}, blocks/tile "
+              f"{nblk.mean():.1f}, tile {per_tile.mean():.2f} us: " +
+              ", ".join(f"{n} {p.mean():.2f}" for n, p in zip(CONS, ph)) +
+              f"; loop/block {loop_per_blk[nblk > 1].mean() if (nblk > 1).any() else 0:.2f}")
+    p = tr[:, 0]
+    valid = p[:, :ITERS - 2, 5] != 0
+    claims = []
+    for cta in range(grid):
+        idx = np.nonzero(valid[cta])[0]
+        if len(idx) > 1:
+            claims.append(us(p[cta, idx[1:], 0] - p[cta, idx[:-1], 5]))
+    ph = [us(p[:, :ITERS - 2, i + 1][valid] - p[:, :ITERS - 2, i][valid]) for i in range(3)]
+    ph.append(us(p[:, :ITERS - 2, 5][valid] - p[:, :ITERS - 2, 3][valid]))
+    print("  producer: " + ", ".join(f"{n} {x.mean():.2f}" for n, x in zip(PROD, ph)) +
+          (f", claim {np.concatenate(claims).mean():.2f}" if claims else ""))
+    return ms_plain
+
+
+def ab(b):
+    """Time alternative (BN, stages, NC, pingpong) configurations against the default on the short cases."""
+    torch = b.torch
+    alts = [(128, 2, 2, True), (128, 2, 2, False), (128, 4, 2, True), (128, 4, 3, True), (64, 4, 2, True),
+            (64, 4, 3, True), (192, 2, 2, True)]
+    rows = []
+    for d, causal, s in [(128, False, 512), (128, True, 512), (64, True, 512), (64, True, 1024), (64, True, 2048),
+                         (128, False, 2048)]:
+        batch, h = max(1, 16384 // s), 2048 // d
+        q, k, v = (torch.randn(batch, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        flops = 4 * batch * h * s * s * d / (2 if causal else 1)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            f = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa
+            f()
+            cudnn = flops / b.time_ms(f) / 1e9
+        base = flops / b.time_ms(lambda: speedcore.flash_attn(q, k, v, causal=causal)) / 1e9
+        line = f"d{d} {'causal' if causal else 'full'} s{s}: cudnn {cudnn:.0f} default {base:.0f} ({base / cudnn:.3f})"
+        orig = att.flash_attn_sm90_config
+        for alt in alts:
+            bn, st, nc, pp = alt
+            if att.smem_bytes_sm90(d, bn, st, nc) > 227 * 1024:
+                continue
+            att.flash_attn_sm90_config = lambda hd, m=False, sc=False, sh=False, alt=alt: (att.sm90_head_dim(hd), *alt)
+            try:
+                t = flops / b.time_ms(lambda: speedcore.flash_attn(q, k, v, causal=causal)) / 1e9
+                line += f" | {alt}: {t / cudnn:.3f}"
+            except Exception as exc:  # noqa: BLE001
+                line += f" | {alt}: {type(exc).__name__}"
+            finally:
+                att.flash_attn_sm90_config = orig
+        rows.append(line)
+        print(line, flush=True)
+    return rows
+
+
+def _compile_one(k):
+    from speedcore._compile import compile_kernel
+
+    compile_kernel(k, "sm_90a")
+    return k.name
+
+
+def precompile():
+    """Fill the disk cache in parallel (NVRTC is single-threaded; the GPU machine has 16 cores)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    ks = []
+    for d, causal, s in CASES:
+        for dtype in ("bfloat16", "float16"):
+            kern, _ = kernel_for(dtype, d, causal, s)
+            for k in (kern, att.Kernel(kern.source, kern.name, kern.options + ("-DFA90_TRACE",), hopper=True)):
+                if k not in ks:
+                    ks.append(k)
+    with ProcessPoolExecutor(min(len(ks), os.cpu_count() or 1)) as ex:
+        list(ex.map(_compile_one, ks))
+
+
+def main():
+    from speedcore.bench import Bench
+
+    precompile()
+
+    b = Bench(quick=False)
+    for d, causal, s in CASES:
+        trace(b, d, causal, s)
+    if "--ab" in sys.argv:
+        print()
+        ab(b)
+
+
+if __name__ == "__main__":
+    main()
