@@ -45,9 +45,10 @@ def trace(b, d, causal, s):
         lk = _launch.get_kernel(traced, 0)
         import cupy
 
-        buf = lk.module.get_global("fa90_trace")
+        buf = lk.module.get_global_var("fa90_trace")
         n = 160 * 4 * ITERS * EVENTS
-        arr = cupy.ndarray((n,), dtype=cupy.int64, memptr=buf)
+        mem = cupy.cuda.UnownedMemory(int(buf), n * 8, None)
+        arr = cupy.ndarray((n,), dtype=cupy.int64, memptr=cupy.cuda.MemoryPointer(mem, 0))
         ms_traced = b.time_ms(lambda: speedcore.flash_attn(q, k, v, causal=causal))
         arr.fill(0)
         torch.cuda.synchronize()

@@ -53,6 +53,30 @@ __device__ __forceinline__ long long fa90_globaltimer() {
 
 namespace fa90 {
 
+// TMA store of O (kept here until the gemm kernels' store wrappers land in common/tma.cuh).
+__device__ __forceinline__ void tma_store_4d(const sc::TmaMap* map, const void* smem_src, int x, int y, int z,
+                                             int w) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(x), "r"(y), "r"(z), "r"(w), "r"(sc::smem_addr(smem_src))
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Where the epilogue stages O for its TMA store: its own buffer when Q, the K/V ring and O fit in 200 KB (head
+// dims up to 128), else Q's buffer (each consumer overwrites only its own 64 rows of Q, after its last S; Q is
+// then released only once the store has read them).  speedcore/attention.py's smem_bytes_sm90 mirrors this.
+__host__ __device__ constexpr bool o_has_own_buffer(int q_bytes, int kv_ring_bytes) {
+  return 2 * q_bytes + kv_ring_bytes <= 200 * 1024;
+}
+
 // Everything about one tile that both the producer and the consumers derive from its index.
 struct Tile {
   int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end;
@@ -90,11 +114,12 @@ __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int r
 }  // namespace fa90
 
 // tmap_q: (head_dim, tokens, nheads, batch) with box (64, BM, 1, 1); tmap_k / tmap_v: (head_dim, tokens,
-// nheads_kv, batch) with box (64, BN, 1, 1).  Varlen: batch extent 1 and token coordinates offset by cu_seqlens.
+// nheads_kv, batch) with box (64, BN, 1, 1); tmap_o: out's (head_dim, tokens, nheads, batch) with box (64, 64, 1,
+// 1).  Varlen: batch extent 1 and token coordinates offset by cu_seqlens.
 template <typename T, int D, int BN, int STAGES, bool HAS_SOFTCAP, bool PINGPONG, int NC>
 __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     const __grid_constant__ sc::TmaMap tmap_q, const __grid_constant__ sc::TmaMap tmap_k,
-    const __grid_constant__ sc::TmaMap tmap_v, T* __restrict__ out, float* __restrict__ lse,
+    const __grid_constant__ sc::TmaMap tmap_v, const __grid_constant__ sc::TmaMap tmap_o, T* __restrict__ out, float* __restrict__ lse,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, long long o_batch_stride,
     long long o_row_stride, long long o_head_stride, long long lse_batch_stride, long long lse_head_stride,
     int seqlen_q, int seqlen_k, int total_q, int total_k, int head_dim, int nheads, int heads_per_kv, int num_m,
@@ -118,7 +143,13 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   unsigned char* const sQ = smem;
   unsigned char* const sK = sQ + Q_BYTES;
   unsigned char* const sV = sK + STAGES * KV_BYTES;
-  unsigned long long* const bars = reinterpret_cast<unsigned long long*>(sV + STAGES * KV_BYTES);
+  constexpr bool O_OWN = fa90::o_has_own_buffer(Q_BYTES, 2 * STAGES * KV_BYTES);
+  // Head dim 256 keeps the stores from registers: the staging code costs it a spill in the main loop.
+  constexpr bool O_TMA = D <= 192;
+  constexpr bool Q_EARLY = O_OWN || !O_TMA;  // Q is released after the tile's last S, not after its epilogue
+  unsigned char* const sO = O_OWN ? sV + STAGES * KV_BYTES : sQ;
+  unsigned long long* const bars = reinterpret_cast<unsigned long long*>(sV + STAGES * KV_BYTES +
+                                                                         (O_OWN ? Q_BYTES : 0));
   unsigned long long* const q_full = bars;
   unsigned long long* const q_empty = bars + 1;
   unsigned long long* const k_full = bars + 2;
@@ -161,6 +192,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       sc::tma_prefetch_map(&tmap_q);
       sc::tma_prefetch_map(&tmap_k);
       sc::tma_prefetch_map(&tmap_v);
+      sc::tma_prefetch_map(&tmap_o);
       int stage = 0, tslot = 0;
       unsigned phase = 0, q_phase = 0, tphase = 0;
       // Dynamic schedule: after its first tile (blockIdx.x) a CTA takes the next unclaimed one from a global
@@ -385,7 +417,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     fence_s();
     if (lane == 0) {
       sc::mbar_arrive(&k_empty[stage]);
-      if (nb == t.n_begin) sc::mbar_arrive(q_empty);
+      if (Q_EARLY && nb == t.n_begin) sc::mbar_arrive(q_empty);
     }
     {
       float corr[2];
@@ -412,7 +444,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       fence_s();
       if (lane == 0) {
         sc::mbar_arrive(&k_empty[stage]);
-        if (nb == t.n_begin) sc::mbar_arrive(q_empty);
+        if (Q_EARLY && nb == t.n_begin) sc::mbar_arrive(q_empty);
       }
       float corr[2];
       const bool grow = softmax(nb, corr);
@@ -439,28 +471,68 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     if (lane == 0) sc::mbar_arrive(&v_empty[prev()]);
     FA90_MARK(titer, 6);
 
-    // Epilogue: normalize and store straight from the accumulators (rows past the sequence are dropped).
+    // Epilogue: normalize; this warpgroup's 64 rows go out by one TMA store per 64 columns, staged in shared
+    // memory in the 128-byte-swizzled layout the tensor map expects (conflict-free: the 8 rows g of a warp's
+    // 4-byte writes land in 8 different 16-byte units).  Varlen rows past the sequence belong to the next one,
+    // so a partial 64-row block is stored from the registers instead.
+    float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = row_sum[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      inv[h] = l > 0.f ? 1.f / l : 0.f;
       const int r = row_in_tile + 8 * h;
-      if (r < t.rows_q) {
-        T* const o_row = o_rows() + r * o_row_stride + 2 * q4;
+      if (r < t.rows_q && lse != nullptr && q4 == 0)
+        lse_rows()[r] = l > 0.f ? (row_max[h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
+    }
+    const int wg_rows = t.rows_q - cw * 64;  // rows of this warpgroup inside the sequence
+    if (O_TMA && (wg_rows >= 64 || (!varlen && wg_rows > 0))) {
+      unsigned char* const o_tile = sO + cw * 64 * 128;
+      if (O_OWN) {  // the previous tile's store must have read the buffer
+        if (tid == 0) fa90::bulk_wait_read_all();
+        sc::named_bar_sync(8 + cw, 128);
+      }
+      unsigned char* const o_thread = o_tile + (warp * 16 + g) * 128 + q4 * 4;
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-          if (j * 8 < head_dim)
-            *reinterpret_cast<unsigned*>(o_row + j * 8) =
-                pack_f32x2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-        if (lse != nullptr && q4 == 0)
-          lse_rows()[r] = l > 0.f ? (row_max[h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
+      for (int j = 0; j < D / 8; ++j) {
+        unsigned char* const o_unit = o_thread + (j / 8) * BM * 128 + (((j % 8) ^ g) * 16);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<unsigned*>(o_unit + h * 8 * 128) =
+              pack_f32x2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
+      }
+      fa90::fence_proxy_async_smem();
+      sc::named_bar_sync(8 + cw, 128);
+      if (tid == 0) {
+        const int bc = varlen ? 0 : t.batch;
+#pragma unroll
+        for (int c = 0; c < DC; ++c)
+          if (c * 64 < head_dim)
+            fa90::tma_store_4d(&tmap_o, o_tile + c * BM * 128, c * 64, t.q_off + t.m0 + cw * 64, t.head, bc);
+        fa90::bulk_commit();
+        if (!O_OWN) fa90::bulk_wait_read_all();  // Q's buffer is refilled once every consumer releases it
+      }
+      if (!O_OWN) sc::named_bar_sync(8 + cw, 128);
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_in_tile + 8 * h;
+        if (r < t.rows_q) {
+          T* const o_row = o_rows() + r * o_row_stride + 2 * q4;
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j)
+            if (j * 8 < head_dim)
+              *reinterpret_cast<unsigned*>(o_row + j * 8) =
+                  pack_f32x2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
+        }
       }
     }
+    if (O_TMA && !O_OWN && lane == 0) sc::mbar_arrive(q_empty);
     FA90_MARK(titer, 7);
   }
   FA90_MARK(FA90_TRACE_ITERS - 2, 2);
   FA90_MARK_V(FA90_TRACE_ITERS - 2, 3, fa90_globaltimer());
   if (PINGPONG && cw == 0) sc::named_bar_sync(1, 256);  // the last consumer's last hand-over
+  if (tid == 0) fa90::bulk_wait_all();  // shared memory must outlive the stores reading it
 }

@@ -129,8 +129,12 @@ def sm90_head_dim(head_dim: int) -> int:
 
 
 def smem_bytes_sm90(d: int, bn: int, stages: int, nc: int = 2) -> int:
-    """Q, the K and V stages, the mbarriers, and 1 KB to align the tiles to the 128-byte swizzle's period."""
-    return 64 * nc * d * 2 + 2 * stages * bn * d * 2 + (2 + 4 * stages + 4) * 8 + 2 * 4 + 1024
+    """Q, the K and V stages, O's staging buffer for its TMA store where they fit in 200 KB (else O is staged in
+    Q's buffer: kernels/attention_sm90.cu, o_has_own_buffer), the mbarriers, and 1 KB to align the tiles to the
+    128-byte swizzle's period."""
+    q, ring = 64 * nc * d * 2, 2 * stages * bn * d * 2
+    o = q if 2 * q + ring <= 200 * 1024 else 0
+    return q + ring + o + (2 + 4 * stages + 4) * 8 + 2 * 4 + 1024
 
 
 @lru_cache(maxsize=None)
@@ -328,7 +332,7 @@ def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, s
     num_m = -(-max_seqlen_q // bm)
     num_tiles = num_m * nheads * batch
     maps = []
-    for a, rows in ((qa, bm), (ka, bn), (va, bn)):
+    for a, rows in ((qa, bm), (ka, bn), (va, bn), (oa, 64)):
         dims, strides = _tma_strides(a, varlen)
         maps.append(_tma.tile_map(a.ptr, a.dtype, dims, strides, (64, rows, 1, 1)))
     os_ = (0, oa.strides[0], oa.strides[1]) if varlen else (oa.strides[0], oa.strides[1], oa.strides[2])
