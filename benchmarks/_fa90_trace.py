@@ -1,9 +1,9 @@
 """Where the sm_90 attention kernel's time goes, per tile: the kernel compiled with -DFA90_TRACE stamps clock64()
 at each phase of each tile (kernels/attention_sm90.cu); this prints the mean phase durations in microseconds.
 
-    PYTHONPATH=. python3 benchmarks/_fa90_trace.py [--ab]
+    PYTHONPATH=. python3 benchmarks/_fa90_trace.py [--ab=-DSWITCH[,-DOTHER]]...
 
---ab also times the given alternative tile configurations against the default, in the same process.
+Each --ab= also times the kernels built with those extra options against the default build, in one process.
 """
 import os
 import sys
@@ -83,6 +83,11 @@ def trace(b, d, causal, s):
               f"{nblk.mean():.1f}, tile {per_tile.mean():.2f} us: " +
               ", ".join(f"{n} {p.mean():.2f}" for n, p in zip(CONS, ph)) +
               f"; loop/block {loop_per_blk[nblk > 1].mean() if (nblk > 1).any() else 0:.2f}")
+        e6, e10, e11, e7 = (c[:, :ITERS - 2, i][valid] for i in (6, 10, 11, 7))
+        tma = e10 != 0
+        if tma.any():
+            print(f"    epilogue by TMA ({tma.mean() * 100:.0f}% of tiles): to staging free {us(e10 - e6)[tma].mean():.2f}, "
+                  f"smem writes+fence {us(e11 - e10)[tma].mean():.2f}, barrier+issue {us(e7 - e11)[tma].mean():.2f}")
     p = tr[:, 0]
     valid = p[:, :ITERS - 2, 5] != 0
     claims = []
@@ -97,42 +102,49 @@ def trace(b, d, causal, s):
     return ms_plain
 
 
-def ab(b):
-    """Time alternative (BN, stages, NC, pingpong) configurations against the default on the short cases."""
+AB_CASES = [(64, True, 512), (64, True, 1024), (64, True, 2048), (64, True, 4096), (64, False, 512),
+            (128, False, 512), (128, True, 512), (128, False, 16384), (256, False, 2048), (256, True, 2048)]
+
+
+def with_options(extra):
+    """A stand-in for attention._kernel_sm90 that adds compile options (-D switches) to every variant."""
+    orig = att._kernel_sm90
+
+    def make(*a):
+        k = orig(*a)
+        return att.Kernel(k.source, k.name, k.options + tuple(extra), hopper=True)
+
+    return make
+
+
+def ab(b, variants):
+    """ours (default build) and each variant (extra -D options) against cuDNN, same process, bf16."""
     torch = b.torch
-    alts = [(128, 2, 2, True), (128, 2, 2, False), (128, 4, 2, True), (128, 4, 3, True), (64, 4, 2, True),
-            (64, 4, 3, True), (192, 2, 2, True)]
-    rows = []
-    for d, causal, s in [(128, False, 512), (128, True, 512), (64, True, 512), (64, True, 1024), (64, True, 2048),
-                         (128, False, 2048)]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    orig = att._kernel_sm90
+    for d, causal, s in AB_CASES:
         batch, h = max(1, 16384 // s), 2048 // d
         q, k, v = (torch.randn(batch, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         flops = 4 * batch * h * s * s * d / (2 if causal else 1)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             f = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa
             f()
             cudnn = flops / b.time_ms(f) / 1e9
-        base = flops / b.time_ms(lambda: speedcore.flash_attn(q, k, v, causal=causal)) / 1e9
-        line = f"d{d} {'causal' if causal else 'full'} s{s}: cudnn {cudnn:.0f} default {base:.0f} ({base / cudnn:.3f})"
-        orig = att.flash_attn_sm90_config
-        for alt in alts:
-            bn, st, nc, pp = alt
-            if att.smem_bytes_sm90(d, bn, st, nc) > 227 * 1024:
-                continue
-            att.flash_attn_sm90_config = lambda hd, m=False, sc=False, sh=False, alt=alt: (att.sm90_head_dim(hd), *alt)
+        run = lambda: speedcore.flash_attn(q, k, v, causal=causal)  # noqa: E731
+        line = f"d{d} {'causal' if causal else 'full'} s{s}: cudnn {cudnn:.0f}"
+        for name, extra in [("default", ())] + variants:
+            att._kernel_sm90 = with_options(extra) if extra else orig
             try:
-                t = flops / b.time_ms(lambda: speedcore.flash_attn(q, k, v, causal=causal)) / 1e9
-                line += f" | {alt}: {t / cudnn:.3f}"
+                run()
+                t = flops / b.time_ms(run) / 1e9
+                line += f" | {name} {t:.0f} ({t / cudnn:.3f})"
             except Exception as exc:  # noqa: BLE001
-                line += f" | {alt}: {type(exc).__name__}"
+                line += f" | {name}: {type(exc).__name__}: {exc}"[:200]
             finally:
-                att.flash_attn_sm90_config = orig
-        rows.append(line)
+                att._kernel_sm90 = orig
         print(line, flush=True)
-    return rows
 
 
 def _compile_one(k):
@@ -147,10 +159,11 @@ def precompile():
     from concurrent.futures import ProcessPoolExecutor
 
     ks = []
-    for d, causal, s in CASES:
+    extras = [("-DFA90_TRACE",)] + [tuple(a[5:].split(",")) for a in sys.argv[1:] if a.startswith("--ab=")]
+    for d, causal, s in CASES + AB_CASES:
         for dtype in ("bfloat16", "float16"):
             kern, _ = kernel_for(dtype, d, causal, s)
-            for k in (kern, att.Kernel(kern.source, kern.name, kern.options + ("-DFA90_TRACE",), hopper=True)):
+            for k in [kern] + [att.Kernel(kern.source, kern.name, kern.options + e, hopper=True) for e in extras]:
                 if k not in ks:
                     ks.append(k)
     with ProcessPoolExecutor(min(len(ks), os.cpu_count() or 1)) as ex:
@@ -165,9 +178,10 @@ def main():
     b = Bench(quick=False)
     for d, causal, s in CASES:
         trace(b, d, causal, s)
-    if "--ab" in sys.argv:
+    variants = [(a[5:], tuple(a[5:].split(","))) for a in sys.argv[1:] if a.startswith("--ab=")]
+    if variants:
         print()
-        ab(b)
+        ab(b, variants)
 
 
 if __name__ == "__main__":

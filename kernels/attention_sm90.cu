@@ -61,6 +61,12 @@ __device__ __forceinline__ void tma_store_4d(const sc::TmaMap* map, const void* 
                "r"(x), "r"(y), "r"(z), "r"(w), "r"(sc::smem_addr(smem_src))
                : "memory");
 }
+__device__ __forceinline__ void tma_prefetch_l2_4d(const sc::TmaMap* map, int x, int y, int z, int w) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(x), "r"(y), "r"(z), "r"(w)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -134,8 +140,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   constexpr int KP = BN / 16;                // k-steps of P V
   static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 192 && (NC == 2 || NC == 3), "unsupported tile");
   constexpr int CONSUMER_WARPS = 4 * NC;
-  // registers: the producer keeps 24, the consumers share the rest of the 64K (multiples of 8)
-  constexpr int CONSUMER_REGS = ((65536 / 128 - 24) / NC) / 8 * 8 > 240 ? 240 : ((65536 / 128 - 24) / NC) / 8 * 8;
+  // registers: the producer keeps 32, the consumers share the rest of the 64K (multiples of 8, at most 240)
+  constexpr int PRODUCER_REGS = 32;
+  constexpr int CONSUMER_SHARE = ((65536 / 128 - PRODUCER_REGS) / NC) / 8 * 8;
+  constexpr int CONSUMER_REGS = CONSUMER_SHARE > 240 ? 240 : CONSUMER_SHARE;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The 128-byte swizzle repeats every 1024 bytes and the wgmma descriptors assume tiles aligned to it.
@@ -187,7 +195,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   const bool varlen = cu_seqlens_q != nullptr;
 
   if (wg == 0) {
-    sc::setmaxnreg_dec<24>();
+    sc::setmaxnreg_dec<PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       sc::tma_prefetch_map(&tmap_q);
       sc::tma_prefetch_map(&tmap_k);
@@ -197,9 +205,14 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       unsigned phase = 0, q_phase = 0, tphase = 0;
       // Dynamic schedule: after its first tile (blockIdx.x) a CTA takes the next unclaimed one from a global
       // counter, so SMs that drew light tiles (causal, short sequences) take more of them.  The tile index
-      // reaches the consumers through a two-slot ring; num_tiles or more means "done".
+      // reaches the consumers through a two-slot ring; num_tiles or more means "done".  The next tile is
+      // claimed one tile ahead, and its Q (read from DRAM exactly once) prefetched into L2, so that neither the
+      // claim's round trip nor Q's DRAM latency sits between two tiles.
       int piter = 0;
-      for (int tile = blockIdx.x;; tile = gridDim.x + atomicAdd(tile_counter, 1), ++piter) {
+      for (int tile = blockIdx.x, next;; tile = next, ++piter) {
+#ifndef FA90_NO_LOOKAHEAD
+        next = tile < num_tiles ? (int)gridDim.x + atomicAdd(tile_counter, 1) : num_tiles;
+#endif
         FA90_MARK(piter, 0);
         sc::mbar_wait(&tile_empty[tslot], tphase ^ 1);
         FA90_MARK(piter, 1);
@@ -210,8 +223,27 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
           tphase ^= 1;
         }
         if (tile >= num_tiles) break;
+#ifdef FA90_NO_LOOKAHEAD
+        next = (int)gridDim.x + atomicAdd(tile_counter, 1);
+#endif
+        // only Q's coordinates (the producer has 32 registers): a tile that turns out empty just wastes a prefetch
+        auto prefetch_next_q = [&]() {
+#ifndef FA90_NO_LOOKAHEAD
+          if (next < num_tiles) {
+            const int m_idx = next % num_m, rest = next / num_m;
+            const int head = rest % nheads, batch = rest / nheads;
+            const int y = (reverse_m ? num_m - 1 - m_idx : m_idx) * BM + (varlen ? __ldg(cu_seqlens_q + batch) : 0);
+#pragma unroll
+            for (int c = 0; c < DC; ++c)
+              fa90::tma_prefetch_l2_4d(&tmap_q, c * 64, y, head, varlen ? 0 : batch);
+          }
+#endif
+        };
         const fa90::Tile t = info(tile);
-        if (t.rows_q <= 0 || t.n_begin >= t.n_end) continue;
+        if (t.rows_q <= 0 || t.n_begin >= t.n_end) {
+          prefetch_next_q();
+          continue;
+        }
         const int bc = varlen ? 0 : t.batch, kv_head = t.head / heads_per_kv;
         sc::mbar_wait(q_empty, q_phase ^ 1);
         FA90_MARK(piter, 2);
@@ -238,6 +270,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
             stage = 0;
             phase ^= 1;
           }
+          if (nb == t.n_end - 1) prefetch_next_q();  // behind this tile's Q and first K / V
         }
         FA90_MARK(piter, 5);
         FA90_MARK_V(piter, 8, tile);
@@ -493,6 +526,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
         if (tid == 0) fa90::bulk_wait_read_all();
         sc::named_bar_sync(8 + cw, 128);
       }
+      FA90_MARK(titer, 10);
       unsigned char* const o_thread = o_tile + (warp * 16 + g) * 128 + q4 * 4;
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
@@ -503,6 +537,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
               pack_f32x2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
       }
       fa90::fence_proxy_async_smem();
+      FA90_MARK(titer, 11);
       sc::named_bar_sync(8 + cw, 128);
       if (tid == 0) {
         const int bc = varlen ? 0 : t.batch;
