@@ -61,31 +61,37 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
   const int tile_n = (pid % per_group) / gsize;
   const int m0 = tile_m * BM, n0 = tile_n * BN;
 
-  auto load_stage = [&](int stage, int kt) {
+  // Loads of one stage: NA chunks of A then NB of B per thread, one cp.async each.
+  constexpr int NA = BM * BK / 8 / NT, NB = BN * BK / 8 / NT;
+  auto load_chunk = [&](int stage, int kt, int l) {
     const int k0 = kt * BK;
-    T* dA = sA + stage * A_TILE;
-#pragma unroll
-    for (int i = 0; i < BM * BK / 8 / NT; ++i) {
-      const int idx = tid + i * NT, r = idx / A_CH, c = idx % A_CH;
+    if (l < NA) {
+      const int idx = tid + l * NT, r = idx / A_CH, c = idx % A_CH;
       const int gm = m0 + r, gk = k0 + c * 8;
       const bool ok = gm < M && gk < K;
-      sc::cp_async16(dA + swizzle<A_CH>(r, c), ok ? a + gm * lda + gk : a, ok);
-    }
-    T* dB = sB + stage * B_TILE;
-#pragma unroll
-    for (int i = 0; i < BN * BK / 8 / NT; ++i) {
-      const int idx = tid + i * NT, r = idx / B_CH, c = idx % B_CH;
+      sc::cp_async16(sA + stage * A_TILE + swizzle<A_CH>(r, c), ok ? a + gm * lda + gk : a, ok);
+    } else {
+      const int idx = tid + (l - NA) * NT, r = idx / B_CH, c = idx % B_CH;
+      T* dB = sB + stage * B_TILE + swizzle<B_CH>(r, c);
       if constexpr (B_KMAJOR) {
         const int gn = n0 + r, gk = k0 + c * 8;
         const bool ok = gn < N && gk < K;
-        sc::cp_async16(dB + swizzle<B_CH>(r, c), ok ? b + gn * ldb + gk : b, ok);
+        sc::cp_async16(dB, ok ? b + gn * ldb + gk : b, ok);
       } else {
         const int gk = k0 + r, gn = n0 + c * 8;
         const bool ok = gk < K && gn < N;
-        sc::cp_async16(dB + swizzle<B_CH>(r, c), ok ? b + gk * ldb + gn : b, ok);
+        sc::cp_async16(dB, ok ? b + gk * ldb + gn : b, ok);
       }
     }
   };
+  auto load_stage = [&](int stage, int kt) {
+#pragma unroll
+    for (int l = 0; l < NA + NB; ++l) load_chunk(stage, kt, l);
+  };
+  // In the main loop the next stage's loads are spread over the k16 steps, each share issued behind that
+  // step's mma.syncs: address arithmetic and cp.async issue then overlap the Tensor Core work instead of
+  // sitting between the barrier and the first mma (where both warps of an SM sub-partition stalled on it).
+  constexpr int LOADS_PER_STEP = (NA + NB + KSTEPS - 1) / KSTEPS;
 
   float acc[MT][NT8][4];
 #pragma unroll
@@ -105,8 +111,8 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
   for (int kt = 0; kt < KT; ++kt) {
     sc::cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage kt is visible to all; stage kt - 1 is no longer read by anyone
-    if (kt + STAGES - 1 < KT) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
-    sc::cp_async_commit();
+    const bool load_next = kt + STAGES - 1 < KT;
+    const int next_stage = (kt + STAGES - 1) % STAGES;
 
     const T* tA = sA + (kt % STAGES) * A_TILE;
     const T* tB = sB + (kt % STAGES) * B_TILE;
@@ -136,7 +142,13 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT8; ++nt) sc::mma_16816<T>(acc[mt][nt], af[mt], bf[nt]);
+      if (load_next) {
+#pragma unroll
+        for (int l = ks * LOADS_PER_STEP; l < (ks + 1) * LOADS_PER_STEP && l < NA + NB; ++l)
+          load_chunk(next_stage, kt + STAGES - 1, l);
+      }
     }
+    sc::cp_async_commit();
   }
 
   if constexpr (WK > 1) {

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) GEMM: TMA -> multi-stage shared-memory ring (mbarriers) -> wgmma, warp-specialized and
-// persistent, with the fused bias + activation epilogue of kernels/gemm.cu.
+// persistent, with the fused bias + activation epilogue written back by TMA stores.
 //
 //   out[m, n] = act(sum_k a[m, k] * B(k, n) + bias[n])
 //
@@ -8,36 +8,72 @@
 // x 64 n (128 bytes, swizzled), and wgmma reads it transposed (MN-major descriptor).
 //
 // 384 threads: warpgroup 0 is the producer (one thread issues every TMA load; its registers are given
-// back with setmaxnreg.dec), warpgroups 1 and 2 are consumers that each own BM / 2 rows of the BM x BN tile
-// and run m64nBNk16 wgmmas from the ring.  Tiles are handed out statically (tile = blockIdx.x + i * grid) in
-// grouped order, so the producer runs ahead into the next tile while the consumers write the last one.
+// back with setmaxnreg.dec), warpgroups 1 and 2 are consumers.  With BM >= 128 each consumer owns BM / 2 rows
+// of the BM x BN tile; with BM = 64 (decode-sized M) each owns BN / 2 columns of it.  Tiles are handed out
+// statically (tile = blockIdx.x + i * grid) in grouped order, so the producer runs ahead into the next tile
+// while the consumers finish the last one.
 //
 // Ring slot s holds A (BM x 64) and B (BN x 64), each row 128 bytes with the 128-byte swizzle.  full[s]
 // completes when the slot's TMA bytes have landed; empty[s] completes when all 8 consumer warps are done
 // reading it.  Each consumer keeps one wgmma group in flight: slot s is released after the group of slot
 // s + 1 was issued and the group of slot s has retired.
+//
+// Epilogue: each consumer converts its accumulators (+ bias, activation) into a swizzled staging buffer of its
+// own and one of its threads stores it with TMA (asynchronously: the consumer goes on with the next tile's
+// wgmmas while the global writes drain, so the Tensor Cores no longer idle for the whole store).  The store
+// clips at M and N, so partial tiles need no predicates.  A warpgroup tile larger than the staging buffer
+// goes out in rounds; a round waits only until the previous round's TMA store has read the buffer.
 #include "common/types.cuh"
 #include "common/epilogue.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 
+namespace {
+
+// The epilogue's store boxes: 64 rows x SB columns, rows of SB * 2 bytes stored with the swizzle of that width
+// (128, 64 or 32 bytes), which spreads one warp's 8 rows x 16 bytes over all 32 banks.
+template <int WG_N> struct StoreBox {
+  static constexpr int SB = WG_N % 64 == 0 ? 64 : (WG_N % 32 == 0 ? 32 : 16);
+  static constexpr int BYTES = 64 * SB * 2;
+  static constexpr int MASK = SB * 2 / 16 - 1;  // 16-byte chunks per row, minus one
+  static __device__ __forceinline__ int offset(int row, int col) {
+    const int o = row * (SB * 2) + col * 2;
+    return o ^ (((o >> 7) & MASK) << 4);
+  }
+};
+
+constexpr int kEpiBytes = 16384;  // staging buffer per consumer warpgroup (at most)
+
+}  // namespace
+
 template <typename T, int BM, int BN, int STAGES, bool B_KMAJOR>
 __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
-    const __grid_constant__ sc::TmaMap tmap_a, const __grid_constant__ sc::TmaMap tmap_b, T* __restrict__ out,
-    const T* __restrict__ bias, int M, int N, int K, long long ldo, int act, int group_m) {
+    const __grid_constant__ sc::TmaMap tmap_a, const __grid_constant__ sc::TmaMap tmap_b,
+    const __grid_constant__ sc::TmaMap tmap_out, const T* __restrict__ bias, int M, int N, int K, int act,
+    int group_m) {
   constexpr int BK = 64;
   constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
-  constexpr int WG_M = BM / 2;     // rows per consumer warpgroup
-  constexpr int MI = WG_M / 64;    // m64 blocks per consumer
-  constexpr int NACC = BN / 2;     // accumulators per m64 block per thread
-  static_assert(WG_M % 64 == 0 && BN % 64 == 0 && BN <= 256, "unsupported tile");
+  constexpr bool SPLIT_N = BM == 64;             // consumers split the columns instead of the rows
+  constexpr int WG_M = SPLIT_N ? 64 : BM / 2;    // rows per consumer warpgroup
+  constexpr int WG_N = SPLIT_N ? BN / 2 : BN;    // columns per consumer warpgroup
+  constexpr int MI = WG_M / 64;                  // m64 blocks per consumer
+  constexpr int NACC = WG_N / 2;                 // accumulators per m64 block per thread
+  static_assert(WG_M % 64 == 0 && WG_N % 16 == 0 && WG_N <= 256, "unsupported tile");
+  static_assert(B_KMAJOR || WG_N % 64 == 0, "an N-major B is read in 64-column blocks");
+  static_assert(A_BYTES % 1024 == 0 && B_BYTES % 1024 == 0, "ring tiles must keep 1024-byte alignment");
+  using Box = StoreBox<WG_N>;
+  constexpr int NBOX_N = WG_N / Box::SB, NBOX = MI * NBOX_N;
+  constexpr int EPI_BYTES = NBOX * Box::BYTES < kEpiBytes ? NBOX * Box::BYTES : kEpiBytes;
+  constexpr int BOX_PER_ROUND = EPI_BYTES / Box::BYTES;
+  constexpr int ROUNDS = (NBOX + BOX_PER_ROUND - 1) / BOX_PER_ROUND;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The 128-byte swizzle pattern repeats every 1024 bytes and wgmma descriptors assume tiles aligned to it.
   unsigned char* smem = smem_raw + ((1024u - (sc::smem_addr(smem_raw) & 1023u)) & 1023u);
   unsigned char* ring_a = smem;
   unsigned char* ring_b = smem + STAGES * A_BYTES;
-  unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + STAGES * (A_BYTES + B_BYTES));
+  unsigned char* staging = ring_b + STAGES * B_BYTES;
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(staging + 2 * EPI_BYTES);
   unsigned long long* empty = full + STAGES;
 
   const int wg = threadIdx.x / 128;
@@ -94,55 +130,106 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
   sc::setmaxnreg_inc<232>();
   const int cw = wg - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-  float acc[MI][NACC];
-  int stage = 0;
-  unsigned phase = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int m0, n0;
-    tile_origin(tile, m0, n0);
-    int prev_stage = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      sc::mbar_wait(&full[stage], phase);
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[mi][i]);
-      sc::wgmma_fence();
-      const unsigned char* a_tile = ring_a + stage * A_BYTES + cw * WG_M * 128;
-      const unsigned char* b_tile = ring_b + stage * B_BYTES;
-#pragma unroll
-      for (int k16 = 0; k16 < BK / 16; ++k16) {
-        const unsigned long long db = B_KMAJOR ? sc::wgmma_desc_k128(b_tile + k16 * 32)
-                                               : sc::wgmma_desc_mn128(b_tile + k16 * 16 * 128, BK * 128);
+  const int wg_m0 = SPLIT_N ? 0 : cw * WG_M, wg_n0 = SPLIT_N ? cw * WG_N : 0;  // this consumer's sub-tile
+  unsigned char* epi = staging + cw * EPI_BYTES;
+  if (t == 0) sc::tma_prefetch_map(&tmap_out);
+  // One copy of the consumer loop per activation (the launch runs one): a switch inside the loop kept
+  // values live across five epilogues and made the 256 x 128 tile spill.
+  sc::with_activation(act, [&](auto tag) {
+    constexpr int ACT = decltype(tag)::value;
+    float acc[MI][NACC];
+    int stage = 0;
+    unsigned phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      int m0, n0;
+      tile_origin(tile, m0, n0);
+      int prev_stage = -1;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        sc::mbar_wait(&full[stage], phase);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
-          sc::Wgmma<BN, T, B_KMAJOR ? 0 : 1>::mma(acc[mi], sc::wgmma_desc_k128(a_tile + mi * 64 * 128 + k16 * 32), db,
-                                (kb > 0 || k16 > 0) ? 1 : 0);
+#pragma unroll
+          for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[mi][i]);
+        sc::wgmma_fence();
+        const unsigned char* a_tile = ring_a + stage * A_BYTES + wg_m0 * 128;
+        const unsigned char* b_tile =
+            ring_b + stage * B_BYTES + (B_KMAJOR ? wg_n0 * 128 : (wg_n0 / 64) * (BK * 128));
+#pragma unroll
+        for (int k16 = 0; k16 < BK / 16; ++k16) {
+          const unsigned long long db = B_KMAJOR ? sc::wgmma_desc_k128(b_tile + k16 * 32)
+                                                 : sc::wgmma_desc_mn128(b_tile + k16 * 16 * 128, BK * 128);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+            sc::Wgmma<WG_N, T, B_KMAJOR ? 0 : 1>::mma(acc[mi], sc::wgmma_desc_k128(a_tile + mi * 64 * 128 + k16 * 32),
+                                                    db, (kb > 0 || k16 > 0) ? 1 : 0);
+        }
+        sc::wgmma_commit();
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[mi][i]);
+        // The previous slot's group has retired once at most this one is pending.
+        sc::wgmma_wait<1>();
+        if (prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
+        prev_stage = stage;
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
       }
-      sc::wgmma_commit();
+      sc::wgmma_wait<0>();
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[mi][i]);
-      // The previous slot's group has retired once at most this one is pending.
-      sc::wgmma_wait<1>();
-      if (prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
-      prev_stage = stage;
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
+      if (lane == 0) sc::mbar_arrive(&empty[prev_stage]);
+
+      // Accumulator (mi, 8-column block j, e) sits at row mi * 64 + 16 warp + g (+ 8 for e >= 2) and column
+      // 8 j + 2 q (+ 1 for odd e) of this consumer's sub-tile.
+      const int g = lane / 4, q = lane % 4;
+      // This lane's byte offsets in a store box (rows g and g + 8 of its warp's 16, column 2 q); column block j
+      // adds 16 j bytes, which the swizzle turns into an XOR on the chunk bits (rows are 16 and 8 apart, so
+      // the row's swizzle bits are those of g).
+      const int lane_offset[2] = {Box::offset(16 * warp + g, 2 * q), Box::offset(16 * warp + g + 8, 2 * q)};
+#pragma unroll
+      for (int r = 0; r < ROUNDS; ++r) {
+        // The staging buffer is free once the previous TMA store has read it.
+        if (t == 0) sc::bulk_wait_group_read<0>();
+        sc::named_bar_sync(1 + cw, 128);
+#pragma unroll
+        for (int j = 0; j < WG_N / 8; ++j) {
+          float b0 = 0.f, b1 = 0.f;
+          const int col = n0 + wg_n0 + 8 * j + 2 * q;
+          if (bias != nullptr && col < N) {
+            const float2 bb = sc::unpack2<T>(*reinterpret_cast<const unsigned*>(bias + col));
+            b0 = bb.x;
+            b1 = bb.y;
+          }
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            const int box = mi * NBOX_N + (8 * j) / Box::SB;
+            if (box / BOX_PER_ROUND != r) continue;
+            unsigned char* dst = epi + (box % BOX_PER_ROUND) * Box::BYTES;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float v0 = sc::activate<ACT>(acc[mi][4 * j + 2 * h] + b0);
+              const float v1 = sc::activate<ACT>(acc[mi][4 * j + 2 * h + 1] + b1);
+              *reinterpret_cast<unsigned*>(dst + (lane_offset[h] ^ (((8 * j) % Box::SB) * 2))) = sc::pack2<T>(v0, v1);
+            }
+          }
+        }
+        sc::fence_proxy_async();
+        sc::named_bar_sync(1 + cw, 128);
+        if (t == 0) {
+#pragma unroll
+          for (int b = r * BOX_PER_ROUND; b < NBOX && b < (r + 1) * BOX_PER_ROUND; ++b)
+            sc::tma_store_2d(&tmap_out, epi + (b % BOX_PER_ROUND) * Box::BYTES,
+                             n0 + wg_n0 + (b % NBOX_N) * Box::SB, m0 + wg_m0 + (b / NBOX_N) * 64);
+          sc::bulk_commit_group();
+        }
       }
     }
-    sc::wgmma_wait<0>();
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[mi][i]);
-    if (lane == 0) sc::mbar_arrive(&empty[prev_stage]);
-
-    const int g = lane / 4, q = lane % 4;
-    sc::store_fragments<T, MI, BN / 8>(out, ldo, bias, act, M, N, m0 + cw * WG_M + warp * 16 + g, 64, n0 + 2 * q,
-                                       m0 + BM <= M && n0 + BN <= N,
-                                       [&](int mi, int j, int e) { return acc[mi][4 * j + e]; });
-  }
+  });
+  // Shared memory must outlive the stores' reads; the writes complete before the grid does.
+  if (t == 0) sc::bulk_wait_group<0>();
 }

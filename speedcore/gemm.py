@@ -76,7 +76,8 @@ MMA_DEEP = {MMA_LARGE[0]: MmaConfig(128, 256, 64, 2, 4, 1, 4), MMA_LARGE[1]: Mma
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """Hopper kernel: CTA tile bm x bn (bk = 64, one 128-byte swizzle row), ring stages."""
+    """Hopper kernel: CTA tile bm x bn (bk = 64, one 128-byte swizzle row), ring stages.  bm = 64 tiles split
+    their columns between the two consumer warpgroups, larger ones their rows."""
     bm: int
     bn: int
     stages: int
@@ -85,13 +86,40 @@ class WgmmaConfig:
     threads = 384  # one producer + two consumer warpgroups
 
     @property
+    def wg_n(self) -> int:
+        return self.bn // 2 if self.bm == 64 else self.bn
+
+    @property
+    def store_box_cols(self) -> int:
+        """Columns of the epilogue's TMA store box (64 rows high); its rows are swizzled at their width."""
+        return 64 if self.wg_n % 64 == 0 else (32 if self.wg_n % 32 == 0 else 16)
+
+    @property
+    def staging(self) -> int:
+        """Bytes of one consumer's epilogue staging buffer (kernels/gemm_sm90.cu: EPI_BYTES)."""
+        wg_m = 64 if self.bm == 64 else self.bm // 2
+        return min(wg_m * self.wg_n * 2, _WGMMA_STAGING_MAX)
+
+    @property
     def smem(self) -> int:
-        # ring + one mbarrier pair per stage (the kernel aligns the ring to 1024 bytes)
-        return self.stages * (self.bm + self.bn) * self.bk * 2 + 1024 + 16 * self.stages
+        # ring + two staging buffers + one mbarrier pair per stage (the kernel aligns the ring to 1024 bytes)
+        return self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.staging + 1024 + 16 * self.stages
 
 
-WGMMA_TILES = ((128, 256), (256, 128), (128, 128), (128, 64))
-WGMMA_MAX_STAGES = 8
+_WGMMA_STAGING_MAX = 16384
+# Tiles and their relative Tensor Core efficiency (a guess from the instruction shapes: per-warpgroup
+# m64n256 keeps shared-memory reads per FLOP lowest; narrower wgmmas read A again for fewer columns).  bm = 64
+# tiles serve decode-sized M.  Tiles marked K-major only need B (k, n) = weight[n, k]: an N-major B is read
+# in 64-column blocks.
+WGMMA_TILE_EFFICIENCY = {(128, 256): 1.0, (256, 128): 1.0, (128, 224): 0.97, (128, 128): 0.9, (128, 64): 0.75,
+                         (64, 128): 0.7, (64, 64): 0.55, (64, 32): 0.4}
+WGMMA_TILES = tuple(WGMMA_TILE_EFFICIENCY)
+WGMMA_KMAJOR_ONLY = frozenset({(128, 224), (64, 64), (64, 32)})
+WGMMA_MAX_STAGES = 12
+
+
+def wgmma_tiles(b_kmajor: bool) -> tuple:
+    return tuple(t for t in WGMMA_TILES if b_kmajor or t not in WGMMA_KMAJOR_ONLY)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -131,19 +159,16 @@ def mma_config(m: int, n: int, k: int, sms: int, smem_per_sm: int, skinny: bool)
 
 
 @lru_cache(maxsize=4096)
-def wgmma_config(m: int, n: int, k: int, sms: int, smem_per_block: int) -> WgmmaConfig:
-    """DeepGEMM-style pure heuristic: the tile with the fewest waves on ``sms`` SMs, ties broken by the best
-    last-wave utilization and then by the larger tile; then as many stages as shared memory holds (max 8)."""
-    best, best_key = None, None
-    for bm, bn in WGMMA_TILES:
+def wgmma_config(m: int, n: int, k: int, sms: int, smem_per_block: int, b_kmajor: bool = True) -> WgmmaConfig:
+    """DeepGEMM-style pure heuristic: the tile with the least time on ``sms`` SMs, counted as waves (a wave: one
+    tile on every SM of the persistent grid) x tile area / tile efficiency, so padding and a partial last
+    wave both count; ties go to the earlier (larger) tile.  Then as many stages as shared memory holds."""
+    best, best_cost = None, None
+    for bm, bn in wgmma_tiles(b_kmajor):
         tiles = _ceil(m, bm) * _ceil(n, bn)
-        waves = _ceil(tiles, sms)
-        last = tiles - (waves - 1) * sms
-        # padding waste: rows/cols computed beyond m, n
-        useful = (m * n) / (_ceil(m, bm) * bm * _ceil(n, bn) * bn)
-        key = (waves / useful, -last / sms, -(bm * bn))
-        if best_key is None or key < best_key:
-            best, best_key = (bm, bn), key
+        cost = _ceil(tiles, sms) * bm * bn / WGMMA_TILE_EFFICIENCY[(bm, bn)]
+        if best_cost is None or cost < best_cost * (1 - 1e-9):
+            best, best_cost = (bm, bn), cost
     return WgmmaConfig(best[0], best[1], _wgmma_stages(best[0], best[1], smem_per_block))
 
 
@@ -183,8 +208,8 @@ def all_kernels() -> list:
             for cfg in (MMA_LARGE + tuple(MMA_DEEP.values()) + tuple(MMA_SKINNY.values())
                         + tuple(MMA_SKINNY_WIDE.values())):
                 out.append(_mma_kernel(dtype, cfg, kmajor))
-        for bm, bn in WGMMA_TILES:
-            for kmajor in (True, False):
+        for kmajor in (True, False):
+            for bm, bn in wgmma_tiles(kmajor):
                 out.append(_wgmma_kernel(dtype, WgmmaConfig(bm, bn, _wgmma_stages(bm, bn, _SM90_SMEM)), kmajor))
     return out
 
@@ -232,7 +257,10 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
             tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=n, cols=k, row_stride=ldb, box_rows=cfg.bn, box_cols=64)
         else:
             tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=k, cols=n, row_stride=ldb, box_rows=64, box_cols=64)
-        args = (tmap_a, tmap_b, oa.ptr, bias_ptr) + sizes + (np.int64(ldo), act, _GROUP_ARG)
+        box = cfg.store_box_cols
+        tmap_out = _tma.tile_map_2d(oa.ptr, oa.dtype, rows=m, cols=n, row_stride=ldo, box_rows=64, box_cols=box,
+                                    swizzle=_STORE_SWIZZLE[box])
+        args = (tmap_a, tmap_b, tmap_out, bias_ptr) + sizes + (act, _GROUP_ARG)
     else:
         args = (oa.ptr, aa.ptr, ba.ptr, bias_ptr) + sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act,
                                                             _GROUP_ARG)
@@ -241,6 +269,8 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
 
 _ACT_ARG = {name: np.int32(code) for name, code in ACTIVATIONS.items()}
 _GROUP_ARG = np.int32(GROUP_M)
+# CUtensorMapSwizzle for the epilogue's store box width (columns): rows of 128, 64 or 32 bytes.
+_STORE_SWIZZLE = {64: 3, 32: 2, 16: 1}
 
 
 @lru_cache(maxsize=8192)
@@ -250,7 +280,7 @@ def _plan(path: str, dtype: str, m: int, n: int, k: int, b_kmajor: bool, sms: in
     launch configuration and the size arguments (cached: the host time of a call matters for decode shapes)."""
     sizes = (np.int32(m), np.int32(n), np.int32(k))
     if path == "hopper":
-        cfg = wgmma_config(m, n, k, sms, smem_per_block)
+        cfg = wgmma_config(m, n, k, sms, smem_per_block, b_kmajor)
         grid = min(_ceil(m, cfg.bm) * _ceil(n, cfg.bn), sms)  # persistent: at most one CTA per SM
         return cfg, _wgmma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
     cfg = mma_config(m, n, k, sms, smem_per_sm, path == "skinny")

@@ -1,4 +1,5 @@
 """speedcore.matmul / speedcore.linear: heuristics here; correctness of every path on the GPU."""
+import dataclasses
 import math
 
 import pytest
@@ -47,19 +48,38 @@ def test_mma_config_large_problem_uses_largest_tile():
     assert gemm.mma_config(8192, 8192, 8192, 108, 167936, False) == gemm.MMA_LARGE[0]
 
 
+@pytest.mark.parametrize("kmajor", [True, False])
 @pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (8192, 8192, 8192), (512, 14336, 4096), (2048, 4096, 14336),
-                                 (65, 8, 8), (999, 264, 200)])
-def test_wgmma_config_minimizes_waves_and_fits(mnk):
+                                 (65, 8, 8), (999, 264, 200), (64, 8192, 8192), (512, 28672, 8192)])
+def test_wgmma_config_minimizes_time_and_fits(mnk, kmajor):
     m, n, k = mnk
-    cfg = gemm.wgmma_config(m, n, k, 132, 232448)
-    assert (cfg.bm, cfg.bn) in gemm.WGMMA_TILES
-    assert 2 <= cfg.stages <= 8 and cfg.smem <= 232448
-    waves = math.ceil(math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) / 132)
+    cfg = gemm.wgmma_config(m, n, k, 132, 232448, kmajor)
+    assert (cfg.bm, cfg.bn) in gemm.wgmma_tiles(kmajor)
+    assert 2 <= cfg.stages <= gemm.WGMMA_MAX_STAGES and cfg.smem <= 232448
+
+    def cost(bm, bn):
+        return math.ceil(math.ceil(m / bm) * math.ceil(n / bn) / 132) * bm * bn / gemm.WGMMA_TILE_EFFICIENCY[(bm, bn)]
+
+    assert all(cost(cfg.bm, cfg.bn) <= cost(bm, bn) * (1 + 1e-9) for bm, bn in gemm.wgmma_tiles(kmajor))
+
+
+def test_wgmma_config_picks_whole_waves():
+    # 512 x 28672: 448 tiles of 128 x 256 need 3.4 waves; 512 tiles of 128 x 224 fill 3.9.
+    assert (gemm.wgmma_config(512, 28672, 8192, 132, 232448, True).bn) == 224
+    assert (gemm.wgmma_config(512, 28672, 8192, 132, 232448, False).bn) != 224  # N-major B: 64-column blocks
+    assert gemm.wgmma_config(8192, 8192, 8192, 132, 232448, True) == gemm.WgmmaConfig(128, 256, 4)
+    assert gemm.wgmma_config(64, 8192, 8192, 132, 232448, True).bm == 64
+
+
+def test_wgmma_staging_matches_kernel():
+    """WgmmaConfig.staging / store_box_cols mirror EPI_BYTES / StoreBox in kernels/gemm_sm90.cu."""
     for bm, bn in gemm.WGMMA_TILES:
-        other = math.ceil(math.ceil(m / bm) * math.ceil(n / bn) / 132)
-        useful = m * n / (math.ceil(m / bm) * bm * math.ceil(n / bn) * bn)
-        mine = m * n / (math.ceil(m / cfg.bm) * cfg.bm * math.ceil(n / cfg.bn) * cfg.bn)
-        assert waves / mine <= other / useful + 1e-9
+        cfg = gemm.WgmmaConfig(bm, bn, 4)
+        wg_m = 64 if bm == 64 else bm // 2
+        assert cfg.wg_n * (2 if bm == 64 else 1) == bn
+        box_bytes = 64 * cfg.store_box_cols * 2
+        assert cfg.wg_n % cfg.store_box_cols == 0 and cfg.staging % box_bytes == 0
+        assert cfg.staging == min(wg_m * cfg.wg_n * 2, 16384)
 
 
 def test_every_launchable_variant_is_listed():
@@ -71,8 +91,8 @@ def test_every_launchable_variant_is_listed():
                 cfg = gemm.mma_config(m, n, k, 132, 233472, skinny)
                 for kmajor in (True, False):
                     assert gemm._mma_kernel(dtype, cfg, kmajor).name in names
-            w = gemm.wgmma_config(m, n, k, 132, 232448)
             for kmajor in (True, False):
+                w = gemm.wgmma_config(m, n, k, 132, 232448, kmajor)
                 assert gemm._wgmma_kernel(dtype, w, kmajor).name in names
 
 
@@ -202,6 +222,39 @@ def test_matmul_layouts(path, dtype, b_layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("tile", gemm.WGMMA_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_hopper_every_tile(tile, dtype, monkeypatch):
+    """Each wgmma tile (forced), both B layouts where it serves them: partial tiles in M and N (store boxes
+    clipped by TMA), several tiles per CTA (grid capped at 7 CTAs), bias + activation, a strided out view."""
+    torch = _torch()
+    if _dev_cc(torch) != (9, 0):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    import speedcore
+
+    bm, bn = tile
+    monkeypatch.setattr(gemm, "wgmma_config", lambda m, n, k, sms, smem, kmajor=True: gemm.WgmmaConfig(
+        bm, bn, gemm._wgmma_stages(bm, bn, smem)))
+    monkeypatch.setattr(gemm, "_plan", gemm._plan.__wrapped__)
+    real_info = gemm.device_info
+    monkeypatch.setattr(gemm, "device_info", lambda i: dataclasses.replace(real_info(i), sms=7))
+    dt = getattr(torch, dtype)
+    torch.manual_seed(bm + bn)
+    for m, n, k in [(3 * bm - 5, 4 * bn + 8, 328), (1, 24, 64)]:
+        x = torch.randn(m, k, device="cuda", dtype=dt)
+        w = torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)
+        bias = torch.randn(n, device="cuda", dtype=dt)
+        out_big = torch.full((m, n + 8), float("nan"), device="cuda", dtype=dt)
+        out = out_big[:, :n]
+        speedcore.linear(x, w, bias, activation="gelu", out=out, _path="hopper")
+        _assert_close(out, _ref(torch, x, w, bias, "gelu"), f"{tile} linear {m}x{n}x{k}")
+        assert out_big[:, n:].isnan().all(), "wrote outside the out view"
+        if tile not in gemm.WGMMA_KMAJOR_ONLY:
+            b = torch.randn(k, n, device="cuda", dtype=dt) / math.sqrt(k)
+            _assert_close(speedcore.matmul(x, b, _path="hopper"), x.float() @ b.float(), f"{tile} matmul {m}x{n}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_default_dispatch_many_tiles(dtype):
     """Default path on big-ish problems: more tiles than SMs (persistent loop, ring phases wrap)."""
     torch = _torch()
@@ -321,10 +374,10 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
         if path == "hopper":
             assert kernel.hopper and kernel.source == "gemm_sm90.cu"
             assert [type(v) for v in args[:2]] == [np.ndarray, np.ndarray] and args[0].dtype.itemsize == 128
-            assert args[2:4] == (3 << 20, 4 << 20)
+            assert type(args[2]) is np.ndarray and args[2].dtype.itemsize == 128 and args[3] == 4 << 20
             rest = args[4:]
-            assert [type(v) for v in rest] == [np.int32] * 3 + [np.int64, np.int32, np.int32]
-            assert [int(v) for v in rest] == [m, n, k, n, 2, gemm.GROUP_M]
+            assert [type(v) for v in rest] == [np.int32] * 5
+            assert [int(v) for v in rest] == [m, n, k, 2, gemm.GROUP_M]
         else:
             assert not kernel.hopper and kernel.source == "gemm.cu"
             assert args[:4] == (3 << 20, 1 << 20, 2 << 20, 4 << 20)
@@ -334,5 +387,6 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
     gemm._gemm(a, m, k, k, arr("b", (k, n), (n, 1), 5 << 20), n, n, False, None, None, o, n, None)
     kernel, cfg, args = calls[-1]
     assert kernel.hopper and kernel.name.endswith("false>") and args[3] == 0
+    assert [int(v) for v in args[4:]] == [m, n, k, 0, gemm.GROUP_M]
     with pytest.raises(ValueError, match="16-byte"):
         gemm._gemm(arr("x", (m, k), (k, 1), (1 << 20) + 2), m, k, k, w, n, k, True, None, None, o, n, None)

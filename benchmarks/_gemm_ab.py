@@ -1,0 +1,260 @@
+"""Ad-hoc same-process A/B for the GEMM kernels (not a bench suite: not recorded).
+
+Times cuBLAS, the previous kernels (kernels/gemm_sm90_prev.cu / gemm_prev.cu: copies of the last committed
+versions, made by the caller) and the current ones with the heuristic's and forced configs, interleaved per shape
+so clocks drift alike.  Prints one table (TFLOP/s or TB/s; ratio to cuBLAS in brackets).
+
+    PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere]
+"""
+import math
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+from speedcore import gemm
+from speedcore._compile import Kernel, compile_kernel
+
+SMS = 132
+CT = "__nv_bfloat16"
+OPT = ("-default-device",)
+
+
+NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
+_C = gemm.MmaConfig
+AMPERE_CFGS = [_C(128, 256, 64, 2, 4, 1, 4), _C(128, 256, 64, 2, 4, 1, 3), _C(256, 128, 64, 4, 2, 1, 4),
+               _C(128, 128, 64, 2, 4, 1, 6), _C(128, 128, 64, 2, 2, 1, 4), _C(128, 256, 32, 2, 4, 1, 6)]
+
+
+# -- the previous Hopper kernel and its heuristic ------------------------------------------------------------
+def old_wgmma_cfg(m, n, k):
+    best, best_key = None, None
+    for bm, bn in ((128, 256), (256, 128), (128, 128), (128, 64)):
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        waves = math.ceil(tiles / SMS)
+        last = tiles - (waves - 1) * SMS
+        useful = (m * n) / (math.ceil(m / bm) * bm * math.ceil(n / bn) * bn)
+        key = (waves / useful, -last / SMS, -(bm * bn))
+        if best_key is None or key < best_key:
+            best, best_key = (bm, bn), key
+    bm, bn = best
+    st = 8
+    while st > 2 and st * (bm + bn) * 128 + 1024 + 16 * st > 232448:
+        st -= 1
+    return bm, bn, st
+
+
+def old_wgmma_kernel(bm, bn, st, kmajor=True):
+    return Kernel("gemm_sm90_prev.cu", f"gemm_wgmma_prev_kernel<{CT}, {bm}, {bn}, {st}, {'true' if kmajor else 'false'}>",
+                  OPT, hopper=True)
+
+
+def old_hopper_fn(x, w, out, kmajor=True):
+    m, k = x.shape
+    n = w.shape[0] if kmajor else w.shape[1]
+    bm, bn, st = old_wgmma_cfg(m, n, k)
+    ta = _tma.tile_map_2d(x.data_ptr(), "bfloat16", rows=m, cols=k, row_stride=k, box_rows=bm, box_cols=64)
+    if kmajor:
+        tb = _tma.tile_map_2d(w.data_ptr(), "bfloat16", rows=n, cols=k, row_stride=k, box_rows=bn, box_cols=64)
+    else:
+        tb = _tma.tile_map_2d(w.data_ptr(), "bfloat16", rows=k, cols=n, row_stride=n, box_rows=64, box_cols=64)
+    tiles = math.ceil(m / bm) * math.ceil(n / bn)
+    cfg = LaunchConfig((min(tiles, SMS),), (384,), st * (bm + bn) * 128 + 1024 + 16 * st)
+    args = (ta, tb, out.data_ptr(), 0, np.int32(m), np.int32(n), np.int32(k), np.int64(n), np.int32(0), np.int32(8))
+    kern = old_wgmma_kernel(bm, bn, st, kmajor)
+    stream = A.stream_of(A.wrap(x, "x"))
+    return lambda: launch(kern, cfg, args, device=0, stream=stream)
+
+
+def old_mma_kernel(c, kmajor=True):
+    return Kernel("gemm_prev.cu", f"gemm_mma_prev_kernel<{CT}, {c.bm}, {c.bn}, {c.bk}, {c.wm}, {c.wn}, {c.wk}, "
+                                  f"{c.stages}, {'true' if kmajor else 'false'}>", OPT)
+
+
+def old_mma_fn(x, w, out, c):
+    m, k = x.shape
+    n = w.shape[0]
+    grid = math.ceil(m / c.bm) * math.ceil(n / c.bn)
+    cfg = LaunchConfig((grid,), (c.threads,), c.smem)
+    args = (out.data_ptr(), x.data_ptr(), w.data_ptr(), 0, np.int32(m), np.int32(n), np.int32(k), np.int64(k),
+            np.int64(k), np.int64(n), np.int32(0), np.int32(8))
+    kern = old_mma_kernel(c)
+    stream = A.stream_of(A.wrap(x, "x"))
+    return lambda: launch(kern, cfg, args, device=0, stream=stream)
+
+
+def time_forced(fn, wgmma=None, mma=None):
+    """Time fn with gemm's config functions replaced (the module looks them up at call time)."""
+    saved = gemm.wgmma_config, gemm.mma_config
+    try:
+        if wgmma is not None:
+            gemm.wgmma_config = lambda *a, **kw: gemm.WgmmaConfig(wgmma[0], wgmma[1],
+                                                                  gemm._wgmma_stages(wgmma[0], wgmma[1], 232448))
+        if mma is not None:
+            gemm.mma_config = lambda *a, **kw: mma
+        gemm._plan.cache_clear()
+        return b.time_ms(fn)
+    finally:
+        gemm.wgmma_config, gemm.mma_config = saved
+        gemm._plan.cache_clear()
+
+
+rows = []
+
+
+def report(label, m, n, k, times):
+    flops = 2 * m * n * k
+    nbytes = 2 * (m * k + n * k + m * n)
+    bw = m <= 64
+    val = {name: (nbytes / ms / 1e9 if bw else flops / ms / 1e9) for name, ms in times.items()}
+    ref = val.get("cublas")
+    cells = [f"{name}={v:.3g}" + (f"({v / ref:.3f})" if ref and name != "cublas" else "") for name, v in val.items()]
+    line = f"{label:28s} {'TB/s' if bw else 'TF/s'}  " + "  ".join(cells)
+    rows.append(line)
+    print(line, flush=True)
+
+
+def _compile_one(kk):
+    compile_kernel(kk, "sm_90a" if kk.hopper else "sm_90")
+
+
+def precompile_all():
+    """Every kernel the sections use, compiled in parallel into the disk cache (before CUDA is touched)."""
+    C = gemm.MmaConfig
+    kern = set()
+    shapes = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 28672, 8192), (8192, 4096, 4096)]
+    shapes += [(m, n, k) for m in (512, 2048) for n, k in NK]
+    for m, n, k in shapes:
+        kern.add(old_wgmma_kernel(*old_wgmma_cfg(m, n, k)))
+    for s in (4096, 8192):
+        kern.add(old_wgmma_kernel(*old_wgmma_cfg(s, s, s), kmajor=False))
+    for m in (16, 32, 64):
+        for n, k in NK:
+            kern.add(old_mma_kernel(gemm.mma_config(m, n, k, SMS, 233472, True)))
+    kern.add(old_mma_kernel(C(128, 256, 64, 2, 4, 1, 4)))
+    for c in AMPERE_CFGS:
+        kern.add(gemm._mma_kernel("bfloat16", c, True))
+    kern.update(gemm.all_kernels())
+    kern = sorted(kern, key=lambda kk: kk.name)
+    with ProcessPoolExecutor(16) as ex:
+        list(ex.map(_compile_one, kern))
+    print(f"precompiled {len(kern)} kernels", flush=True)
+
+
+def precompile(kernels):
+    pass  # done up front by precompile_all
+
+
+def hopper_section():
+    shapes = [(4096, 4096, 4096), (8192, 8192, 8192)]
+    shapes += [(m, n, k) for m in (512, 2048) for n, k in NK]
+    shapes += [(8192, 28672, 8192), (8192, 4096, 4096)]
+    kern = set()
+    for m, n, k in shapes:
+        kern.add(old_wgmma_kernel(*old_wgmma_cfg(m, n, k)))
+        kern.add(gemm._wgmma_kernel("bfloat16", gemm.wgmma_config(m, n, k, SMS, 232448, True), True))
+    for s in (4096, 8192):
+        kern.add(old_wgmma_kernel(*old_wgmma_cfg(s, s, s), kmajor=False))
+    kern.add(gemm._wgmma_kernel("bfloat16", gemm.WgmmaConfig(128, 256, 4), True))
+    precompile(kern)
+    for m, n, k in shapes:
+        x = torch.randn(m, k, dtype=DT, device="cuda")
+        w = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
+        out = torch.empty(m, n, dtype=DT, device="cuda")
+        cfg = gemm.wgmma_config(m, n, k, SMS, 232448, True)
+        t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
+             "old": b.time_ms(old_hopper_fn(x, w, out)),
+             f"new{cfg.bm}x{cfg.bn}": b.time_ms(lambda: speedcore.linear(x, w, out=out))}
+        if (cfg.bm, cfg.bn) != (128, 256):
+            t["new128x256"] = time_forced(lambda: speedcore.linear(x, w, out=out), wgmma=(128, 256))
+        report(f"linear {m}x{n}x{k}", m, n, k, t)
+    for s in (4096, 8192):
+        x = torch.randn(s, s, dtype=DT, device="cuda")
+        w = torch.randn(s, s, dtype=DT, device="cuda") / s ** 0.5
+        out = torch.empty(s, s, dtype=DT, device="cuda")
+        t = {"cublas": b.time_ms(lambda: torch.matmul(x, w)),
+             "old": b.time_ms(old_hopper_fn(x, w, out, kmajor=False)),
+             "new": b.time_ms(lambda: speedcore.matmul(x, w, out=out))}
+        report(f"matmul {s}^3", s, s, s, t)
+    x = torch.randn(4096, 4096, dtype=DT, device="cuda")
+    w = torch.randn(14336, 4096, dtype=DT, device="cuda") / 64
+    bias = torch.randn(14336, dtype=DT, device="cuda")
+    F = torch.nn.functional
+    t = {"cublas": b.time_ms(lambda: F.silu(F.linear(x, w, bias))),
+         "new": b.time_ms(lambda: speedcore.linear(x, w, bias, activation="silu"))}
+    report("linear+bias+silu 4096x14336", 4096, 14336, 4096, t)
+
+
+def small_section():
+    tiles = [(64, 32), (64, 64), (64, 128), (128, 64)]
+    kern = set()
+    for bm, bn in tiles:
+        kern.add(gemm._wgmma_kernel("bfloat16", gemm.WgmmaConfig(bm, bn, gemm._wgmma_stages(bm, bn, 232448)), True))
+    precompile(kern)
+    for m in (32, 64, 128):
+        for n, k in NK:
+            x = torch.randn(m, k, dtype=DT, device="cuda")
+            w = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
+            out = torch.empty(m, n, dtype=DT, device="cuda")
+            t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
+                 "default": b.time_ms(lambda: speedcore.linear(x, w, out=out))}
+            if m <= 64:
+                t["skinny"] = b.time_ms(lambda: speedcore.linear(x, w, out=out, _path="skinny"))
+                c = gemm.mma_config(m, n, k, SMS, dev.smem_per_sm, True)
+                t["skinny_old"] = b.time_ms(old_mma_fn(x, w, out, c))
+            for bm, bn in tiles:
+                t[f"h{bm}x{bn}"] = time_forced(lambda: speedcore.linear(x, w, out=out, _path="hopper"),
+                                               wgmma=(bm, bn))
+            report(f"linear {m}x{n}x{k}", m, n, k, t)
+    for n, k in [(4096, 4096), (14336, 4096), (28672, 8192), (8192, 8192)]:
+        m = 16
+        x = torch.randn(m, k, dtype=DT, device="cuda")
+        w = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
+        out = torch.empty(m, n, dtype=DT, device="cuda")
+        c = gemm.mma_config(m, n, k, SMS, dev.smem_per_sm, True)
+        t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
+             "skinny": b.time_ms(lambda: speedcore.linear(x, w, out=out)),
+             "skinny_old": b.time_ms(old_mma_fn(x, w, out, c))}
+        report(f"linear {m}x{n}x{k}", m, n, k, t)
+
+
+def ampere_section():
+    cfgs = AMPERE_CFGS
+    kern = [old_mma_kernel(cfgs[0])] + [gemm._mma_kernel("bfloat16", c, True) for c in cfgs]
+    precompile(kern)
+    s = 8192
+    x = torch.randn(s, s, dtype=DT, device="cuda")
+    w = torch.randn(s, s, dtype=DT, device="cuda") / s ** 0.5
+    out = torch.empty(s, s, dtype=DT, device="cuda")
+    t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
+         "old": b.time_ms(old_mma_fn(x, w, out, cfgs[0]))}
+    for c in cfgs:
+        try:
+            t[f"{c.bm}x{c.bn}x{c.bk}w{c.wm}{c.wn}s{c.stages}"] = time_forced(
+                lambda: speedcore.linear(x, w, out=out, _path="ampere"), mma=c)
+        except Exception as e:  # a config the launch refuses
+            print("skip", c, e)
+    report("ampere 8192^3", s, s, s, t)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["precompile"]:
+        precompile_all()
+        sys.exit(0)
+    import torch
+
+    import speedcore
+    from speedcore import _arrays as A
+    from speedcore import _tma
+    from speedcore._launch import LaunchConfig, device_info, launch
+    from speedcore.bench import Bench
+
+    b = Bench(quick=True)
+    dev = device_info(0)
+    SMS = dev.sms
+    DT = torch.bfloat16
+    parts = sys.argv[1:] or ["hopper", "small", "ampere"]
+    for p in parts:
+        {"hopper": hopper_section, "small": small_section, "ampere": ampere_section}[p]()
+    print("\n==== A/B summary (ratio to cuBLAS in brackets) ====")
+    print("\n".join(rows))
