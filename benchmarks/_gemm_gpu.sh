@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR=/tmp/scc
 O=${OUT:-/tmp/out}; mkdir -p $O; t0=$SECONDS
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
-timeout 200 python3 benchmarks/_gemm_ab.py precompile > $O/compile.log 2>&1; echo "compile rc=$? $((SECONDS-t0))s $(tail -n1 $O/compile.log)"
+timeout ${T_COMPILE:-200} python3 benchmarks/_gemm_ab.py precompile > $O/compile.log 2>&1; echo "compile rc=$? $((SECONDS-t0))s $(tail -n1 $O/compile.log)"
 timeout 60 python3 - <<'PY'
 import torch, speedcore
 x = torch.randn(1000, 1064, device="cuda", dtype=torch.bfloat16); w = torch.randn(264, 1064, device="cuda", dtype=torch.bfloat16) / 32
