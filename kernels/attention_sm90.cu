@@ -140,10 +140,14 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   constexpr int KP = BN / 16;                // k-steps of P V
   static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 192 && (NC == 2 || NC == 3), "unsupported tile");
   constexpr int CONSUMER_WARPS = 4 * NC;
-  // registers: the producer keeps 32, the consumers share the rest of the 64K (multiples of 8, at most 240)
-  constexpr int PRODUCER_REGS = 32;
-  constexpr int CONSUMER_SHARE = ((65536 / 128 - PRODUCER_REGS) / NC) / 8 * 8;
+  // Registers: the CTA starts with LAUNCH_REGS per thread (what __launch_bounds__(.., 1) lets ptxas use); the
+  // producer gives back down to 24 and the consumers may take only what it gave (setmaxnreg.inc waits for free
+  // registers: asking for more would hang), in multiples of 8, at most 240.
+  constexpr int LAUNCH_REGS = (65536 / (128 * (NC + 1))) / 8 * 8;
+  constexpr int PRODUCER_REGS = 24;
+  constexpr int CONSUMER_SHARE = (LAUNCH_REGS + (LAUNCH_REGS - PRODUCER_REGS) / NC) / 8 * 8;
   constexpr int CONSUMER_REGS = CONSUMER_SHARE > 240 ? 240 : CONSUMER_SHARE;
+  static_assert(PRODUCER_REGS + NC * CONSUMER_REGS <= (NC + 1) * LAUNCH_REGS, "setmaxnreg would deadlock");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The 128-byte swizzle repeats every 1024 bytes and the wgmma descriptors assume tiles aligned to it.
@@ -166,7 +170,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   unsigned long long* const v_empty = v_full + STAGES;
   unsigned long long* const tile_full = v_empty + STAGES;  // [2]
   unsigned long long* const tile_empty = tile_full + 2;    // [2]
-  int* const tile_ring = reinterpret_cast<int*>(tile_empty + 2);  // [2]
+  int* const tile_ring = reinterpret_cast<int*>(tile_empty + 2);  // [2], and the producer's next tile
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -209,9 +213,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       // claimed one tile ahead, and its Q (read from DRAM exactly once) prefetched into L2, so that neither the
       // claim's round trip nor Q's DRAM latency sits between two tiles.
       int piter = 0;
-      for (int tile = blockIdx.x, next;; tile = next, ++piter) {
+      volatile int* const next_slot = tile_ring + 2;
+      for (int tile = blockIdx.x;; ++piter) {
+        int next = num_tiles;
 #ifndef FA90_NO_LOOKAHEAD
-        next = tile < num_tiles ? (int)gridDim.x + atomicAdd(tile_counter, 1) : num_tiles;
+        if (tile < num_tiles) next = (int)gridDim.x + atomicAdd(tile_counter, 1);  // read only further down
 #endif
         FA90_MARK(piter, 0);
         sc::mbar_wait(&tile_empty[tslot], tphase ^ 1);
@@ -226,7 +232,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
 #ifdef FA90_NO_LOOKAHEAD
         next = (int)gridDim.x + atomicAdd(tile_counter, 1);
 #endif
-        // only Q's coordinates (the producer has 32 registers): a tile that turns out empty just wastes a prefetch
+        // Only Q's coordinates (a tile that turns out empty just wastes a prefetch); then `next` is parked in
+        // shared memory, so that it holds no register across the K/V loop (the producer has 24).
         auto prefetch_next_q = [&]() {
 #ifndef FA90_NO_LOOKAHEAD
           if (next < num_tiles) {
@@ -238,10 +245,12 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
               fa90::tma_prefetch_l2_4d(&tmap_q, c * 64, y, head, varlen ? 0 : batch);
           }
 #endif
+          *next_slot = next;
         };
         const fa90::Tile t = info(tile);
         if (t.rows_q <= 0 || t.n_begin >= t.n_end) {
           prefetch_next_q();
+          tile = *next_slot;
           continue;
         }
         const int bc = varlen ? 0 : t.batch, kv_head = t.head / heads_per_kv;
@@ -274,6 +283,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
         }
         FA90_MARK(piter, 5);
         FA90_MARK_V(piter, 8, tile);
+        tile = *next_slot;
       }
       // The last CTA out resets the counters for the next launch on this stream (no memset needed).
       if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
