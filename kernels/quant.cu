@@ -20,6 +20,8 @@
 // its outputs are 16-byte stores.
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "common/wgmma.cuh"
+#include "common/tma.cuh"
 
 namespace quant {
 
@@ -1146,6 +1148,361 @@ __global__ void __launch_bounds__(256) gemv_pack_int8_kernel(unsigned* __restric
   const unsigned char* r0 = w + (long long)n * ldw + k;
   const unsigned char* r1 = r0 + 8 * ldw;
   out[idx] = (unsigned)r0[0] | ((unsigned)r0[1] << 8) | ((unsigned)r1[0] << 16) | ((unsigned)r1[1] << 24);
+}
+
+
+// ============================================================================================================
+// Hopper fused kernel (qgemm_sm90_kernel, sm_90a) for M > 16: y^T = W^T x^T with wgmma.m64nBMk16, the A
+// operand (64 output channels x 16 k) dequantized in registers, the B operand a tile of x (BM rows x 64 k,
+// K-major, 128-byte swizzle) in shared memory.  No dequantized weight ever touches shared memory.
+//
+// Layout (prepacked once, "wgmma-major"): blocks of 64 channels x 64 k are 2048 contiguous bytes, 16 per thread of
+// a warpgroup (thread 32 t + lane): word j of the thread is the m16n8k16 A fragment of channels 64 b + 16 t + g
+// (+ 8) and k = 64 s + 16 j + 2 c (+ 1, + 8, + 9) (lane = 4 g + c) in natural k order (the B operand comes from
+// shared memory in natural order).  Nibbles (P, P + 4) of a word are fragment register P (low half: first k);
+// P odd is channel + 8, P >= 2 is k + 8.  Blocks are stored [b][s] (a block's k-steps contiguous).  Group
+// records are gemv_kernel's (192 bytes per 64 channels and group: scales, then one zero byte per channel).
+//
+// CTA: two consumer warpgroups x 2 channel tiles each = 256 channels, plus one producer warp that issues every
+// cp.async into a ring of STAGES slots (x tile, 8 KB of weights, 4 group records), with a full / empty
+// mbarrier pair per slot.  (Measured: with the copies issued by the consumers themselves, each stage cost about
+// one memory latency -- their wgmma waited for their own copies in flight.)  Per step a consumer thread reads its
+// own 16 weight bytes per channel tile, dequantizes its 4 words ((q - z) exact through the magic-number trick,
+// times the scale: one rounding) and issues 4 k16 x 2 tiles of wgmma on the shared x tile as one group.  Work split: stream-K over (256-channel block, m-chunk)
+// tiles x 64-k steps, an equal run of steps per CTA; a tile covered by one CTA is stored directly, otherwise
+// partial sums go to a zeroed fp32 workspace ws[n][m] with 16-byte vector reductions and the CTA that
+// completes the tile's step count (an atomic ticket) writes y and re-zeroes its part.
+constexpr int kWgThreads = 256;
+constexpr int kWgCT = 2;                    // 64-channel tiles per warpgroup
+constexpr int kWgWBytes = 2 * kWgCT * 2048;  // weight bytes per stage
+constexpr int kWgGBytes = 2 * kWgCT * 192;   // group-record bytes per stage
+
+template <int BM> struct WgCfg {
+  static constexpr int X_BYTES = BM * 128;
+  static constexpr int SLOT = (X_BYTES + kWgWBytes + kWgGBytes + 1023) / 1024 * 1024;
+  static constexpr int STAGES = BM == 64 ? 10 : 8;
+  static_assert(BM % 8 == 0 && BM <= 64, "accumulators: 2 x BM / 2 registers per thread");
+  static constexpr int SMEM = SLOT * STAGES + 1024;  // + slack to align the ring to the 1024-byte swizzle atom
+};
+
+#define QSC_D8 "{%0, %1, %2, %3}"
+#define QSC_ACC8 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+#define QSC_D16 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define QSC_ACC16 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define QSC_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define QSC_ACC32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+
+// d (N/2 floats) += A (64 x 16, 4 registers per thread) * B (16 x N, K-major tile in shared memory).
+template <int N, typename T> struct QWgmmaRS;
+#define QSC_DEFINE_RS(N, T, TY, DL, ACC, A0, A1, A2, A3, B)                                                     \
+  template <> struct QWgmmaRS<N, T> {                                                                         \
+    static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned long long desc_b) {      \
+      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                                              \
+                   " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DL                         \
+                   ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, 0;\n}\n"                        \
+                   : ACC                                                                                      \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                                \
+    }                                                                                                         \
+  };
+QSC_DEFINE_RS(8, __half, "f16", QSC_D8, QSC_ACC8, 4, 5, 6, 7, 8)
+QSC_DEFINE_RS(8, __nv_bfloat16, "bf16", QSC_D8, QSC_ACC8, 4, 5, 6, 7, 8)
+QSC_DEFINE_RS(16, __half, "f16", QSC_D16, QSC_ACC16, 8, 9, 10, 11, 12)
+QSC_DEFINE_RS(16, __nv_bfloat16, "bf16", QSC_D16, QSC_ACC16, 8, 9, 10, 11, 12)
+QSC_DEFINE_RS(32, __half, "f16", QSC_D32, QSC_ACC32, 16, 17, 18, 19, 20)
+QSC_DEFINE_RS(32, __nv_bfloat16, "bf16", QSC_D32, QSC_ACC32, 16, 17, 18, 19, 20)
+QSC_DEFINE_RS(64, __half, "f16", SC_WGMMA_D64, SC_WGMMA_ACC64, 32, 33, 34, 35, 36)
+QSC_DEFINE_RS(64, __nv_bfloat16, "bf16", SC_WGMMA_D64, SC_WGMMA_ACC64, 32, 33, 34, 35, 36)
+#undef QSC_DEFINE_RS
+
+// K-major, 128-byte swizzled tile at shared address `addr` (1024-byte aligned atoms; +32 bytes per k16 step).
+__device__ __forceinline__ unsigned long long wg_desc_k128(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void cp16_zfill(unsigned dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ unsigned lds32_s(unsigned a) {
+  unsigned v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ unsigned lds16_s(unsigned a) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+// One word (8 nibbles) to the 4 A-fragment registers: (q - z) * s per pair, z/s of channel g (even P) or g + 8.
+template <typename T>
+__device__ __forceinline__ void wg_dequant(unsigned* a, unsigned wd, const unsigned* scl, const unsigned* zc) {
+  const unsigned mask_lo = 0x000f000fu;
+  if constexpr (is_half<T>::value) {
+    const unsigned magic = 0x64006400u, mask_hi = 0x00f000f0u;
+    const unsigned w8 = wd >> 8;
+    const unsigned r0 = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[0]);
+    const unsigned r1 = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, zc[1]);
+    const unsigned r2 = fma2<T>(and_or(w8, mask_lo, magic), Bits<T>::ONE, zc[0]);
+    const unsigned r3 = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, zc[1]);
+    a[0] = fma2<T>(r0, scl[0], Bits<T>::NEG_ZERO);
+    a[1] = fma2<T>(r1, scl[1], Bits<T>::NEG_ZERO);
+    a[2] = fma2<T>(r2, scl[0], Bits<T>::NEG_ZERO);
+    a[3] = fma2<T>(r3, scl[1], Bits<T>::NEG_ZERO);
+  } else {
+    const unsigned magic = 0x43004300u;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const unsigned r = fma2<T>(and_or(wd >> (4 * p), mask_lo, magic), Bits<T>::ONE, zc[p & 1]);
+      a[p] = fma2<T>(r, scl[p & 1], Bits<T>::NEG_ZERO);
+    }
+  }
+}
+
+template <typename T, int BM>
+__global__ void __launch_bounds__(kWgThreads + 32, BM <= 32 ? 2 : 1) qgemm_sm90_kernel(
+    T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
+    const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M, int N,
+    int KS, int NB64, int NG, int SPG, int m_chunks, long long ldx) {
+  using C = WgCfg<BM>;
+  constexpr int S = C::STAGES;
+  constexpr int NACC = BM / 2;
+  extern __shared__ unsigned char smem[];
+  __shared__ int s_last;
+  __shared__ __align__(8) unsigned long long full_bar[S], empty_bar[S];
+  const unsigned ring = (sc::smem_addr(smem) + 1023u) & ~1023u;
+  const int tid = threadIdx.x, lane = tid & 31;
+
+  const int nbc = (NB64 + 2 * kWgCT - 1) / (2 * kWgCT);
+  const long long U = (long long)nbc * m_chunks * KS;
+  const long long u0 = U * blockIdx.x / gridDim.x, u1 = U * (blockIdx.x + 1) / gridDim.x;
+  if (u0 >= u1) return;
+  const int n_units = (int)(u1 - u0);
+  if (tid == 0) {
+    for (int i = 0; i < S; ++i) {
+      sc::mbar_init(&full_bar[i], 32);                 // the producer's lanes, each when its copies land
+      sc::mbar_init(&empty_bar[i], kWgThreads / 32);  // one arrive per consumer warp
+    }
+    sc::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (tid >= kWgThreads) {
+    // Producer warp: the only thread that issues cp.async (a consumer with copies in flight would have its
+    // wgmma wait for them), S slots ahead of the consumers.
+#pragma unroll 1
+    for (int i = 0; i < n_units; ++i) {
+      const int slot = i % S;
+      sc::mbar_wait(&empty_bar[slot], ((i / S) & 1) ^ 1);
+      const long long u = u0 + i;
+      const int tile = (int)(u / KS), s = (int)(u - (long long)tile * KS);
+      const int b = tile / m_chunks, mc = tile - b * m_chunks;
+      const unsigned sx = ring + slot * C::SLOT, sw = sx + C::X_BYTES, sg = sw + kWgWBytes;
+#pragma unroll
+      for (int c0 = 0; c0 < BM * 8; c0 += 32) {
+        const int id = c0 + lane;
+        const int r = id >> 3, q = id & 7, m = mc * BM + r;
+        const bool ok = m < M;
+        cp16_zfill(sx + r * 128 + ((q ^ (r & 7)) << 4), x + (ok ? (long long)m * ldx : 0LL) + s * 64 + q * 8, ok);
+      }
+#pragma unroll 4
+      for (int c0 = 0; c0 < 4 * 128; c0 += 32) {
+        const int id = c0 + lane, tt = id >> 7, b64 = 4 * b + tt;
+        if (b64 < NB64) cp16_s(sw + id * 16, wpk + ((long long)b64 * KS + s) * 128 + (id & 127));
+      }
+#pragma unroll
+      for (int c0 = 0; c0 < 4 * 12; c0 += 32) {
+        const int id = c0 + lane;
+        if (id < 4 * 12) {
+          const int tt = id / 12, q = id - 12 * tt, b64 = 4 * b + tt;
+          if (b64 < NB64)
+            cp16_s(sg + tt * 192 + 16 * q, grec + ((long long)b64 * NG + s / SPG) * 192 + 16 * q);
+        }
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(sc::smem_addr(&full_bar[slot]))
+                   : "memory");
+    }
+    sc::cp_async_wait<0>();
+    return;
+  }
+
+  // Consumers: two warpgroups.
+  const int wg = tid >> 7, tw = tid & 127, wt = tw >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int MP = m_chunks * BM;  // workspace row length (ws is [n][MP])
+
+  float acc[kWgCT][NACC];
+#pragma unroll
+  for (int ct = 0; ct < kWgCT; ++ct)
+#pragma unroll
+    for (int r = 0; r < NACC; ++r) acc[ct][r] = 0.f;
+
+  int seg_s0 = (int)(u0 % KS);
+#pragma unroll 1
+  for (int i = 0; i < n_units; ++i) {
+    const int slot = i % S;
+    sc::mbar_wait(&full_bar[slot], (i / S) & 1);
+    const long long u = u0 + i;
+    const int tile = (int)(u / KS), s = (int)(u - (long long)tile * KS);
+    const int b = tile / m_chunks, mc = tile - b * m_chunks;
+    const unsigned sx = ring + slot * C::SLOT, sw = sx + C::X_BYTES, sg = sw + kWgWBytes;
+    uint4 wv[kWgCT];
+    unsigned scl[kWgCT][2], zc[kWgCT][2];
+#pragma unroll
+    for (int ct = 0; ct < kWgCT; ++ct) {
+      const bool ok = (2 * b + wg) * kWgCT + ct < NB64;  // warpgroup-uniform
+      const unsigned rec = sg + (wg * kWgCT + ct) * 192;
+      uint4 w = lds128_s(sw + ((wg * kWgCT + ct) * 128 + tw) * 16);
+      unsigned sv = lds32_s(rec + 16 * g + 4 * wt);
+      unsigned zz = lds16_s(rec + 128 + 8 * g + 2 * wt);
+      if (!ok) {  // a channel tile past N: zeros in, nothing stored
+        w = make_uint4(0u, 0u, 0u, 0u);
+        sv = 0u;
+        zz = 0u;
+      }
+      wv[ct] = w;
+      scl[ct][0] = __byte_perm(sv, 0u, 0x1010u);
+      scl[ct][1] = __byte_perm(sv, 0u, 0x3232u);
+      const unsigned z0 = zz & 0xffu, z1 = (zz >> 8) & 0xffu;
+      if constexpr (is_half<T>::value) {
+        zc[ct][0] = (0xe400u | z0) * 0x10001u;         // -(1024 + z)
+        zc[ct][1] = (0xd400u + (z1 << 4)) * 0x10001u;  // -(64 + z), for (1024 + 16 q) / 16
+      } else {
+        zc[ct][0] = (0xc300u | z0) * 0x10001u;  // -(128 + z)
+        zc[ct][1] = (0xc300u | z1) * 0x10001u;
+      }
+    }
+    // The whole step as one wgmma group: all 4 k16 x 2 tiles dequantized first, then 8 wgmma issued back to
+    // back (one latency per step rather than one per k16; the other warpgroup's work fills the gaps), retired
+    // before the slot is released (nothing in flight across the loop's and the epilogue's branches).
+    unsigned a_frag[4][kWgCT][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int ct = 0; ct < kWgCT; ++ct) wg_dequant<T>(a_frag[j][ct], sc::word(wv[ct], j), scl[ct], zc[ct]);
+    sc::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned long long desc = wg_desc_k128(sx + 32 * j);
+#pragma unroll
+      for (int ct = 0; ct < kWgCT; ++ct) QWgmmaRS<BM, T>::mma(acc[ct], a_frag[j][ct], desc);
+    }
+    sc::wgmma_commit();
+    sc::wgmma_wait<0>();
+    __syncwarp();
+    if (lane == 0) sc::mbar_arrive(&empty_bar[slot]);  // this warp is done with the slot
+
+    if (s == KS - 1 || i == n_units - 1) {
+      // Segment [seg_s0, s] of tile (b, mc) done.
+      const int s0 = seg_s0, s1 = s + 1;
+      seg_s0 = 0;
+      const bool full = s0 == 0 && s1 == KS;
+      const int m_base = mc * BM;
+#pragma unroll
+      for (int ct = 0; ct < kWgCT; ++ct) {
+        const int b64 = (2 * b + wg) * kWgCT + ct;
+        if (b64 < NB64) {
+          const int n = 64 * b64 + 16 * wt + g;
+#pragma unroll
+          for (int q = 0; q < NACC / 4; ++q) {
+            // acc[4q + (0, 1)]: channel n, rows m, m + 1; acc[4q + (2, 3)]: channel n + 8; m = 8 q + 2 c.
+            const float v0 = acc[ct][4 * q], v1 = acc[ct][4 * q + 1], v2 = acc[ct][4 * q + 2], v3 = acc[ct][4 * q + 3];
+            const int m = m_base + 8 * q + 2 * c;
+            if (full) {
+              const float b0 = bias != nullptr ? sc::to_float(bias[n]) : 0.f;
+              const float b8 = bias != nullptr ? sc::to_float(bias[n + 8]) : 0.f;
+              if (m < M) {
+                y[(long long)m * N + n] = sc::from_float<T>(v0 + b0);
+                y[(long long)m * N + n + 8] = sc::from_float<T>(v2 + b8);
+              }
+              if (m + 1 < M) {
+                y[(long long)(m + 1) * N + n] = sc::from_float<T>(v1 + b0);
+                y[(long long)(m + 1) * N + n + 8] = sc::from_float<T>(v3 + b8);
+              }
+            } else {
+              // Lanes c and c ^ 1 trade halves: even c sums channel n, rows m .. m + 3; odd c channel n + 8,
+              // rows m - 2 .. m + 1: one 16-byte reduction each.
+              const bool odd = c & 1;
+              const float t0 = __shfl_xor_sync(0xffffffffu, odd ? v0 : v2, 1);
+              const float t1 = __shfl_xor_sync(0xffffffffu, odd ? v1 : v3, 1);
+              if (!odd) red_add_v4(ws + (long long)n * MP + m, v0, v1, t0, t1);
+              else red_add_v4(ws + (long long)(n + 8) * MP + m - 2, t0, t1, v2, v3);
+            }
+          }
+        }
+      }
+      if (!full) {
+        __threadfence();  // this thread's partial sums are visible before the ticket counts them
+        sc::named_bar_sync(1, kWgThreads);
+        if (tid == 0) {
+          const int prev = atomicAdd(tickets + tile, s1 - s0);
+          s_last = prev + (s1 - s0) == KS;
+        }
+        sc::named_bar_sync(1, kWgThreads);
+        const bool last = s_last;
+        sc::named_bar_sync(1, kWgThreads);  // everyone has read s_last before thread 0 may write it again
+        if (last) {
+          __threadfence();
+#pragma unroll
+          for (int ct = 0; ct < kWgCT; ++ct) {
+            const int b64 = (2 * b + wg) * kWgCT + ct;
+            if (b64 < NB64) {
+              const bool odd = c & 1;
+              const int n = 64 * b64 + 16 * wt + g + (odd ? 8 : 0);
+              const float bn = bias != nullptr ? sc::to_float(bias[n]) : 0.f;
+#pragma unroll
+              for (int q = 0; q < NACC / 4; ++q) {
+                const int m = m_base + 8 * q + 2 * c - (odd ? 2 : 0);
+                float4* p = reinterpret_cast<float4*>(ws + (long long)n * MP + m);
+                const float4 v = __ldcg(p);
+                __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));  // the workspace stays zero between launches
+                const float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                  if (m + e < M) y[(long long)(m + e) * N + n] = sc::from_float<T>(vv[e] + bn);
+              }
+            }
+          }
+          if (tid == 0) tickets[tile] = 0;
+        }
+      }
+#pragma unroll
+      for (int ct = 0; ct < kWgCT; ++ct)
+#pragma unroll
+        for (int r = 0; r < NACC; ++r) acc[ct][r] = 0.f;
+    }
+  }
+}
+
+// The wgmma-major INT4 copy for qgemm_sm90_kernel: word (b, s, t, lane, j) holds the 8 nibbles of channels
+// n = 64 b + 16 t + g (+ 8 for odd P) at k = 64 s + 16 j + 2 c (+ 8 for P >= 2) (+ 1 for the high nibble),
+// nibble i = P + 4 h, P = i % 4.
+template <int FMT>
+__global__ void __launch_bounds__(256) wg_pack_int4_kernel(unsigned* __restrict__ out, const int* __restrict__ qw,
+                                                           int KS, long long ldq, long long total) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int j = (int)(idx & 3), tw = (int)((idx >> 2) & 127);
+  const long long rest = idx >> 9;
+  const int s = (int)(rest % KS), b = (int)(rest / KS);
+  const int t = tw >> 5, lane = tw & 31, g = lane >> 2, c = lane & 3;
+  const int n_base = 64 * b + 16 * t + g, k_base = 64 * s + 16 * j + 2 * c;
+  unsigned word = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int p = i & 3;
+    const int n = n_base + 8 * (p & 1), k = k_base + 8 * (p >> 1) + (i >> 2);
+    unsigned q;
+    if constexpr (FMT == AWQ) {
+      const int o = n & 7;
+      q = ((unsigned)qw[(long long)k * ldq + (n >> 3)] >> (4 * ((o & 1) ? 4 + (o >> 1) : (o >> 1)))) & 15u;
+    } else {
+      q = ((unsigned)qw[(long long)(k >> 3) * ldq + n] >> (4 * (k & 7))) & 15u;
+    }
+    word |= q << (4 * i);
+  }
+  out[idx] = word;
 }
 
 }  // namespace quant
