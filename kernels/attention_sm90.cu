@@ -61,12 +61,6 @@ __device__ __forceinline__ void tma_store_4d(const sc::TmaMap* map, const void* 
                "r"(x), "r"(y), "r"(z), "r"(w), "r"(sc::smem_addr(smem_src))
                : "memory");
 }
-__device__ __forceinline__ void tma_prefetch_l2_4d(const sc::TmaMap* map, int x, int y, int z, int w) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                   reinterpret_cast<unsigned long long>(map)),
-               "r"(x), "r"(y), "r"(z), "r"(w)
-               : "memory");
-}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -85,7 +79,7 @@ __host__ __device__ constexpr bool o_has_own_buffer(int q_bytes, int kv_ring_byt
 
 // Everything about one tile that both the producer and the consumers derive from its index.
 struct Tile {
-  int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end;
+  int m0, head, batch, q_off, k_off, sq, sk, row_lo, rows_q, n_begin, n_end;  // valid rows: [row_lo, rows_q)
 };
 
 __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int reverse_m, int seqlen_q,
@@ -106,7 +100,16 @@ __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int r
     t.k_off = min(max(cu_k[t.batch], 0), total_k);
     t.sk = min(max(cu_k[t.batch + 1], t.k_off), total_k) - t.k_off;
   }
-  t.m0 = m_block * bm;
+  // Masked problems (reverse_m: causal or a right window) align their m-blocks to the end of the sequence, so
+  // that a partial block is the first, lightest one rather than the last, heaviest one: its rows before the
+  // sequence (m0 < 0) are zero-filled by TMA and dropped at the store.
+#ifdef FA90_TOP_ALIGN
+  const int shift = 0;
+#else
+  const int shift = reverse_m ? (t.sq + bm - 1) / bm * bm - t.sq : 0;
+#endif
+  t.m0 = m_block * bm - shift;
+  t.row_lo = max(0, -t.m0);
   t.rows_q = min(bm, t.sq - t.m0);
   // key j is visible to query i iff lo(i) <= j < hi(i) (see kernels/attention.cu)
   const int diag = t.sk - t.sq;
@@ -170,7 +173,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   unsigned long long* const v_empty = v_full + STAGES;
   unsigned long long* const tile_full = v_empty + STAGES;  // [2]
   unsigned long long* const tile_empty = tile_full + 2;    // [2]
-  int* const tile_ring = reinterpret_cast<int*>(tile_empty + 2);  // [2], and the producer's next tile
+  int* const tile_ring = reinterpret_cast<int*>(tile_empty + 2);  // [2]
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -209,16 +212,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       unsigned phase = 0, q_phase = 0, tphase = 0;
       // Dynamic schedule: after its first tile (blockIdx.x) a CTA takes the next unclaimed one from a global
       // counter, so SMs that drew light tiles (causal, short sequences) take more of them.  The tile index
-      // reaches the consumers through a two-slot ring; num_tiles or more means "done".  The next tile is
-      // claimed one tile ahead, and its Q (read from DRAM exactly once) prefetched into L2, so that neither the
-      // claim's round trip nor Q's DRAM latency sits between two tiles.
+      // reaches the consumers through a two-slot ring; num_tiles or more means "done".  (Claiming a tile ahead
+      // and prefetching its Q into L2 was measured: no faster.)
       int piter = 0;
-      volatile int* const next_slot = tile_ring + 2;
-      for (int tile = blockIdx.x;; ++piter) {
-        int next = num_tiles;
-#ifndef FA90_NO_LOOKAHEAD
-        if (tile < num_tiles) next = (int)gridDim.x + atomicAdd(tile_counter, 1);  // read only further down
-#endif
+      for (int tile = blockIdx.x;; tile = gridDim.x + atomicAdd(tile_counter, 1), ++piter) {
         FA90_MARK(piter, 0);
         sc::mbar_wait(&tile_empty[tslot], tphase ^ 1);
         FA90_MARK(piter, 1);
@@ -229,30 +226,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
           tphase ^= 1;
         }
         if (tile >= num_tiles) break;
-#ifdef FA90_NO_LOOKAHEAD
-        next = (int)gridDim.x + atomicAdd(tile_counter, 1);
-#endif
-        // Only Q's coordinates (a tile that turns out empty just wastes a prefetch); then `next` is parked in
-        // shared memory, so that it holds no register across the K/V loop (the producer has 24).
-        auto prefetch_next_q = [&]() {
-#ifndef FA90_NO_LOOKAHEAD
-          if (next < num_tiles) {
-            const int m_idx = next % num_m, rest = next / num_m;
-            const int head = rest % nheads, batch = rest / nheads;
-            const int y = (reverse_m ? num_m - 1 - m_idx : m_idx) * BM + (varlen ? __ldg(cu_seqlens_q + batch) : 0);
-#pragma unroll
-            for (int c = 0; c < DC; ++c)
-              fa90::tma_prefetch_l2_4d(&tmap_q, c * 64, y, head, varlen ? 0 : batch);
-          }
-#endif
-          *next_slot = next;
-        };
         const fa90::Tile t = info(tile);
-        if (t.rows_q <= 0 || t.n_begin >= t.n_end) {
-          prefetch_next_q();
-          tile = *next_slot;
-          continue;
-        }
+        if (t.rows_q <= 0 || t.n_begin >= t.n_end) continue;
         const int bc = varlen ? 0 : t.batch, kv_head = t.head / heads_per_kv;
         sc::mbar_wait(q_empty, q_phase ^ 1);
         FA90_MARK(piter, 2);
@@ -279,11 +254,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
             stage = 0;
             phase ^= 1;
           }
-          if (nb == t.n_end - 1) prefetch_next_q();  // behind this tile's Q and first K / V
         }
         FA90_MARK(piter, 5);
         FA90_MARK_V(piter, 8, tile);
-        tile = *next_slot;
       }
       // The last CTA out resets the counters for the next launch on this stream (no memset needed).
       if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
@@ -331,7 +304,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row_in_tile + 8 * h;
-        if (r >= t.rows_q) continue;
+        if (r < t.row_lo || r >= t.rows_q) continue;
         for (int c = 8 * q4; c < head_dim; c += 32)
           *reinterpret_cast<uint4*>(o_rows() + r * o_row_stride + c) = make_uint4(0, 0, 0, 0);
         if (lse != nullptr && q4 == 0) lse_rows()[r] = neg_inf();
@@ -526,11 +499,14 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       inv[h] = l > 0.f ? 1.f / l : 0.f;
       const int r = row_in_tile + 8 * h;
-      if (r < t.rows_q && lse != nullptr && q4 == 0)
+      if (r >= t.row_lo && r < t.rows_q && lse != nullptr && q4 == 0)
         lse_rows()[r] = l > 0.f ? (row_max[h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
     }
-    const int wg_rows = t.rows_q - cw * 64;  // rows of this warpgroup inside the sequence
-    if (O_TMA && (wg_rows >= 64 || (!varlen && wg_rows > 0))) {
+    // this warpgroup's rows inside the sequence: all 64 (varlen needs that: past them are other sequences'
+    // rows), or some (the tensor map clips the others)
+    const bool wg_full = cw * 64 >= t.row_lo && t.rows_q >= cw * 64 + 64;
+    const bool wg_some = cw * 64 + 64 > t.row_lo && t.rows_q > cw * 64;
+    if (O_TMA && (wg_full || (!varlen && wg_some))) {
       unsigned char* const o_tile = sO + cw * 64 * 128;
       if (O_OWN) {  // the previous tile's store must have read the buffer
         if (tid == 0) fa90::bulk_wait_read_all();
@@ -563,7 +539,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row_in_tile + 8 * h;
-        if (r < t.rows_q) {
+        if (r >= t.row_lo && r < t.rows_q) {
           T* const o_row = o_rows() + r * o_row_stride + 2 * q4;
 #pragma unroll
           for (int j = 0; j < D / 8; ++j)

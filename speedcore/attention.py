@@ -134,7 +134,7 @@ def smem_bytes_sm90(d: int, bn: int, stages: int, nc: int = 2) -> int:
     128-byte swizzle's period."""
     q, ring = 64 * nc * d * 2, 2 * stages * bn * d * 2
     o = q if 2 * q + ring <= 200 * 1024 else 0
-    return q + ring + o + (2 + 4 * stages + 4) * 8 + 4 * 4 + 1024
+    return q + ring + o + (2 + 4 * stages + 4) * 8 + 2 * 4 + 1024
 
 
 @lru_cache(maxsize=None)
