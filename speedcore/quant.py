@@ -73,7 +73,7 @@ WG_MAX_M = 1024                       # above this (torch, or CuPy float16): deq
 # (one producer warp, mbarrier ring) compiles clean but has not run on a GPU.  Set True once
 # benchmarks/_quant_wg_gpu.sh shows it ahead (tests: SPEEDCORE_TEST_WG=1).
 WG_ENABLED = False
-DENSE_SMALL_WEIGHT = 1 << 24          # N K at or below this: dequantize + cuBLAS already above M = 32
+DENSE_SMALL_WEIGHT = (1 << 23, 1 << 24)  # N K in this range: dequantize + cuBLAS already above M = 32
 
 
 def _block_k(fmt: int) -> int:
@@ -661,12 +661,14 @@ def all_kernels() -> list:
 def use_dense(m: int, lib: str, dtype: str, fused: bool = False, nk: int = 0) -> bool:
     """Dispatch: dequantize once and call cuBLAS (torch.matmul / cupy.matmul) for M above MAX_MMA_M (WG_MAX_M
     when the layer has the Hopper kernel's layout, ``fused``), where the GEMM is compute-bound and the one-time
-    dequantization is amortized; for small weights (``nk`` = N K <= DENSE_SMALL_WEIGHT) already above M = 32.
+    dequantization is amortized; for 4096 x 4096-class weights (``nk`` = N K within DENSE_SMALL_WEIGHT) already
+    above M = 32 (smaller weights were not measured: two launches may cost more than the fused kernel there).
     H200, 4096 x 4096 bf16: quant_mma_kernel took 45 us at M = 64 and 55 us at M = 128, dequantize + cuBLAS
     37 us at M = 256 (dequantization ~1 us per 10^6 weights); at 8192 x 8192 the kernel stays ahead up to
     M = 128 (64 / 84 us against 105+ us).  CuPy has no bfloat16 matmul, so CuPy bfloat16 always takes a
     fused kernel."""
-    limit = WG_MAX_M if fused else (32 if 0 < nk <= DENSE_SMALL_WEIGHT else MAX_MMA_M)
+    lo, hi = DENSE_SMALL_WEIGHT
+    limit = WG_MAX_M if fused else (32 if lo <= nk <= hi else MAX_MMA_M)
     if m <= limit:
         return False
     return lib == "torch" or dtype == "float16"
@@ -1224,7 +1226,7 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
 
     Notes
     -----
-    M = prod(x.shape[:-1]) <= MAX_MMA_M = 128 (32 when N K <= 2^24; or CuPy bfloat16): one tensor-core kernel that streams the packed weights
+    M = prod(x.shape[:-1]) <= MAX_MMA_M = 128 (32 when 2^23 <= N K <= 2^24; or CuPy bfloat16): one tensor-core kernel that streams the packed weights
     once per 64 rows of x (fastest with the tile-major copy made by :func:`prepack_awq`, which also skips
     the per-call weight checks); with a prepacked layer, M <= 16 may take ``gemv_kernel`` instead
     (:func:`use_gemv`; needs K % 32 == 0 and G % 32 == 0).  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernel needs

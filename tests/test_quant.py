@@ -216,7 +216,8 @@ def test_dispatch():
     assert not Q.use_dense(4096, "cupy", "bfloat16")
     # small weights: dequantize + cuBLAS already above M = 32 (torch, or CuPy float16)
     assert Q.use_dense(33, "torch", "bfloat16", nk=4096 * 4096) and not Q.use_dense(32, "torch", "bfloat16", nk=4096 * 4096)
-    assert not Q.use_dense(64, "torch", "bfloat16", nk=8192 * 8192) and not Q.use_dense(64, "cupy", "bfloat16", nk=4096)
+    assert not Q.use_dense(64, "torch", "bfloat16", nk=8192 * 8192) and not Q.use_dense(64, "torch", "float16", nk=4096)
+    assert not Q.use_dense(64, "cupy", "bfloat16", nk=4096 * 4096) and Q.use_dense(64, "cupy", "float16", nk=4096 * 4096)
 
 
 # ------------------------------------------------------------------------------------------------ gemv layout (CPU)
@@ -942,7 +943,7 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     import dataclasses
 
     calls = fake_gpu
-    k, n, g = 4096, 4608, 128  # N K above DENSE_SMALL_WEIGHT: M = 100 stays on the fused kernel
+    k, n, g = 1024, 1536, 128  # N K below DENSE_SMALL_WEIGHT: M = 100 stays on the fused kernel
     x = _FakeTensor((m, k), "bfloat16")
     bias = _FakeTensor((n,), "bfloat16")
     pw = Q.prepack_awq(_FakeTensor((k, n // 8), "int32"), _FakeTensor((k // g, n // 8), "int32"),
