@@ -487,6 +487,23 @@ def wg_config(m: int, n: int, k: int, sms: int, ctas_per_sm: int = 0) -> WgConfi
     return WgConfig(bm, m_chunks, tiles, grid, wg_smem_bytes(bm))
 
 
+def wg_schedule(tiles: int, steps: int, grid: int):
+    """qgemm_sm90_kernel's stream-K schedule as Python (mirrors the kernel's index math; for tests): per CTA a
+    list of segments (tile, first step, end step, stored directly)."""
+    total = tiles * steps
+    out = []
+    for c in range(grid):
+        u0, u1 = total * c // grid, total * (c + 1) // grid
+        segs, s0 = [], u0 % steps
+        for u in range(u0, u1):
+            tile, s = divmod(u, steps)
+            if s == steps - 1 or u == u1 - 1:
+                segs.append((tile, s0, s + 1, s0 == 0 and s + 1 == steps))
+                s0 = 0
+        out.append(segs)
+    return out
+
+
 def wg_pack_int4_reference(q) -> np.ndarray:
     """The wgmma-major INT4 layout of q (K, N) values 0..15 as uint32 words (what wg_pack_int4_kernel makes).
     Word [b, s, t, lane, j]: channels n = 64 b + 16 t + g + 8 (P % 2), k = 64 s + 16 j + 2 c + 8 (P // 2) + h

@@ -335,6 +335,30 @@ def test_wg_config(m, n, k):
     assert Q.wg_supported(k, n, 128) == (n % 64 == 0 and k % 64 == 0)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 8192, 8192), (64, 28672, 8192), (64, 4096, 4096), (100, 576, 1024),
+                                   (1100, 4096, 256), (17, 192, 128)])
+def test_wg_schedule_covers_every_step_once(m, n, k):
+    cfg = Q.wg_config(m, n, k, 132)
+    steps = k // Q.WG_STEP_K
+    seen = np.zeros((cfg.tiles, steps), np.int32)
+    ticket = np.zeros(cfg.tiles, np.int64)
+    direct = np.zeros(cfg.tiles, np.int64)
+    for segs in Q.wg_schedule(cfg.tiles, steps, cfg.grid):
+        assert segs  # every CTA has work (the kernel returns early otherwise, before any barrier)
+        for tile, s0, s1, full in segs:
+            assert 0 <= s0 < s1 <= steps
+            seen[tile, s0:s1] += 1
+            if full:
+                direct[tile] += 1
+            else:
+                ticket[tile] += s1 - s0
+    assert (seen == 1).all()
+    # a tile is stored directly by its only CTA, or its partial CTAs' tickets add up to the step count
+    assert all((d == 1 and t == 0) or (d == 0 and t == steps) for d, t in zip(direct, ticket))
+    if cfg.grid == cfg.tiles:
+        assert direct.sum() == cfg.tiles
+
+
 def test_wg_dispatch(monkeypatch):
     assert not any(Q.use_wgmma(m, 8192, 8192) for m in (1, 17, 64, 256)) or Q.WG_ENABLED
     monkeypatch.setattr(Q, "WG_ENABLED", True)
