@@ -35,6 +35,31 @@ __device__ __forceinline__ void cp_async_kv(void* smem, const void* gmem, bool p
     sc::cp_async16(smem, gmem, pred);
   }
 }
+// The same with a 32-bit shared-memory address.
+template <int HINT>
+__device__ __forceinline__ void cp_async_kv_s(unsigned smem, const void* gmem, bool pred, unsigned long long policy) {
+  if constexpr (HINT == 1) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(pred ? 16 : 0)
+                 : "memory");
+  } else if constexpr (HINT == 2) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem), "l"(gmem),
+                 "r"(pred ? 16 : 0), "l"(policy)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(pred ? 16 : 0)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long p;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
@@ -346,6 +371,469 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
       const long long row = ((long long)b * num_heads + h) * num_splits + split;
       part_out[row * D + d] = o;
       if (d == 0) part_lse[row] = lse;
+    }
+  }
+#ifdef DECODE_TRACE
+  __syncthreads();
+  if (threadIdx.x == 0) trace[3] = gtime();
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// paged_decode_v2_kernel: the same computation with a shorter main loop, opt-in (speedcore.decode.DECODE_V2) until
+// it has run on a GPU.  Per 16-token tile of head dim 128 the loop is ~336 SASS instructions (~300 executed when
+// the rescale is skipped) against ~505 for paged_decode_kernel (NVRTC 13.0, sm_90): FAST (block size 2**k >= 16,
+// a tile in one page) resolves one page per tile instead of one per row and needs no shuffles, shared addresses
+// are 32-bit lane constants plus immediates, and LAZY rescales the output only when the running max grows by
+// more than 8 (log2 units).  Why the loop length matters, measured on the H200 with an early version of this
+// kernel (benchmarks/_decode_tune.py): a configuration whose loop NVRTC 13.0 compiled ~13% longer (96 registers,
+// lane ids re-read every iteration, caused by the fused merge's code) ran 13-16% slower at all four bench shapes;
+// with 8 warps per SM the per-tile dependency chain (ldmatrix, mma, shuffles, exp2, mma) is not fully hidden.
+// The fused merge of paged_decode_v2_kernel (FUSE), run by the last split of a (sequence, unit group) to finish:
+// out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max), lse = max + log(sum_s w_s), for each of the
+// group's query heads.  The partials were written by other CTAs of this launch: read through L2 (ld.cg) after
+// the ticket.  (As a __noinline__ call it costs an ABI spill at head dim 64; inlined, it still lengthens the main
+// loop by ~10% under NVRTC 13.0, which is why FUSE is off by default.)
+template <typename T, int D, int WARPS, int UPC>
+__device__ __forceinline__ void decode_fused_merge(T* __restrict__ out, float* __restrict__ lse_out,
+                                                const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                                                float* __restrict__ smem, int b, int ug, int units, int qgroups,
+                                                int group, int num_heads, int num_splits, long long o_stride_b,
+                                                long long o_stride_h) {
+  constexpr int ROWS = UPC * 8;
+  constexpr int V4 = D / 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  auto head_of = [&](int r) -> int {  // the query head of row r (team r / 8, query r % 8), or -1
+    const int un = ug * UPC + r / 8, qi = r & 7;
+    if (un >= units) return -1;
+    const int uq0 = (un % qgroups) * 8;
+    return qi < group - uq0 ? (un / qgroups) * group + uq0 + qi : -1;
+  };
+  float* wts = smem;                        // [ROWS][num_splits]: exp(lse_s - max)
+  float* stat = wts + ROWS * num_splits;    // [ROWS][2]: 1 / sum of weights, merged lse
+  for (int r = warp; r < ROWS; r += WARPS) {
+    const int h = head_of(r);
+    if (h < 0) continue;
+    const float* ls = part_lse + ((long long)b * num_heads + h) * num_splits;
+    float mx = dec::neg_inf();
+    for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, __ldcg(ls + s));
+    mx = sc::warp_max(mx);
+    float total = 0.f;
+    for (int s = lane; s < num_splits; s += 32) {
+      const float w = mx == dec::neg_inf() ? 0.f : __expf(__ldcg(ls + s) - mx);
+      wts[r * num_splits + s] = w;
+      total += w;
+    }
+    total = sc::warp_sum(total);
+    if (lane == 0) {
+      stat[2 * r] = total > 0.f ? __frcp_rn(total) : 0.f;
+      stat[2 * r + 1] = total > 0.f ? mx + __logf(total) : dec::neg_inf();
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < ROWS * V4; idx += WARPS * 32) {
+    const int r = idx / V4, c = idx - r * V4;
+    const int h = head_of(r);
+    if (h < 0) continue;
+    const float4* src = reinterpret_cast<const float4*>(part_out) + ((long long)b * num_heads + h) * num_splits * V4 + c;
+    const float* w = wts + r * num_splits;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int s = 0;
+    for (; s + 8 <= num_splits; s += 8) {  // eight loads in flight per thread
+      float4 x[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = __ldcg(src + (long long)(s + i) * V4);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        acc.x += w[s + i] * x[i].x;
+        acc.y += w[s + i] * x[i].y;
+        acc.z += w[s + i] * x[i].z;
+        acc.w += w[s + i] * x[i].w;
+      }
+    }
+    for (; s < num_splits; ++s) {
+      const float4 x = __ldcg(src + (long long)s * V4);
+      acc.x += w[s] * x.x;
+      acc.y += w[s] * x.y;
+      acc.z += w[s] * x.z;
+      acc.w += w[s] * x.w;
+    }
+    const float inv = stat[2 * r];
+    T* o = out + (long long)b * o_stride_b + (long long)h * o_stride_h + c * 4;
+    o[0] = sc::from_float<T>(acc.x * inv);
+    o[1] = sc::from_float<T>(acc.y * inv);
+    o[2] = sc::from_float<T>(acc.z * inv);
+    o[3] = sc::from_float<T>(acc.w * inv);
+    if (lse_out != nullptr && c == 0) lse_out[(long long)b * num_heads + h] = stat[2 * r + 1];
+  }
+}
+
+template <typename T, int D, int WARPS, int STAGES, int HINT = 0, int UPC = 1, bool FUSE = false, bool FAST = false,
+          bool LAZY = false>
+__global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_v2_kernel(
+    T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ part_out, float* __restrict__ part_lse,
+    int* __restrict__ tickets, const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_table, const int* __restrict__ seq_lens, int num_heads, int group,
+    int qgroups, int units, int num_splits, int even_splits, int block_size, int block_shift, int num_blocks,
+    int max_len,
+    long long q_stride_b, long long q_stride_h, long long o_stride_b, long long o_stride_h, long long c_stride_block,
+    long long c_stride_tok, long long c_stride_head, long long bt_stride, long long sl_stride, float scale_a,
+    float cap_log2, int use_softcap, int window_left) {
+  constexpr int CPR = D / 8;            // 16-byte chunks per row
+  constexpr int RPI = 32 / CPR > 0 ? 32 / CPR : 1;  // rows one warp-wide cp.async covers
+  constexpr int LPR = 32 / RPI;         // lanes per row in one cp.async instruction
+  constexpr int NI = 16 / RPI;          // cp.async instructions per 16-row tile
+  constexpr int TILE = 16 * CPR;        // uint4 per 16-row tile
+  constexpr int KT = D / 16;            // k-steps of QK^T and m-tiles of O^T
+  static_assert(D % 64 == 0 && D <= 256, "head dim 64, 128 or 256");
+  static_assert(LPR * RPI == 32 && LPR == CPR, "lane mapping: one 16-byte chunk per lane and row");
+  constexpr int WPU = WARPS / UPC;      // warps per unit
+  static_assert(WPU * UPC == WARPS, "UPC divides WARPS");
+
+  extern __shared__ uint4 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#ifdef DECODE_TRACE
+  auto gtime = []() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; };
+  unsigned long long* trace = reinterpret_cast<unsigned long long*>(lse_out) + (long long)blockIdx.x * 8;
+  if (threadIdx.x == 0) { unsigned smid; asm volatile("mov.u32 %0, %smid;" : "=r"(smid)); trace[0] = gtime(); trace[4] = smid; }
+  lse_out = nullptr;
+#endif
+
+  const int ugroups = (units + UPC - 1) / UPC;
+  int bid = blockIdx.x;
+  const int ug = bid % ugroups;
+  bid /= ugroups;
+  const int split = bid % num_splits;
+  const int b = bid / num_splits;
+  const int team = warp / WPU, tw = warp - team * WPU;  // this warp's unit in the CTA, its index in the team
+  const bool unit_ok = ug * UPC + team < units;   // the last group may have fewer than UPC units
+  const int unit = unit_ok ? ug * UPC + team : units - 1;
+  const int kvh = unit / qgroups;
+  const int q0 = (unit % qgroups) * 8;            // first query of this unit inside the KV head's group
+  const int nq = unit_ok ? min(8, group - q0) : 0;  // queries served by this warp's team
+  const int h0 = kvh * group + q0;                // first query head
+
+  // Attended range [lo, hi) of a sequence of length len: the whole sequence, or the last window_left + 1
+  // tokens; this split's tiles [t_begin, t_end).
+  auto range = [&](int len, int& lo, int& hi, int& t_begin, int& t_end) {
+    hi = max(len, 0);
+    lo = window_left >= 0 ? max(0, hi - 1 - window_left) : 0;
+    const int tile_lo = lo >> 4, tile_hi = (hi + 15) >> 4;
+    const int ntiles = max(tile_hi - tile_lo, 0);
+    if (even_splits) {
+      t_begin = tile_lo + (int)((long long)ntiles * split / num_splits);
+      t_end = tile_lo + (int)((long long)ntiles * (split + 1) / num_splits);
+    } else {
+      int per_split = (ntiles + num_splits - 1) / num_splits;
+      per_split = (per_split + WPU - 1) / WPU * WPU;
+      t_begin = tile_lo + split * per_split;
+      t_end = min(t_begin + per_split, tile_hi);
+    }
+  };
+  const int* bt_row = block_table + (long long)b * bt_stride;
+  // The block-table entries of this warp's first STAGES tiles are loaded together with seq_lens[b], for the
+  // range a sequence of full length (max_len, the table's capacity) would give: they are the right entries
+  // whenever the real range starts on the same tile and no earlier token (always for split 0 without a window,
+  // and for full sequences), which takes one dependent memory round trip off the start of every CTA.
+  int spec_lo, spec_hi, spec_begin, spec_end;
+  range(max_len, spec_lo, spec_hi, spec_begin, spec_end);
+  const int spec_first = spec_begin + tw;
+  int spec_page[STAGES];
+#pragma unroll
+  for (int j = 0; j < STAGES; ++j) {
+    if constexpr (FAST) {  // one page per tile: every lane loads its entry (one broadcast transaction)
+      const int tok = (spec_first + j * WPU) * 16;
+      spec_page[j] = tok + 15 >= spec_lo && tok < spec_hi ? bt_row[tok >> block_shift] : 0;
+    } else {
+      const int tok = (spec_first + j * WPU) * 16 + lane;
+      spec_page[j] = lane < 16 && tok >= spec_lo && tok < spec_hi ? bt_row[tok / block_size] : 0;
+    }
+  }
+  int lo, hi, t_begin, t_end;
+  range(min(seq_lens[b * sl_stride], max_len), lo, hi, t_begin, t_end);
+
+  // Q^T as the B operand of S^T = K Q^T: lane holds Q[query lane/4][d = 16kk + 2(lane%4) + {0,1}] and d + 8.
+  unsigned qf[KT][2];
+  {
+    const int qi = lane >> 2;
+    const bool ok = qi < nq;
+    const T* qp = q + (long long)b * q_stride_b + (long long)(h0 + (ok ? qi : 0)) * q_stride_h + 2 * (lane & 3);
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      qf[kk][0] = ok ? *reinterpret_cast<const unsigned*>(qp + kk * 16) : 0u;
+      qf[kk][1] = ok ? *reinterpret_cast<const unsigned*>(qp + kk * 16 + 8) : 0u;
+    }
+  }
+
+  const T* kbase = k_cache + (long long)kvh * c_stride_head;
+  const T* vbase = v_cache + (long long)kvh * c_stride_head;
+  uint4* ring = smem + warp * (STAGES * 2 * TILE);
+  const unsigned long long policy = HINT == 2 ? dec::evict_first_policy() : 0ull;
+
+  // This warp's tiles: t_begin + tw + j * WPU for j < njobs.
+  const int first = t_begin + tw;
+  const int njobs = unit_ok && t_end > first ? (t_end - first + WPU - 1) / WPU : 0;
+  const bool use_spec = first == spec_first && lo >= spec_lo;  // [lo, hi) lies inside the speculated range
+
+  // Lane r < 16 resolves row r of a tile: its page (loaded early, to hide the block-table latency) and slot.
+  // spec: one of the first STAGES tiles (j a compile-time index after unrolling), whose entries may have been
+  // loaded speculatively.
+  // FAST (block_size = 2**block_shift >= 16): a tile lies in one page; every lane resolves the tile's page and
+  // first slot, and issue() derives the rows from them without shuffles.
+  auto fetch_row = [&](bool spec, int j, int& page, int& slot) -> bool {
+    if constexpr (FAST) {
+      const int tok = (first + j * WPU) * 16;
+      const bool ok = j < njobs;
+      page = ok ? (spec && use_spec ? spec_page[j] : bt_row[tok >> block_shift]) : 0;
+      slot = tok & (block_size - 1);
+      return ok;
+    }
+    const int tok = (first + j * WPU) * 16 + lane;
+    const bool ok = lane < 16 && j < njobs && tok >= lo && tok < hi;
+    page = 0;
+    slot = 0;
+    if (ok) {
+      const int blk = tok / block_size;
+      page = spec && use_spec ? spec_page[j] : bt_row[blk];
+      slot = tok - blk * block_size;
+    }
+    return ok;
+  };
+  // Shared addresses are 32-bit offsets computed once, so the loop adds immediates to a few registers: a slot of
+  // the ring holds the K tile then the V tile, rows of CPR 16-byte chunks, chunk c of row r stored at c ^ (r % 8)
+  // (conflict-free ldmatrix).
+  constexpr unsigned TILE_BYTES = TILE * 16, SLOT_BYTES = 2 * TILE_BYTES;
+  const unsigned ring_s = sc::smem_addr(ring);
+  // issue(): lane copies row i * RPI + r0 (i < NI) into physical chunk pc, i.e. global chunk pc ^ (row % 8).
+  const int r0 = lane / LPR, pc = lane % LPR;
+  const unsigned dst_lane = (unsigned)(r0 * CPR + pc) * 16u;
+  const unsigned step_bytes = (unsigned)(RPI * c_stride_tok * (long long)sizeof(T));  // host: < 2**31 when FAST
+  auto issue = [&](int j, int ring_slot, int page, int slot, bool ok) {
+    if constexpr (FAST) {
+      const unsigned sdst = ring_s + ring_slot * SLOT_BYTES + dst_lane;
+      const long long base = ((long long)min((unsigned)page, (unsigned)(num_blocks - 1)) * c_stride_block +
+                              (long long)(slot + r0) * c_stride_tok) * (long long)sizeof(T);
+      const char* kp = reinterpret_cast<const char*>(kbase) + base;
+      const char* vp = reinterpret_cast<const char*>(vbase) + base;
+      const unsigned rel = (unsigned)((first + j * WPU) * 16 + r0 - lo), span = (unsigned)(hi - lo);
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const unsigned goff = (unsigned)((pc ^ ((i * RPI + r0) & 7)) << 4) + i * step_bytes;
+        const bool rok = ok && rel + i * RPI < span;  // token in [lo, hi)
+        dec::cp_async_kv_s<HINT>(sdst + i * RPI * CPR * 16, kp + goff, rok, policy);
+        dec::cp_async_kv_s<HINT>(sdst + TILE_BYTES + i * RPI * CPR * 16, vp + goff, rok, policy);
+      }
+    } else {
+      uint4* ks = ring + ring_slot * 2 * TILE;
+      uint4* vs = ks + TILE;
+      // min() with num_blocks - 1 keeps a corrupt block table from faulting.
+      const long long off =
+          ok ? (long long)min((unsigned)page, (unsigned)(num_blocks - 1)) * c_stride_block +
+                   (long long)slot * c_stride_tok
+             : 0;
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int row = i * RPI + r0;
+        const long long roff = __shfl_sync(0xffffffffu, off, row);
+        const bool rok = __shfl_sync(0xffffffffu, ok, row);
+        const int chunk = pc;
+        const int dst = row * CPR + (chunk ^ (row & 7));
+        dec::cp_async_kv<HINT>(ks + dst, kbase + roff + chunk * 8, rok, policy);
+        dec::cp_async_kv<HINT>(vs + dst, vbase + roff + chunk * 8, rok, policy);
+      }
+    }
+  };
+  // ldmatrix lane addresses: K (x4) reads rows (lane % 8) + 8 ((lane / 8) % 2), chunks 2 kk + lane / 16; V (x4
+  // trans) rows (lane % 8) + 8 (lane / 16), chunks 2 mt + (lane / 8) % 2.  With m = kk % 4, the physical chunk
+  // is 8 (kk / 4) + (2m ^ (row & 6) | (h ^ row) & 1): four lane constants each, the rest immediates.
+  unsigned k_lds[4], v_lds[4];
+  {
+    const int krow = (lane & 7) + ((lane >> 3) & 1) * 8, kh = lane >> 4;
+    const int vrow = (lane & 7) + (lane >> 4) * 8, vh = (lane >> 3) & 1;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      k_lds[m] = (unsigned)(krow * CPR + (((2 * m) ^ (krow & 6)) | ((kh ^ krow) & 1))) * 16u;
+      v_lds[m] = (unsigned)(vrow * CPR + (((2 * m) ^ (vrow & 6)) | ((vh ^ vrow) & 1))) * 16u + TILE_BYTES;
+    }
+  }
+
+  float oacc[KT][4];
+#pragma unroll
+  for (int i = 0; i < KT; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+  float m0 = dec::neg_inf(), m1 = dec::neg_inf(), l0 = 0.f, l1 = 0.f;
+
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {
+    int page, slot;
+    const bool ok = fetch_row(true, j, page, slot);
+    if (j < njobs) issue(j, j, page, slot, ok);
+    sc::cp_async_commit();
+  }
+  int pf_page, pf_slot;
+  bool pf_ok = fetch_row(true, STAGES - 1, pf_page, pf_slot);
+
+  int cs = 0;  // the ring slot of tile j
+  for (int j = 0; j < njobs; ++j) {
+    sc::cp_async_wait<STAGES - 2>();
+    __syncwarp();
+#ifdef DECODE_TRACE
+    if (j == 0 && threadIdx.x == 0) trace[1] = gtime();
+#endif
+    // Refill the slot consumed in the previous iteration (every lane is past it after __syncwarp).
+    if (j + STAGES - 1 < njobs) issue(j + STAGES - 1, cs == 0 ? STAGES - 1 : cs - 1, pf_page, pf_slot, pf_ok);
+    sc::cp_async_commit();
+    pf_ok = fetch_row(false, j + STAGES, pf_page, pf_slot);
+
+    const unsigned slot_s = ring_s + cs * SLOT_BYTES;
+    cs = cs == STAGES - 1 ? 0 : cs + 1;
+    float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      unsigned a[4];
+      dec::ldsm_x4(a, slot_s + k_lds[kk & 3] + (kk >> 2) * 128);
+      sc::mma_16816<T>((kk & 1) ? sb : sa, a, qf[kk]);  // two accumulators halve the dependency chain
+    }
+    const int tok_a = (first + j * WPU) * 16 + (lane >> 2);
+    const int tok_b = tok_a + 8;
+    const bool va = tok_a >= lo && tok_a < hi, vb = tok_b >= lo && tok_b < hi;
+    float s[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float raw = sa[i] + sb[i];
+      s[i] = use_softcap ? cap_log2 * dec::tanh_exp(raw * scale_a) : raw * scale_a;
+    }
+    if (!va) s[0] = s[1] = dec::neg_inf();
+    if (!vb) s[2] = s[3] = dec::neg_inf();
+    // Online softmax in the log2 domain; lanes sharing lane%4 own the same two queries.
+    float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    // LAZY: the running max m only moves (and O and l are rescaled) when some query's tile max exceeds it by
+    // more than 8 (log2 domain), for the whole warp at once; otherwise p = 2^(s - m) <= 256, exact in the fp32
+    // sums and within fp16/bf16 range for the PV product.  Saves the rescale of every tile but a few.
+    bool rescale = true;
+    if constexpr (LAZY) rescale = __any_sync(0xffffffffu, mx0 > m0 + 8.f || mx1 > m1 + 8.f);
+    if (rescale) {
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float base0 = mn0 == dec::neg_inf() ? 0.f : mn0, base1 = mn1 == dec::neg_inf() ? 0.f : mn1;
+      const float alpha0 = sc::fast_exp2(m0 - base0), alpha1 = sc::fast_exp2(m1 - base1);
+      m0 = mn0;
+      m1 = mn1;
+      l0 *= alpha0;
+      l1 *= alpha1;
+#pragma unroll
+      for (int mt = 0; mt < KT; ++mt) {
+        oacc[mt][0] *= alpha0;
+        oacc[mt][1] *= alpha1;
+        oacc[mt][2] *= alpha0;
+        oacc[mt][3] *= alpha1;
+      }
+    }
+    const float base0 = m0 == dec::neg_inf() ? 0.f : m0, base1 = m1 == dec::neg_inf() ? 0.f : m1;
+    const float p0 = sc::fast_exp2(s[0] - base0), p1 = sc::fast_exp2(s[1] - base1);
+    const float p2 = sc::fast_exp2(s[2] - base0), p3 = sc::fast_exp2(s[3] - base1);
+    l0 += p0 + p2;
+    l1 += p1 + p3;
+    unsigned pb[2];
+    pb[0] = dec::movmatrix_trans(sc::pack2<T>(p0, p1));
+    pb[1] = dec::movmatrix_trans(sc::pack2<T>(p2, p3));
+#pragma unroll
+    for (int mt = 0; mt < KT; ++mt) {
+      unsigned a[4];
+      dec::ldsm_x4_trans(a, slot_s + v_lds[mt & 3] + (mt >> 2) * 128);
+      sc::mma_16816<T>(oacc[mt], a, pb);
+    }
+  }
+  sc::cp_async_wait<0>();
+#ifdef DECODE_TRACE
+  if (threadIdx.x == 0) trace[2] = gtime();
+#endif
+
+  // Row sums: each lane summed only its own tokens.
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  }
+  __syncthreads();  // every warp is done with its ring: reuse shared memory for the merge across warps
+  float* red_o = reinterpret_cast<float*>(smem);      // [WARPS][8][D]
+  float* red_m = red_o + WARPS * 8 * D;                // [WARPS][8]
+  float* red_l = red_m + WARPS * 8;                    // [WARPS][8]
+  {
+    const int qa = 2 * (lane & 3);
+    float* ow = red_o + warp * 8 * D;
+#pragma unroll
+    for (int mt = 0; mt < KT; ++mt) {
+      const int d = mt * 16 + (lane >> 2);
+      ow[qa * D + d] = oacc[mt][0];
+      ow[(qa + 1) * D + d] = oacc[mt][1];
+      ow[qa * D + d + 8] = oacc[mt][2];
+      ow[(qa + 1) * D + d + 8] = oacc[mt][3];
+    }
+    if (lane < 4) {
+      red_m[warp * 8 + qa] = m0;
+      red_m[warp * 8 + qa + 1] = m1;
+      red_l[warp * 8 + qa] = l0;
+      red_l[warp * 8 + qa + 1] = l1;
+    }
+  }
+  __syncthreads();
+  const bool direct = num_splits == 1;
+  // The output row of (team u, query qi), or -1 where the team's unit or query does not exist.
+  auto head_of = [&](int u, int qi) -> int {
+    const int un = ug * UPC + u;
+    if (un >= units) return -1;
+    const int uq0 = (un % qgroups) * 8;
+    return qi < group - uq0 ? (un / qgroups) * group + uq0 + qi : -1;
+  };
+  for (int idx = threadIdx.x; idx < UPC * 8 * D; idx += WARPS * 32) {
+    const int u = idx / (8 * D), qi = (idx / D) & 7, d = idx % D;
+    const int h = head_of(u, qi);
+    if (h < 0) continue;
+    const int w0 = u * WPU;
+    float mmax = dec::neg_inf();
+#pragma unroll
+    for (int w = w0; w < w0 + WPU; ++w) mmax = fmaxf(mmax, red_m[w * 8 + qi]);
+    float lsum = 0.f, o = 0.f;
+    if (mmax != dec::neg_inf()) {
+#pragma unroll
+      for (int w = w0; w < w0 + WPU; ++w) {
+        const float f = sc::fast_exp2(red_m[w * 8 + qi] - mmax);
+        lsum += red_l[w * 8 + qi] * f;
+        o += red_o[(w * 8 + qi) * D + d] * f;
+      }
+    }
+    const bool empty = !(lsum > 0.f);
+    o = empty ? 0.f : o * __frcp_rn(lsum);
+    const float lse = empty ? dec::neg_inf() : (mmax + __log2f(lsum)) * 0.6931471805599453f  /* ln 2 */;
+    if (direct) {
+      out[(long long)b * o_stride_b + (long long)h * o_stride_h + d] = sc::from_float<T>(o);
+      if (lse_out != nullptr && d == 0) lse_out[(long long)b * num_heads + h] = lse;
+    } else {
+      const long long row = ((long long)b * num_heads + h) * num_splits + split;
+      part_out[row * D + d] = o;
+      if (d == 0) part_lse[row] = lse;
+    }
+  }
+  if constexpr (FUSE) {
+    if (!direct) {
+      // Threadfence-reduction pattern: publish the partials, then count this split in; the last one in merges.
+      __threadfence();
+      __syncthreads();
+      bool last = false;
+      if (threadIdx.x == 0) {
+        int* ticket = tickets + (long long)b * ugroups + ug;
+        last = atomicAdd(ticket, 1) == num_splits - 1;
+        if (last) atomicExch(ticket, 0);  // every split is in: ready for the next launch on this stream
+      }
+      if (__syncthreads_or(last)) {
+        __threadfence();
+        decode_fused_merge<T, D, WARPS, UPC>(out, lse_out, part_out, part_lse, reinterpret_cast<float*>(smem), b, ug,
+                                             units, qgroups, group, num_heads, num_splits, o_stride_b, o_stride_h);
+      }
     }
   }
 #ifdef DECODE_TRACE
