@@ -79,7 +79,7 @@ __host__ __device__ constexpr bool o_has_own_buffer(int q_bytes, int kv_ring_byt
 
 // Everything about one tile that both the producer and the consumers derive from its index.
 struct Tile {
-  int m0, head, batch, q_off, k_off, sq, sk, row_lo, rows_q, n_begin, n_end;  // valid rows: [row_lo, rows_q)
+  int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end;
 };
 
 __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int reverse_m, int seqlen_q,
@@ -100,17 +100,18 @@ __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int r
     t.k_off = min(max(cu_k[t.batch], 0), total_k);
     t.sk = min(max(cu_k[t.batch + 1], t.k_off), total_k) - t.k_off;
   }
-  // Masked problems (reverse_m: causal or a right window) align their m-blocks to the end of the sequence, so
-  // that a partial block is the first, lightest one rather than the last, heaviest one: its rows before the
-  // sequence (m0 < 0) are zero-filled by TMA and dropped at the store.
-#ifdef FA90_TOP_ALIGN
-  const int shift = 0;
-#else
-  const int shift = reverse_m ? (t.sq + bm - 1) / bm * bm - t.sq : 0;
+  // Masked problems (reverse_m: causal or a right window) make their first m-block the partial one (rows 0 to
+  // r - 1, r = what is left over by full blocks aligned to the sequence's end) instead of the last: the first
+  // is the lightest, the last the heaviest.  The first tile still computes bm rows; those past r are the next
+  // block's and are not stored.
+  t.m0 = m_block * bm;
+#ifndef FA90_TOP_ALIGN
+  if (reverse_m && m_block > 0) t.m0 -= (t.sq + bm - 1) / bm * bm - t.sq;
 #endif
-  t.m0 = m_block * bm - shift;
-  t.row_lo = max(0, -t.m0);
   t.rows_q = min(bm, t.sq - t.m0);
+#ifndef FA90_TOP_ALIGN
+  if (reverse_m && m_block == 0) t.rows_q = t.sq - ((t.sq + bm - 1) / bm - 1) * bm;
+#endif
   // key j is visible to query i iff lo(i) <= j < hi(i) (see kernels/attention.cu)
   const int diag = t.sk - t.sq;
   const int lo_first = max(0, t.m0 + diag - window_left);
@@ -304,7 +305,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row_in_tile + 8 * h;
-        if (r < t.row_lo || r >= t.rows_q) continue;
+        if (r >= t.rows_q) continue;
         for (int c = 8 * q4; c < head_dim; c += 32)
           *reinterpret_cast<uint4*>(o_rows() + r * o_row_stride + c) = make_uint4(0, 0, 0, 0);
         if (lse != nullptr && q4 == 0) lse_rows()[r] = neg_inf();
@@ -499,14 +500,13 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       inv[h] = l > 0.f ? 1.f / l : 0.f;
       const int r = row_in_tile + 8 * h;
-      if (r >= t.row_lo && r < t.rows_q && lse != nullptr && q4 == 0)
+      if (r < t.rows_q && lse != nullptr && q4 == 0)
         lse_rows()[r] = l > 0.f ? (row_max[h] * scale_log2 + __log2f(l)) * LN2 : neg_inf();
     }
-    // this warpgroup's rows inside the sequence: all 64 (varlen needs that: past them are other sequences'
-    // rows), or some (the tensor map clips the others)
-    const bool wg_full = cw * 64 >= t.row_lo && t.rows_q >= cw * 64 + 64;
-    const bool wg_some = cw * 64 + 64 > t.row_lo && t.rows_q > cw * 64;
-    if (O_TMA && (wg_full || (!varlen && wg_some))) {
+    // The TMA store writes all 64 rows of this warpgroup, or those before the end of the tensor's sequence (the
+    // map clips the rest): not where rows past rows_q belong to another sequence (varlen) or another m-block.
+    const int wg_rows = t.rows_q - cw * 64;
+    if (O_TMA && (wg_rows >= 64 || (!varlen && wg_rows > 0 && t.m0 + t.rows_q == t.sq))) {
       unsigned char* const o_tile = sO + cw * 64 * 128;
       if (O_OWN) {  // the previous tile's store must have read the buffer
         if (tid == 0) fa90::bulk_wait_read_all();
@@ -539,7 +539,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row_in_tile + 8 * h;
-        if (r >= t.row_lo && r < t.rows_q) {
+        if (r < t.rows_q) {
           T* const o_row = o_rows() + r * o_row_stride + 2 * q4;
 #pragma unroll
           for (int j = 0; j < D / 8; ++j)
