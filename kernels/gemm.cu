@@ -88,9 +88,11 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
 #pragma unroll
     for (int l = 0; l < NA + NB; ++l) load_chunk(stage, kt, l);
   };
-  // In the main loop the next stage's loads are spread over the k16 steps, each share issued behind that
-  // step's mma.syncs: address arithmetic and cp.async issue then overlap the Tensor Core work instead of
-  // sitting between the barrier and the first mma (where both warps of an SM sub-partition stalled on it).
+  // Large tiles (WK = 1): the next stage's loads are spread over the k16 steps, each share issued behind that
+  // step's mma.syncs, so address arithmetic and cp.async issue overlap the Tensor Core work instead of sitting
+  // between the barrier and the first mma (where both warps of an SM sub-partition stalled on them).  Skinny
+  // tiles (WK > 1) are bound by HBM and issue every load at once, as early as possible.
+  constexpr bool SPREAD_LOADS = WK == 1;
   constexpr int LOADS_PER_STEP = (NA + NB + KSTEPS - 1) / KSTEPS;
 
   float acc[MT][NT8][4];
@@ -113,6 +115,10 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
     __syncthreads();  // stage kt is visible to all; stage kt - 1 is no longer read by anyone
     const bool load_next = kt + STAGES - 1 < KT;
     const int next_stage = (kt + STAGES - 1) % STAGES;
+    if (!SPREAD_LOADS) {
+      if (load_next) load_stage(next_stage, kt + STAGES - 1);
+      sc::cp_async_commit();
+    }
 
     const T* tA = sA + (kt % STAGES) * A_TILE;
     const T* tB = sB + (kt % STAGES) * B_TILE;
@@ -142,13 +148,13 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT8; ++nt) sc::mma_16816<T>(acc[mt][nt], af[mt], bf[nt]);
-      if (load_next) {
+      if (SPREAD_LOADS && load_next) {
 #pragma unroll
         for (int l = ks * LOADS_PER_STEP; l < (ks + 1) * LOADS_PER_STEP && l < NA + NB; ++l)
           load_chunk(next_stage, kt + STAGES - 1, l);
       }
     }
-    sc::cp_async_commit();
+    if (SPREAD_LOADS) sc::cp_async_commit();
   }
 
   if constexpr (WK > 1) {

@@ -3,8 +3,10 @@
 Three paths, picked by :func:`gemm_path`, a pure function of the problem and the device:
 
 * ``"hopper"`` (sm_90): TMA loads into a multi-stage shared-memory ring guarded by mbarriers, wgmma by two
-  consumer warpgroups, one producer warpgroup, register reallocation, a persistent tile scheduler.  B may be
-  K-major (a Linear weight (N, K)) or N-major (a row-major (K, N) matrix, read transposed by wgmma).
+  consumer warpgroups, one producer warpgroup, register reallocation, a persistent tile scheduler; the
+  epilogue goes out through a swizzled staging buffer by asynchronous TMA stores, so the next tile's wgmmas
+  start while the last tile's writes drain.  B may be K-major (a Linear weight (N, K)) or N-major (a row-major
+  (K, N) matrix, read transposed by wgmma).
 * ``"ampere"`` (sm_80+): mma.sync + ldmatrix from a cp.async ring of swizzled tiles.
 * ``"skinny"`` (M <= 64, decode): the same mma.sync kernel with narrow N tiles, deep K tiles and warps
   splitting K, so the weight streams once at HBM bandwidth.
@@ -107,19 +109,25 @@ class WgmmaConfig:
 
 
 _WGMMA_STAGING_MAX = 16384
-# Tiles and their relative Tensor Core efficiency (a guess from the instruction shapes: per-warpgroup
-# m64n256 keeps shared-memory reads per FLOP lowest; narrower wgmmas read A again for fewer columns).  bm = 64
-# tiles serve decode-sized M.  Tiles marked K-major only need B (k, n) = weight[n, k]: an N-major B is read
-# in 64-column blocks.
-WGMMA_TILE_EFFICIENCY = {(128, 256): 1.0, (256, 128): 1.0, (128, 224): 0.97, (128, 128): 0.9, (128, 64): 0.75,
-                         (64, 128): 0.7, (64, 64): 0.55, (64, 32): 0.4}
+# Tiles the heuristic picks from, with their relative Tensor Core efficiency (a guess from the instruction
+# shapes: per-warpgroup m64n256 keeps shared-memory reads per FLOP lowest; narrower wgmmas read A again for
+# fewer columns).  Tiles marked K-major only need B (k, n) = weight[n, k]: an N-major B is read in 64-column
+# blocks.
+WGMMA_TILE_EFFICIENCY = {(128, 256): 1.0, (256, 128): 1.0, (128, 224): 0.97, (128, 128): 0.9, (128, 64): 0.75}
 WGMMA_TILES = tuple(WGMMA_TILE_EFFICIENCY)
+# 64-row tiles (the consumers split N) for decode-sized M: compiled, tested and forceable, but not dispatched
+# until an H200 A/B (benchmarks/_gemm_ab.py small) shows where they beat the 128-row tiles and the skinny
+# kernel: at M <= 128 these shapes are bound by bytes per SM, not by the Tensor Cores, and more tiles re-read
+# A from L2 once per tile column.
+WGMMA_DECODE_TILES = ((64, 128), (64, 64), (64, 32))
 WGMMA_KMAJOR_ONLY = frozenset({(128, 224), (64, 64), (64, 32)})
 WGMMA_MAX_STAGES = 12
 
 
-def wgmma_tiles(b_kmajor: bool) -> tuple:
-    return tuple(t for t in WGMMA_TILES if b_kmajor or t not in WGMMA_KMAJOR_ONLY)
+def wgmma_tiles(b_kmajor: bool, decode: bool = False) -> tuple:
+    """The heuristic's candidate tiles for a B layout (with ``decode``, the 64-row tiles instead)."""
+    tiles = WGMMA_DECODE_TILES if decode else WGMMA_TILES
+    return tuple(t for t in tiles if b_kmajor or t not in WGMMA_KMAJOR_ONLY)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -209,7 +217,7 @@ def all_kernels() -> list:
                         + tuple(MMA_SKINNY_WIDE.values())):
                 out.append(_mma_kernel(dtype, cfg, kmajor))
         for kmajor in (True, False):
-            for bm, bn in wgmma_tiles(kmajor):
+            for bm, bn in wgmma_tiles(kmajor) + wgmma_tiles(kmajor, decode=True):
                 out.append(_wgmma_kernel(dtype, WgmmaConfig(bm, bn, _wgmma_stages(bm, bn, _SM90_SMEM)), kmajor))
     return out
 

@@ -68,12 +68,15 @@ def test_wgmma_config_picks_whole_waves():
     assert (gemm.wgmma_config(512, 28672, 8192, 132, 232448, True).bn) == 224
     assert (gemm.wgmma_config(512, 28672, 8192, 132, 232448, False).bn) != 224  # N-major B: 64-column blocks
     assert gemm.wgmma_config(8192, 8192, 8192, 132, 232448, True) == gemm.WgmmaConfig(128, 256, 4)
-    assert gemm.wgmma_config(64, 8192, 8192, 132, 232448, True).bm == 64
+    # 64-row tiles are not dispatched yet (no H200 A/B); M = 64 x N = 28672 gets 128 tiles of 128 x 224
+    for m, n, k in [(64, 8192, 8192), (33, 4096, 4096), (128, 4096, 14336)]:
+        assert gemm.wgmma_config(m, n, k, 132, 232448, True).bm >= 128
+    assert gemm.wgmma_config(64, 28672, 8192, 132, 232448, True) == gemm.WgmmaConfig(128, 224, 4)
 
 
 def test_wgmma_staging_matches_kernel():
     """WgmmaConfig.staging / store_box_cols mirror EPI_BYTES / StoreBox in kernels/gemm_sm90.cu."""
-    for bm, bn in gemm.WGMMA_TILES:
+    for bm, bn in gemm.WGMMA_TILES + gemm.WGMMA_DECODE_TILES:
         cfg = gemm.WgmmaConfig(bm, bn, 4)
         wg_m = 64 if bm == 64 else bm // 2
         assert cfg.wg_n * (2 if bm == 64 else 1) == bn
@@ -222,7 +225,7 @@ def test_matmul_layouts(path, dtype, b_layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("tile", gemm.WGMMA_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", gemm.WGMMA_TILES + gemm.WGMMA_DECODE_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
 def test_hopper_every_tile(tile, dtype, monkeypatch):
     """Each wgmma tile (forced), both B layouts where it serves them: partial tiles in M and N (store boxes
     clipped by TMA), several tiles per CTA (grid capped at 7 CTAs), bias + activation, a strided out view."""
