@@ -4,11 +4,19 @@ Times cuBLAS, the previous kernels (kernels/gemm_sm90_prev.cu / gemm_prev.cu: co
 versions, made by the caller) and the current ones with the heuristic's and forced configs, interleaved per shape
 so clocks drift alike.  Prints one table (TFLOP/s or TB/s; ratio to cuBLAS in brackets).
 
+    PYTHONPATH=. python3 benchmarks/_gemm_ab.py precompile       # parallel NVRTC into the disk cache first
     PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere]
+
+The previous kernels (those of 869ced9) are made beside the current ones with
+    git show 869ced9:kernels/gemm_sm90.cu | sed 's/gemm_wgmma_kernel(/gemm_wgmma_prev_kernel(/' > kernels/gemm_sm90_prev.cu
+    git show 869ced9:kernels/gemm.cu | sed 's/gemm_mma_kernel(/gemm_mma_prev_kernel(/' > kernels/gemm_prev.cu
+(untracked; without them the "old" columns are left out).
 """
 import math
 import sys
 from concurrent.futures import ProcessPoolExecutor
+
+import os
 
 import numpy as np
 
@@ -16,6 +24,8 @@ from speedcore import gemm
 from speedcore._compile import Kernel, compile_kernel
 
 SMS = 132
+HAVE_PREV = all(os.path.exists(os.path.join(os.path.dirname(__file__), "..", "kernels", f))
+                for f in ("gemm_sm90_prev.cu", "gemm_prev.cu"))
 CT = "__nv_bfloat16"
 OPT = ("-default-device",)
 
@@ -124,14 +134,15 @@ def precompile_all():
     kern = set()
     shapes = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 28672, 8192), (8192, 4096, 4096)]
     shapes += [(m, n, k) for m in (512, 2048) for n, k in NK]
-    for m, n, k in shapes:
-        kern.add(old_wgmma_kernel(*old_wgmma_cfg(m, n, k)))
-    for s in (4096, 8192):
-        kern.add(old_wgmma_kernel(*old_wgmma_cfg(s, s, s), kmajor=False))
-    for m in (16, 32, 64):
-        for n, k in NK:
-            kern.add(old_mma_kernel(gemm.mma_config(m, n, k, SMS, 233472, True)))
-    kern.add(old_mma_kernel(C(128, 256, 64, 2, 4, 1, 4)))
+    if HAVE_PREV:
+        for m, n, k in shapes:
+            kern.add(old_wgmma_kernel(*old_wgmma_cfg(m, n, k)))
+        for s in (4096, 8192):
+            kern.add(old_wgmma_kernel(*old_wgmma_cfg(s, s, s), kmajor=False))
+        for m in (16, 32, 64):
+            for n, k in NK:
+                kern.add(old_mma_kernel(gemm.mma_config(m, n, k, SMS, 233472, True)))
+        kern.add(old_mma_kernel(C(128, 256, 64, 2, 4, 1, 4)))
     for c in AMPERE_CFGS:
         kern.add(gemm._mma_kernel("bfloat16", c, True))
     kern.update(gemm.all_kernels())
@@ -141,30 +152,19 @@ def precompile_all():
     print(f"precompiled {len(kern)} kernels", flush=True)
 
 
-def precompile(kernels):
-    pass  # done up front by precompile_all
-
-
 def hopper_section():
     shapes = [(4096, 4096, 4096), (8192, 8192, 8192)]
     shapes += [(m, n, k) for m in (512, 2048) for n, k in NK]
     shapes += [(8192, 28672, 8192), (8192, 4096, 4096)]
-    kern = set()
-    for m, n, k in shapes:
-        kern.add(old_wgmma_kernel(*old_wgmma_cfg(m, n, k)))
-        kern.add(gemm._wgmma_kernel("bfloat16", gemm.wgmma_config(m, n, k, SMS, 232448, True), True))
-    for s in (4096, 8192):
-        kern.add(old_wgmma_kernel(*old_wgmma_cfg(s, s, s), kmajor=False))
-    kern.add(gemm._wgmma_kernel("bfloat16", gemm.WgmmaConfig(128, 256, 4), True))
-    precompile(kern)
     for m, n, k in shapes:
         x = torch.randn(m, k, dtype=DT, device="cuda")
         w = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
         out = torch.empty(m, n, dtype=DT, device="cuda")
         cfg = gemm.wgmma_config(m, n, k, SMS, 232448, True)
         t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
-             "old": b.time_ms(old_hopper_fn(x, w, out)),
              f"new{cfg.bm}x{cfg.bn}": b.time_ms(lambda: speedcore.linear(x, w, out=out))}
+        if HAVE_PREV:
+            t["old"] = b.time_ms(old_hopper_fn(x, w, out))
         if (cfg.bm, cfg.bn) != (128, 256):
             t["new128x256"] = time_forced(lambda: speedcore.linear(x, w, out=out), wgmma=(128, 256))
         report(f"linear {m}x{n}x{k}", m, n, k, t)
@@ -173,8 +173,9 @@ def hopper_section():
         w = torch.randn(s, s, dtype=DT, device="cuda") / s ** 0.5
         out = torch.empty(s, s, dtype=DT, device="cuda")
         t = {"cublas": b.time_ms(lambda: torch.matmul(x, w)),
-             "old": b.time_ms(old_hopper_fn(x, w, out, kmajor=False)),
              "new": b.time_ms(lambda: speedcore.matmul(x, w, out=out))}
+        if HAVE_PREV:
+            t["old"] = b.time_ms(old_hopper_fn(x, w, out, kmajor=False))
         report(f"matmul {s}^3", s, s, s, t)
     x = torch.randn(4096, 4096, dtype=DT, device="cuda")
     w = torch.randn(14336, 4096, dtype=DT, device="cuda") / 64
@@ -186,11 +187,7 @@ def hopper_section():
 
 
 def small_section():
-    tiles = [(64, 32), (64, 64), (64, 128), (128, 64)]
-    kern = set()
-    for bm, bn in tiles:
-        kern.add(gemm._wgmma_kernel("bfloat16", gemm.WgmmaConfig(bm, bn, gemm._wgmma_stages(bm, bn, 232448)), True))
-    precompile(kern)
+    tiles = [(64, 32), (64, 64), (64, 128), (128, 64), (128, 128), (128, 224)]
     for m in (32, 64, 128):
         for n, k in NK:
             x = torch.randn(m, k, dtype=DT, device="cuda")
@@ -201,7 +198,8 @@ def small_section():
             if m <= 64:
                 t["skinny"] = b.time_ms(lambda: speedcore.linear(x, w, out=out, _path="skinny"))
                 c = gemm.mma_config(m, n, k, SMS, dev.smem_per_sm, True)
-                t["skinny_old"] = b.time_ms(old_mma_fn(x, w, out, c))
+                if HAVE_PREV:
+                    t["skinny_old"] = b.time_ms(old_mma_fn(x, w, out, c))
             for bm, bn in tiles:
                 t[f"h{bm}x{bn}"] = time_forced(lambda: speedcore.linear(x, w, out=out, _path="hopper"),
                                                wgmma=(bm, bn))
@@ -213,21 +211,21 @@ def small_section():
         out = torch.empty(m, n, dtype=DT, device="cuda")
         c = gemm.mma_config(m, n, k, SMS, dev.smem_per_sm, True)
         t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
-             "skinny": b.time_ms(lambda: speedcore.linear(x, w, out=out)),
-             "skinny_old": b.time_ms(old_mma_fn(x, w, out, c))}
+             "skinny": b.time_ms(lambda: speedcore.linear(x, w, out=out))}
+        if HAVE_PREV:
+            t["skinny_old"] = b.time_ms(old_mma_fn(x, w, out, c))
         report(f"linear {m}x{n}x{k}", m, n, k, t)
 
 
 def ampere_section():
     cfgs = AMPERE_CFGS
-    kern = [old_mma_kernel(cfgs[0])] + [gemm._mma_kernel("bfloat16", c, True) for c in cfgs]
-    precompile(kern)
     s = 8192
     x = torch.randn(s, s, dtype=DT, device="cuda")
     w = torch.randn(s, s, dtype=DT, device="cuda") / s ** 0.5
     out = torch.empty(s, s, dtype=DT, device="cuda")
-    t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
-         "old": b.time_ms(old_mma_fn(x, w, out, cfgs[0]))}
+    t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w))}
+    if HAVE_PREV:
+        t["old"] = b.time_ms(old_mma_fn(x, w, out, cfgs[0]))
     for c in cfgs:
         try:
             t[f"{c.bm}x{c.bn}x{c.bk}w{c.wm}{c.wn}s{c.stages}"] = time_forced(
