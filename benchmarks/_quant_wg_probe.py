@@ -11,6 +11,7 @@ import speedcore
 from speedcore import quant as Q
 from speedcore.bench import Bench
 
+Q.WG_ENABLED = True  # build the wgmma copy at prepack; "off" timings still leave it out of the dispatch
 b = Bench(quick=True)
 t0 = time.time()
 G = 128

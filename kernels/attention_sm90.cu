@@ -110,7 +110,7 @@ __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int r
 #endif
   t.rows_q = min(bm, t.sq - t.m0);
 #ifndef FA90_TOP_ALIGN
-  if (reverse_m && m_block == 0) t.rows_q = t.sq - ((t.sq + bm - 1) / bm - 1) * bm;
+  if (reverse_m && m_block == 0 && t.sq > 0) t.rows_q = t.sq - ((t.sq + bm - 1) / bm - 1) * bm;
 #endif
   // key j is visible to query i iff lo(i) <= j < hi(i) (see kernels/attention.cu)
   const int diag = t.sk - t.sq;
