@@ -117,8 +117,10 @@ _SM90_TILES = {(64, False): (128, 4, 3, True), (64, True): (128, 4, 3, True),
                (192, False): (64, 3, 2, True), (192, True): (64, 3, 2, True),
                (256, False): (64, 2, 2, False), (256, True): (64, 2, 2, False)}
 # Masked problems of at most SM90_SHORT keys per sequence: few key blocks per tile, where fewer, shorter tiles
-# per CTA balance better (measured at head dim 64: 0.86x cuDNN with two consumers against 0.79x with three).
-SM90_SHORT = 1024
+# per CTA balance better.  Measured at head dim 64, bf16, causal (benchmarks/_fa90_configs.py, same run, ratio to
+# cuDNN): seqlen 512 0.85 with two consumers against 0.84 with three, 1024 0.87 against 0.90 (three consumers lost
+# more at 512 before masked m-blocks were aligned to the sequence end: 0.79 against 0.86).
+SM90_SHORT = 512
 _SM90_TILES_SHORT_MASKED = {64: (128, 4, 2, True)}
 
 

@@ -27,11 +27,12 @@ SOURCE_SM90 = "gemm_sm90.cu"
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 PATHS = ("hopper", "ampere", "skinny")
 SKINNY_MAX_M = 64
-# M in (32, 64] on the H200 (bf16, M = 64): the wgmma kernel streamed the weight at 3.6 TB/s for N = 28672 and
-# 2.7 for N = 14336, where the skinny kernel managed 2.5 and 2.3; at N = 8192 and 4096 the skinny kernel was
-# ahead (2.7 against 1.9 at 8192 x 8192).  So those M go to the Hopper path only when N is wide.
+# M in (32, 64] on the H200 goes to the wgmma kernel's 64-row tiles (see wgmma_config): same-run A/B at fc2acbb
+# (benchmarks/_gemm_ab.py small, bf16, M = 64, ratio to cuBLAS) 8192^2 0.98 against the skinny kernel's 0.76,
+# 14336 x 4096 1.00 against 0.65, 28672 x 8192 1.01 against 0.62, 4096^2 0.84 against 0.81, 4096 x 14336 0.83
+# against 0.83.  At M = 32 the skinny kernel stayed ahead for N <= 8192 (1.02 / 0.96 against 0.80 / 0.77).
 HOPPER_WIDE_MIN_M = 32
-HOPPER_WIDE_MIN_N = 12288
+HOPPER_WIDE_MIN_N = 0
 GROUP_M = 8
 
 
@@ -115,10 +116,11 @@ _WGMMA_STAGING_MAX = 16384
 # blocks.
 WGMMA_TILE_EFFICIENCY = {(128, 256): 1.0, (256, 128): 1.0, (128, 224): 0.97, (128, 128): 0.9, (128, 64): 0.75}
 WGMMA_TILES = tuple(WGMMA_TILE_EFFICIENCY)
-# 64-row tiles (the consumers split N) for decode-sized M: compiled, tested and forceable, but not dispatched
-# until an H200 A/B (benchmarks/_gemm_ab.py small) shows where they beat the 128-row tiles and the skinny
-# kernel: at M <= 128 these shapes are bound by bytes per SM, not by the Tensor Cores, and more tiles re-read
-# A from L2 once per tile column.
+# 64-row tiles (the consumers split N) for decode-sized M, where the problem is bound by bytes per SM rather than
+# by the Tensor Cores: what counts is how many SMs stream the weight.  Measured (same A/B as above, M = 128):
+# 4096^2 0.92 (64 x 64) against 0.87 (default then), 8192^2 0.99 (64 x 128) against 0.95, 4096 x 14336 0.82
+# (64 x 64) against 0.74; with two 64-row blocks and N >= 14336 the 128-row tiles stayed ahead (128 x 224 at
+# 1.11 for 28672 x 8192).
 WGMMA_DECODE_TILES = ((64, 128), (64, 64), (64, 32))
 WGMMA_KMAJOR_ONLY = frozenset({(128, 224), (64, 64), (64, 32)})
 WGMMA_MAX_STAGES = 12
@@ -170,7 +172,15 @@ def mma_config(m: int, n: int, k: int, sms: int, smem_per_sm: int, skinny: bool)
 def wgmma_config(m: int, n: int, k: int, sms: int, smem_per_block: int, b_kmajor: bool = True) -> WgmmaConfig:
     """DeepGEMM-style pure heuristic: the tile with the least time on ``sms`` SMs, counted as waves (a wave: one
     tile on every SM of the persistent grid) x tile area / tile efficiency, so padding and a partial last
-    wave both count; ties go to the earlier (larger) tile.  Then as many stages as shared memory holds."""
+    wave both count; ties go to the earlier (larger) tile.  Then as many stages as shared memory holds.
+
+    Decode-sized M (one 64-row block, or two when 64 x 128 tiles still make at most ~1.25 waves) takes 64-row
+    tiles instead: 64 x 128 where that gives at least ~3/4 of a wave, else 64 x 64 (K-major B only)."""
+    row_blocks = _ceil(m, 64)
+    tiles_128 = row_blocks * _ceil(n, 128)
+    if row_blocks == 1 or (row_blocks == 2 and tiles_128 <= 1.25 * sms):
+        bn = 128 if tiles_128 >= 0.75 * sms or not b_kmajor else 64
+        return WgmmaConfig(64, bn, _wgmma_stages(64, bn, smem_per_block))
     best, best_cost = None, None
     for bm, bn in wgmma_tiles(b_kmajor):
         tiles = _ceil(m, bm) * _ceil(n, bn)

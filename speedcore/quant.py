@@ -73,7 +73,10 @@ WG_MAX_M = 1024                       # above this (torch, or CuPy float16): deq
 # (one producer warp, mbarrier ring) compiles clean but has not run on a GPU.  Set True once
 # benchmarks/_quant_wg_gpu.sh shows it ahead (tests: SPEEDCORE_TEST_WG=1).
 WG_ENABLED = False
-DENSE_SMALL_WEIGHT = (1 << 23, 1 << 24)  # N K in this range: dequantize + cuBLAS already above M = 32
+# N K in this range: dequantize + cuBLAS already above M = 32.  Empty: measured slower on the H200 at fc2acbb
+# (benchmarks/_quant_wg_probe.py, 4096 x 4096 bf16: 116 us at M = 64 and 110 us at M = 128 against 45 / 55 us for
+# quant_mma_kernel), so every weight keeps the fused kernel up to MAX_MMA_M.
+DENSE_SMALL_WEIGHT = (1, 0)
 
 
 def _block_k(fmt: int) -> int:

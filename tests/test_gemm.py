@@ -12,11 +12,12 @@ ACTS = [None, "silu", "gelu", "gelu_tanh", "relu"]
 # -- CPU: heuristics and tensor-map checks ------------------------------------------------------------------
 def test_dispatch_is_pure_and_sensible():
     assert gemm.gemm_path(1, 4096, 4096, "bfloat16", (9, 0), True) == "skinny"
-    assert gemm.gemm_path(64, 4096, 4096, "bfloat16", (9, 0), True) == "skinny"
+    assert gemm.gemm_path(64, 4096, 4096, "bfloat16", (9, 0), True) == "hopper"
+    assert gemm.gemm_path(32, 4096, 4096, "bfloat16", (9, 0), True) == "skinny"
     assert gemm.gemm_path(32, 28672, 8192, "bfloat16", (9, 0), True) == "skinny"
     assert gemm.gemm_path(33, 28672, 8192, "bfloat16", (9, 0), True) == "hopper"
     assert gemm.gemm_path(64, 14336, 4096, "bfloat16", (9, 0), True) == "hopper"
-    assert gemm.gemm_path(64, 8192, 8192, "bfloat16", (9, 0), True) == "skinny"
+    assert gemm.gemm_path(64, 8192, 8192, "bfloat16", (9, 0), True) == "hopper"
     assert gemm.gemm_path(64, 28672, 8192, "bfloat16", (8, 0), True) == "skinny"
     assert gemm.gemm_path(65, 4096, 4096, "bfloat16", (9, 0), True) == "hopper"
     assert gemm.gemm_path(8192, 8192, 8192, "float16", (9, 0), False) == "hopper"
@@ -50,7 +51,7 @@ def test_mma_config_large_problem_uses_largest_tile():
 
 @pytest.mark.parametrize("kmajor", [True, False])
 @pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (8192, 8192, 8192), (512, 14336, 4096), (2048, 4096, 14336),
-                                 (65, 8, 8), (999, 264, 200), (64, 8192, 8192), (512, 28672, 8192)])
+                                 (129, 8, 8), (999, 264, 200), (128, 28672, 8192), (512, 28672, 8192)])
 def test_wgmma_config_minimizes_time_and_fits(mnk, kmajor):
     m, n, k = mnk
     cfg = gemm.wgmma_config(m, n, k, 132, 232448, kmajor)
@@ -68,10 +69,12 @@ def test_wgmma_config_picks_whole_waves():
     assert (gemm.wgmma_config(512, 28672, 8192, 132, 232448, True).bn) == 224
     assert (gemm.wgmma_config(512, 28672, 8192, 132, 232448, False).bn) != 224  # N-major B: 64-column blocks
     assert gemm.wgmma_config(8192, 8192, 8192, 132, 232448, True) == gemm.WgmmaConfig(128, 256, 4)
-    # 64-row tiles are not dispatched yet (no H200 A/B); M = 64 x N = 28672 gets 128 tiles of 128 x 224
-    for m, n, k in [(64, 8192, 8192), (33, 4096, 4096), (128, 4096, 14336)]:
-        assert gemm.wgmma_config(m, n, k, 132, 232448, True).bm >= 128
-    assert gemm.wgmma_config(64, 28672, 8192, 132, 232448, True) == gemm.WgmmaConfig(128, 224, 4)
+    # decode-sized M: 64-row tiles, 64 x 128 from ~3/4 of a wave on, else 64 x 64 (K-major B only)
+    pick = lambda m, n, kmajor=True: (lambda c: (c.bm, c.bn))(gemm.wgmma_config(m, n, 4096, 132, 232448, kmajor))  # noqa
+    assert pick(64, 4096) == (64, 64) and pick(64, 8192) == (64, 64) and pick(33, 4096) == (64, 64)
+    assert pick(64, 14336) == (64, 128) and pick(64, 28672) == (64, 128) and pick(64, 4096, False) == (64, 128)
+    assert pick(128, 4096) == (64, 64) and pick(128, 8192) == (64, 128)
+    assert pick(128, 14336)[0] == 128 and pick(128, 28672)[0] == 128 and pick(129, 4096)[0] == 128
 
 
 def test_wgmma_staging_matches_kernel():

@@ -1,0 +1,78 @@
+"""Same-process A/B of sm_90 attention tile configurations (BN, stages, NC, pingpong) against cuDNN, for the
+pure table in speedcore/attention.py (_SM90_TILES).  Not a bench suite: not recorded.
+
+    PYTHONPATH=. python3 benchmarks/_fa90_configs.py
+"""
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from speedcore import attention as att  # noqa: E402
+
+# (d, causal, seqlen, dtype, alternatives)
+D64M = [(128, 4, 3, True), (128, 4, 2, True), (128, 4, 2, False), (128, 4, 3, False), (192, 2, 2, True)]
+CASES = [(64, True, 512, "bfloat16", D64M), (64, True, 1024, "bfloat16", D64M), (64, True, 2048, "bfloat16", D64M),
+         (64, True, 4096, "float16", D64M), (256, False, 2048, "bfloat16", [(64, 2, 2, True)]),
+         (256, True, 2048, "bfloat16", [(64, 2, 2, True)]),
+         (128, False, 1024, "float16", [(128, 2, 2, True)]), (128, True, 512, "bfloat16", [(128, 2, 2, False)])]
+
+
+def _compile(k):
+    from speedcore._compile import compile_kernel
+
+    compile_kernel(k, "sm_90a")
+
+
+def main():
+    ks = []
+    for d, causal, s, dt, alts in CASES:
+        for alt in alts:
+            k = att._kernel_sm90(dt, d, *alt, False)
+            if k not in ks and att.smem_bytes_sm90(d, alt[0], alt[1], alt[2]) <= 227 * 1024:
+                ks.append(k)
+        k = att._kernel_sm90(dt, *att.flash_attn_sm90_config(d, causal, False, s <= att.SM90_SHORT), False)
+        if k not in ks:
+            ks.append(k)
+    with ProcessPoolExecutor(16) as ex:
+        list(ex.map(_compile, ks))
+
+    import speedcore
+    from speedcore.bench import Bench
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b = Bench(quick=True)
+    torch = b.torch
+    for d, causal, s, dt, alts in CASES:
+        dtype = getattr(torch, dt)
+        batch, h = max(1, 16384 // s), 2048 // d
+        q, k, v = (torch.randn(batch, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        flops = 4 * batch * h * s * s * d / (2 if causal else 1)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            f = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa
+            f()
+            cudnn = flops / b.time_ms(f) / 1e9
+        run = lambda: speedcore.flash_attn(q, k, v, causal=causal)  # noqa: E731
+        base = flops / b.time_ms(run) / 1e9
+        cfg = att.flash_attn_sm90_config(d, causal, False, s <= att.SM90_SHORT)[1:]
+        line = f"{dt[:4]} d{d} {'causal' if causal else 'full'} s{s}: cudnn {cudnn:.0f} | default {cfg} {base / cudnn:.3f}"
+        orig = att.flash_attn_sm90_config
+        for alt in alts:
+            if att.smem_bytes_sm90(d, alt[0], alt[1], alt[2]) > 227 * 1024:
+                continue
+            att.flash_attn_sm90_config = lambda hd, m=False, sc=False, sh=False, alt=alt: (att.sm90_head_dim(hd), *alt)
+            try:
+                run()
+                t = flops / b.time_ms(run) / 1e9
+                line += f" | {alt} {t / cudnn:.3f}"
+            except Exception as exc:  # noqa: BLE001
+                line += f" | {alt} {type(exc).__name__}"
+            finally:
+                att.flash_attn_sm90_config = orig
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
