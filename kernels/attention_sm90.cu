@@ -53,23 +53,6 @@ __device__ __forceinline__ long long fa90_globaltimer() {
 
 namespace fa90 {
 
-// TMA store of O (kept here until the gemm kernels' store wrappers land in common/tma.cuh).
-__device__ __forceinline__ void tma_store_4d(const sc::TmaMap* map, const void* smem_src, int x, int y, int z,
-                                             int w) {
-  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
-                   reinterpret_cast<unsigned long long>(map)),
-               "r"(x), "r"(y), "r"(z), "r"(w), "r"(sc::smem_addr(smem_src))
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read_all() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 // Where the epilogue stages O for its TMA store: its own buffer when Q, the K/V ring and O fit in 200 KB (head
 // dims up to 128), else Q's buffer (each consumer overwrites only its own 64 rows of Q, after its last S; Q is
 // then released only once the store has read them).  speedcore/attention.py's smem_bytes_sm90 mirrors this.
@@ -509,7 +492,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     if (O_TMA && (wg_rows >= 64 || (!varlen && wg_rows > 0 && t.m0 + t.rows_q == t.sq))) {
       unsigned char* const o_tile = sO + cw * 64 * 128;
       if (O_OWN) {  // the previous tile's store must have read the buffer
-        if (tid == 0) fa90::bulk_wait_read_all();
+        if (tid == 0) sc::bulk_wait_group_read<0>();
         sc::named_bar_sync(8 + cw, 128);
       }
       FA90_MARK(titer, 10);
@@ -522,7 +505,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
           *reinterpret_cast<unsigned*>(o_unit + h * 8 * 128) =
               pack_f32x2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
       }
-      fa90::fence_proxy_async_smem();
+      sc::fence_proxy_async();
       FA90_MARK(titer, 11);
       sc::named_bar_sync(8 + cw, 128);
       if (tid == 0) {
@@ -530,9 +513,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
 #pragma unroll
         for (int c = 0; c < DC; ++c)
           if (c * 64 < head_dim)
-            fa90::tma_store_4d(&tmap_o, o_tile + c * BM * 128, c * 64, t.q_off + t.m0 + cw * 64, t.head, bc);
-        fa90::bulk_commit();
-        if (!O_OWN) fa90::bulk_wait_read_all();  // Q's buffer is refilled once every consumer releases it
+            sc::tma_store_4d(&tmap_o, o_tile + c * BM * 128, c * 64, t.q_off + t.m0 + cw * 64, t.head, bc);
+        sc::bulk_commit_group();
+        if (!O_OWN) sc::bulk_wait_group_read<0>();  // Q's buffer is refilled once every consumer releases it
       }
       if (!O_OWN) sc::named_bar_sync(8 + cw, 128);
     } else {
@@ -555,5 +538,5 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   FA90_MARK(FA90_TRACE_ITERS - 2, 2);
   FA90_MARK_V(FA90_TRACE_ITERS - 2, 3, fa90_globaltimer());
   if (PINGPONG && cw == 0) sc::named_bar_sync(1, 256);  // the last consumer's last hand-over
-  if (tid == 0) fa90::bulk_wait_all();  // shared memory must outlive the stores reading it
+  if (tid == 0) sc::bulk_wait_group<0>();  // shared memory must outlive the stores reading it
 }

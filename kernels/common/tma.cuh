@@ -75,6 +75,13 @@ __device__ __forceinline__ void tma_store_2d(const TmaMap* map, const void* smem
                "r"(x), "r"(y), "r"(smem_addr(smem_src))
                : "memory");
 }
+// The same for a 4-D tensor map.
+__device__ __forceinline__ void tma_store_4d(const TmaMap* map, const void* smem_src, int x, int y, int z, int w) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(x), "r"(y), "r"(z), "r"(w), "r"(smem_addr(smem_src))
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Wait until at most N of this thread's bulk groups still read their shared-memory source.
 template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
