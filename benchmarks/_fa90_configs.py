@@ -8,6 +8,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from speedcore import attention as att  # noqa: E402
 
@@ -40,20 +41,12 @@ def main():
 
     import speedcore
     from speedcore.bench import Bench
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from _fa90_trace import bench_case
 
     b = Bench(quick=True)
     torch = b.torch
     for d, causal, s, dt, alts in CASES:
-        dtype = getattr(torch, dt)
-        batch, h = max(1, 16384 // s), 2048 // d
-        q, k, v = (torch.randn(batch, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
-        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        flops = 4 * batch * h * s * s * d / (2 if causal else 1)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            f = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa
-            f()
-            cudnn = flops / b.time_ms(f) / 1e9
+        q, k, v, flops, cudnn = bench_case(b, d, causal, s, getattr(torch, dt))
         run = lambda: speedcore.flash_attn(q, k, v, causal=causal)  # noqa: E731
         base = flops / b.time_ms(run) / 1e9
         cfg = att.flash_attn_sm90_config(d, causal, False, s <= att.SM90_SHORT)[1:]

@@ -119,21 +119,29 @@ def with_options(extra):
     return make
 
 
-def ab(b, variants):
-    """ours (default build) and each variant (extra -D options) against cuDNN, same process, bf16."""
+def bench_case(b, d, causal, s, dtype):
+    """The bench's (b, s, h, d) problem for one cell (batch * s = 16k, h * d = 2048): q, k, v, its FLOPs, and
+    cuDNN's TFLOP/s on contiguous (b, h, s, d) copies."""
     torch = b.torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    batch, h = max(1, 16384 // s), 2048 // d
+    q, k, v = (torch.randn(batch, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    flops = 4 * batch * h * s * s * d / (2 if causal else 1)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        f = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa: E731
+        f()
+        cudnn = flops / b.time_ms(f) / 1e9
+    return q, k, v, flops, cudnn
+
+
+def ab(b, variants):
+    """ours (default build) and each variant (extra -D options) against cuDNN, same process, bf16."""
+    torch = b.torch
     orig = att._kernel_sm90
     for d, causal, s in AB_CASES:
-        batch, h = max(1, 16384 // s), 2048 // d
-        q, k, v = (torch.randn(batch, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        flops = 4 * batch * h * s * s * d / (2 if causal else 1)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            f = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa
-            f()
-            cudnn = flops / b.time_ms(f) / 1e9
+        q, k, v, flops, cudnn = bench_case(b, d, causal, s, torch.bfloat16)
         run = lambda: speedcore.flash_attn(q, k, v, causal=causal)  # noqa: E731
         line = f"d{d} {'causal' if causal else 'full'} s{s}: cudnn {cudnn:.0f}"
         for name, extra in [("default", ())] + variants:
