@@ -42,12 +42,20 @@ def load_suite(path: Path):
 
 
 def current_commit() -> str:
+    """SPEEDCORE_COMMIT, else git's HEAD, marked "+modified" where tracked files differ from it (a copied working
+    tree can carry a stale .git: its HEAD alone would name the wrong commit)."""
     c = os.environ.get("SPEEDCORE_COMMIT")
     if c:
         return c
+    here = Path(__file__).resolve().parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or "unknown"
+        def git(*args):
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=here, timeout=10).stdout.strip()
+
+        head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+        if head != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
+            head += "+modified"
+        return head
     except Exception:
         return "unknown"
 

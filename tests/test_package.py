@@ -54,3 +54,32 @@ def test_cli_info_runs_without_gpu():
     p = subprocess.run([sys.executable, "-m", "speedcore", "info"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert "speedcore" in p.stdout and "kernels norm" in p.stdout
+
+
+def test_bench_commit_label(monkeypatch, tmp_path):
+    """Records carry SPEEDCORE_COMMIT when set; otherwise git's HEAD, marked when tracked files differ from it."""
+    import os
+    import subprocess
+
+    from speedcore import bench
+
+    monkeypatch.setenv("SPEEDCORE_COMMIT", "abc123")
+    assert bench.current_commit() == "abc123"
+    monkeypatch.delenv("SPEEDCORE_COMMIT")
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "bench.py").write_text("x = 1\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+
+    def run(*args):
+        return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, env=env)
+
+    run("init", "-q")
+    run("add", "pkg/bench.py")
+    run("commit", "-qm", "c")
+    head = run("rev-parse", "--short=12", "HEAD").stdout.decode().strip()
+    monkeypatch.setattr(bench, "__file__", str(repo / "pkg" / "bench.py"))
+    assert bench.current_commit() == head
+    (repo / "pkg" / "bench.py").write_text("x = 2\n")
+    assert bench.current_commit() == head + "+modified"
