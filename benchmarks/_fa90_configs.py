@@ -50,7 +50,8 @@ def main():
         run = lambda: speedcore.flash_attn(q, k, v, causal=causal)  # noqa: E731
         base = flops / b.time_ms(run) / 1e9
         cfg = att.flash_attn_sm90_config(d, causal, False, s <= att.SM90_SHORT)[1:]
-        line = f"{dt[:4]} d{d} {'causal' if causal else 'full'} s{s}: cudnn {cudnn:.0f} | default {cfg} {base / cudnn:.3f}"
+        line = (f"{dt[:4]} d{d} {'causal' if causal else 'full'} s{s}: cudnn {cudnn:.0f} | default {cfg} "
+                f"{base / cudnn:.3f}")
         orig = att.flash_attn_sm90_config
         for alt in alts:
             if att.smem_bytes_sm90(d, alt[0], alt[1], alt[2]) > 227 * 1024:

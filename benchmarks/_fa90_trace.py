@@ -70,7 +70,8 @@ def trace(b, d, causal, s):
     print(f"\n== d{d} {'causal' if causal else 'full'} s{s} b{batch} h{h} cfg(D,BN,stages,NC,pp)={cfg} "
           f"{flops / ms_plain / 1e9:.0f} TFLOP/s ({ms_plain * 1e3:.1f} us; traced {ms_traced * 1e3:.1f} us) "
           f"clock {ghz:.2f} GHz; CTA end p0/p50/p100 {np.percentile(span_us, 0):.1f}/"
-          f"{np.percentile(span_us, 50):.1f}/{span_us.max():.1f} us; start spread {(st_g.max() - st_g.min()) / 1e3:.1f} us")
+          f"{np.percentile(span_us, 50):.1f}/{span_us.max():.1f} us; "
+          f"start spread {(st_g.max() - st_g.min()) / 1e3:.1f} us")
     for wg in range(1, 4):
         c = tr[:, wg]
         valid = c[:, :ITERS - 2, 7] != 0
@@ -88,7 +89,8 @@ def trace(b, d, causal, s):
         e6, e10, e11, e7 = (c[:, :ITERS - 2, i][valid] for i in (6, 10, 11, 7))
         tma = e10 != 0
         if tma.any():
-            print(f"    epilogue by TMA ({tma.mean() * 100:.0f}% of tiles): to staging free {us(e10 - e6)[tma].mean():.2f}, "
+            print(f"    epilogue by TMA ({tma.mean() * 100:.0f}% of tiles): "
+                  f"to staging free {us(e10 - e6)[tma].mean():.2f}, "
                   f"smem writes+fence {us(e11 - e10)[tma].mean():.2f}, barrier+issue {us(e7 - e11)[tma].mean():.2f}")
     p = tr[:, 0]
     valid = p[:, :ITERS - 2, 5] != 0

@@ -112,7 +112,8 @@ __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int r
 template <typename T, int D, int BN, int STAGES, bool HAS_SOFTCAP, bool PINGPONG, int NC>
 __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     const __grid_constant__ sc::TmaMap tmap_q, const __grid_constant__ sc::TmaMap tmap_k,
-    const __grid_constant__ sc::TmaMap tmap_v, const __grid_constant__ sc::TmaMap tmap_o, T* __restrict__ out, float* __restrict__ lse,
+    const __grid_constant__ sc::TmaMap tmap_v, const __grid_constant__ sc::TmaMap tmap_o, T* __restrict__ out,
+    float* __restrict__ lse,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, long long o_batch_stride,
     long long o_row_stride, long long o_head_stride, long long lse_batch_stride, long long lse_head_stride,
     int seqlen_q, int seqlen_k, int total_q, int total_k, int head_dim, int nheads, int heads_per_kv, int num_m,

@@ -398,7 +398,8 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
             np.int32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(softcap_pre),
             np.float32(softcap_post), np.int32(reverse))
     cfg = LaunchConfig((num_m, nheads, batch), (32 * warps,), smem_bytes(d, bn, mt, warps, stages))
-    launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg, args, device=qa.device, stream=A.stream_of(qa))
+    launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg, args,
+           device=qa.device, stream=A.stream_of(qa))
 
 
 def _inputs_and_out(qa, ka, va, oa):
