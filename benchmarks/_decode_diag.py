@@ -1,5 +1,5 @@
 """Where the paged decode kernel's time goes: kernel durations (torch profiler) of ours and cuDNN's, and a
-per-CTA timeline (%globaltimer, kernel compiled with -DDECODE_TRACE).  DECODE_V2=1: paged_decode_v2_kernel."""
+per-CTA timeline (%globaltimer, kernel compiled with -DDECODE_TRACE)."""
 import os
 import sys
 
@@ -20,8 +20,6 @@ def pct(x, ps=(0, 10, 50, 90, 100)):
 
 
 def main():
-    if os.environ.get("DECODE_V2"):
-        D.DECODE_V2 = True
     from speedcore.bench import Bench
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -99,8 +97,9 @@ def main():
                   flush=True)
         # per-CTA timeline of ours
         p = D._decode_plan(*wr, None, 0.0, -1, None)
-        kt = Kernel(D.SOURCE, p["kernel"].name, options=("-DDECODE_TRACE",))  # v1 or v2 (DECODE_V2), as dispatched
-        tickets = torch.zeros(max(1, p["tickets"]), dtype=torch.int32, device="cuda")
+        _, w, s = None, *D.DECODE_CONFIGS[128]
+        kt = Kernel(D.SOURCE, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {D.L2_HINT}>",
+                    options=("-DDECODE_TRACE",))
         grid = p["cfg"].grid[0]
         trace = torch.zeros(grid * 8, dtype=torch.int64, device="cuda")
         splits = p["splits"]
@@ -111,9 +110,9 @@ def main():
         for it in range(5):
             b._flush.max()
             torch.cuda._sleep(200_000)
-            head = (out.data_ptr(), trace.data_ptr(), part_o, part_l) + ((tickets.data_ptr(),) if p["v2"] else ())
-            launch(kt, p["cfg"], head + (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), table.data_ptr(),
-                                         lens.data_ptr()) + p["scalars"], device=0, stream=stream)
+            launch(kt, p["cfg"], (out.data_ptr(), trace.data_ptr(), part_o, part_l, q.data_ptr(), kc.data_ptr(),
+                                  vc.data_ptr(), table.data_ptr(), lens.data_ptr()) + p["scalars"], device=0,
+                   stream=stream)
             torch.cuda.synchronize()
             rows.append(trace.view(grid, 8).cpu().numpy().astype(np.float64))
         tr = rows[2]

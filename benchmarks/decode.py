@@ -19,10 +19,8 @@ def _paged_copy(torch, k, block_size, perm):
     return out
 
 
-def _decode_case(b, batch, seqlen, heads, kv_heads, head_dim, v2=False):
-    """v2: time paged_decode_v2_kernel (speedcore.decode.DECODE_V2, opt-in) instead, against cuDNN only."""
+def _decode_case(b, batch, seqlen, heads, kv_heads, head_dim):
     import speedcore
-    from speedcore import decode as D
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch = b.torch
@@ -42,19 +40,13 @@ def _decode_case(b, batch, seqlen, heads, kv_heads, head_dim, v2=False):
     table = perm.view(batch, seqlen // bs).int()
     lens = torch.full((batch,), seqlen, dtype=torch.int32, device=b.device)
     out = torch.empty_like(q)
-    saved = D.DECODE_V2
-    try:
-        D.DECODE_V2 = v2
-        ours_ms = b.time_ms(lambda: speedcore.paged_decode_attention(q, kc, vc, table, lens, out=out))
-    finally:
-        D.DECODE_V2 = saved
+    ours_ms = b.time_ms(lambda: speedcore.paged_decode_attention(q, kc, vc, table, lens, out=out))
     del kc, vc
 
     q4 = q.view(batch, heads, 1, head_dim)
     peers = {}
     ref = None
-    backends = (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION))
-    for name, backend in backends[:1] if v2 else backends:
+    for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION)):
         try:
             with sdpa_kernel(backend):
                 fn = lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kv_heads)  # noqa: E731
@@ -67,12 +59,11 @@ def _decode_case(b, batch, seqlen, heads, kv_heads, head_dim, v2=False):
             peers[name] = None
     if ref is not None:
         err = (out.float() - ref.view_as(out).float()).abs().max().item()
-        print(f"  {case}: ours{' v2' if v2 else ''} {nbytes / ours_ms / 1e9:.3f} TB/s ({ours_ms * 1e3:.1f} us), "
-              f"max |ours - sdpa| {err:.3g}", flush=True)
+        print(f"  {case}: ours {nbytes / ours_ms / 1e9:.3f} TB/s ({ours_ms * 1e3:.1f} us), max |ours - sdpa| {err:.3g}",
+              flush=True)
         if not err < 5e-2:
             raise AssertionError(f"paged decode disagrees with SDPA by {err}")
-    b.add("paged_decode_v2" if v2 else "paged_decode", case + " bs16", "TB/s", nbytes / ours_ms / 1e9, peers,
-          ceiling="copy")
+    b.add("paged_decode", case + " bs16", "TB/s", nbytes / ours_ms / 1e9, peers, ceiling="copy")
 
 
 def _block_size_case(b):
@@ -185,8 +176,5 @@ def cases(b):
     out.append(("rotary_embedding", _rotary_case))
     out.append(("silu_and_mul", lambda b: _gated_case(b, "silu")))
     out.append(("gelu_and_mul", lambda b: _gated_case(b, "gelu")))
-    # last, so that a fault in the opt-in kernel cannot take the rows above with it
-    for s in shapes:
-        out.append((f"paged_decode_v2 B{s[0]} S{s[1]} H{s[2]}/{s[3]}", lambda b, s=s: _decode_case(b, *s, v2=True)))
     return out
 

@@ -81,40 +81,6 @@ def decode_num_splits(batch: int, units: int, max_len: int, sms: int, ctas_per_s
     return best
 
 
-# -- paged_decode_v2_kernel (opt-in until verified on a GPU; see kernels/decode.cu) ------------------------------
-DECODE_V2 = False      # dispatch paged_decode_v2_kernel instead of paged_decode_kernel
-# head_dim -> (warps, stages, units per CTA): UPC > 1 puts the teams of UPC neighbouring KV heads in one CTA
-V2_CONFIGS = {64: (4, 4, 1), 128: (4, 3, 1), 256: (4, 3, 1)}
-V2_FUSED_MERGE = False  # the last split of a unit group merges (no second launch); lengthens the main loop today
-V2_EVEN_SPLITS = True   # splits of n tiles take n/S each (not ceil(n/S) rounded to the team size, the last short)
-V2_LAZY_RESCALE = True  # the running max moves only when a tile's max exceeds it by 2**8
-
-
-@lru_cache(maxsize=None)
-def decode_config_v2(head_dim: int) -> tuple:
-    """(warps, stages, units per CTA, dynamic shared memory bytes) of paged_decode_v2_kernel for one head dim."""
-    warps, stages, upc = V2_CONFIGS[head_dim]
-    ring = warps * stages * 2 * TILE_TOKENS * head_dim * 2
-    merge = warps * QUERIES_PER_CTA * head_dim * 4 + warps * 2 * QUERIES_PER_CTA * 4
-    fused = upc * QUERIES_PER_CTA * (MAX_SPLITS + 2) * 4
-    return warps, stages, upc, max(ring, merge, fused)
-
-
-def fast_pages(block_size: int) -> bool:
-    """Whether a 16-token tile always lies in one page: block sizes 16, 32, 64, ... (powers of two >= 16)."""
-    return block_size >= TILE_TOKENS and block_size & (block_size - 1) == 0
-
-
-def _b(x) -> str:
-    return "true" if x else "false"
-
-
-def _attn_kernel_v2(dtype: str, head_dim: int, fast: bool) -> Kernel:
-    warps, stages, upc, _ = decode_config_v2(head_dim)
-    return Kernel(SOURCE, f"paged_decode_v2_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}, {L2_HINT}, {upc}, "
-                          f"{_b(V2_FUSED_MERGE)}, {_b(fast)}, {_b(V2_LAZY_RESCALE)}>")
-
-
 def _ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
     return max(1, min(smem_per_sm // (smem + _RESERVED_SMEM_PER_CTA), 2048 // threads, 32))
 
@@ -162,8 +128,6 @@ def all_kernels() -> list:
         for d in HEAD_DIMS:
             out.append(_attn_kernel(dtype, d))
             out.append(_merge_kernel(dtype, d))
-            for fast in (True, False):  # compiled and checked in CI although not dispatched by default
-                out.append(_attn_kernel_v2(dtype, d, fast))
     for w in sorted(_WORD_TYPES):
         out.append(_cache_kernel(w))
     for dtype in A.FLOAT_DTYPES:
@@ -255,25 +219,21 @@ def _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_
     group = heads // kv_heads
     qgroups = -(-group // QUERIES_PER_CTA)
     units = kv_heads * qgroups
-    if DECODE_V2:
-        warps, stages, upc, smem = decode_config_v2(head_dim)
-    else:
-        (warps, stages, smem), upc = decode_config(head_dim), 1
-    ugroups = -(-units // upc)
+    warps, stages, smem = decode_config(head_dim)
     if num_splits is None:
-        num_splits = decode_num_splits(batch, ugroups, max_len, sms, _ctas_per_sm(smem, warps * 32, smem_per_sm))
+        num_splits = decode_num_splits(batch, units, max_len, sms, _ctas_per_sm(smem, warps * 32, smem_per_sm))
     elif not 1 <= int(num_splits) <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected 1 to {MAX_SPLITS}, got {num_splits}")
     num_splits = int(num_splits)
-    if batch * num_splits * ugroups >= 2 ** 31:
+    if batch * num_splits * units >= 2 ** 31:
         raise ValueError("q: batch x heads x splits is too large for one launch")
     if cap > 0.0:
         scale_a, cap_log2 = scale / cap, cap * math.log2(math.e)
     else:
         scale_a, cap_log2 = scale * math.log2(math.e), 0.0
     return dict(batch=batch, heads=heads, head_dim=head_dim, kv_heads=kv_heads, group=group, qgroups=qgroups,
-                units=units, ugroups=ugroups, num_splits=num_splits, block_size=block_size, num_blocks=num_blocks,
-                max_len=max_len, warps=warps, smem=smem, scale_a=scale_a, cap_log2=cap_log2, use_softcap=cap > 0.0,
+                units=units, num_splits=num_splits, block_size=block_size, num_blocks=num_blocks, max_len=max_len,
+                warps=warps, smem=smem, scale_a=scale_a, cap_log2=cap_log2, use_softcap=cap > 0.0,
                 window_left=window_left)
 
 
@@ -338,8 +298,7 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
     """
     try:
         key = (_desc(qa), _desc(ka), _desc(va), _desc(bta), _desc(sla), _desc(oa), type(softmax_scale), softmax_scale,
-               type(softcap), softcap, type(window_left), window_left, type(num_splits), num_splits,
-               DECODE_V2, V2_FUSED_MERGE, V2_EVEN_SPLITS, V2_LAZY_RESCALE)
+               type(softcap), softcap, type(window_left), window_left, type(num_splits), num_splits)
         plan = _DECODE_PLANS.get(key)
     except TypeError:  # an unhashable argument: let the full check name it
         key = plan = None
@@ -352,18 +311,12 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
                            smem_per_sm=dev.smem_per_sm, num_splits=num_splits)
     batch, heads, head_dim, splits = p["batch"], p["heads"], p["head_dim"], p["num_splits"]
     o_strides = oa.strides[:2] if oa is not None else (heads * head_dim, head_dim)
-    v2 = DECODE_V2
-    # v2's FAST kernels: a tile in one page, and the 16 rows of a tile within 32-bit byte offsets of its first
-    fast = fast_pages(p["block_size"]) and TILE_TOKENS * ka.strides[1] * ka.itemsize < 2 ** 31
-    splits_v2 = (np.int32(V2_EVEN_SPLITS),) if v2 else ()
-    shift_v2 = (np.int32(p["block_size"].bit_length() - 1 if fast else 0),) if v2 else ()
     plan = dict(
-        batch=batch, heads=heads, head_dim=head_dim, splits=splits, v2=v2, fused=v2 and V2_FUSED_MERGE,
-        tickets=batch * p["ugroups"],
-        kernel=_attn_kernel_v2(qa.dtype, head_dim, fast) if v2 else _attn_kernel(qa.dtype, head_dim),
-        cfg=LaunchConfig((max(1, batch * splits * p["ugroups"]),), (p["warps"] * 32,), p["smem"]),
+        batch=batch, heads=heads, head_dim=head_dim, splits=splits,
+        kernel=_attn_kernel(qa.dtype, head_dim),
+        cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"]),
         scalars=(np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),
-                 *splits_v2, np.int32(p["block_size"]), *shift_v2, np.int32(p["num_blocks"]), np.int32(p["max_len"]),
+                 np.int32(p["block_size"]), np.int32(p["num_blocks"]), np.int32(p["max_len"]),
                  np.int64(qa.strides[0]), np.int64(qa.strides[1]), np.int64(o_strides[0]), np.int64(o_strides[1]),
                  np.int64(ka.strides[0]), np.int64(ka.strides[1]), np.int64(ka.strides[2]),
                  np.int64(bta.strides[0]), np.int64(sla.strides[0]), np.float32(p["scale_a"]),
@@ -395,14 +348,9 @@ def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left,
         # one workspace: partial outputs, then the partial log-sum-exps (16-byte aligned: head_dim % 64 == 0)
         ws = A.empty(qa, (p["partial_floats"] + batch * heads * splits,), "float32", name="workspace")
         part_o, part_l = ws.ptr, ws.ptr + 4 * p["partial_floats"]
-    fused = p["fused"] and splits > 1
-    head = (oa.ptr, lse_ptr if splits == 1 or fused else 0, part_o, part_l)
-    if p["v2"]:  # one more pointer: the fused merge's tickets (zeros between launches on this stream)
-        head += (A.stream_buffer("decode_tickets", qa, stream, p["tickets"], "int32", zeroed=True).ptr
-                 if fused else 0,)
-    args = head + (qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr)
+    args = (oa.ptr, lse_ptr if splits == 1 else 0, part_o, part_l, qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr)
     launch(p["kernel"], p["cfg"], args + p["scalars"], device=qa.device, stream=stream)
-    if splits > 1 and not fused:
+    if splits > 1:
         launch(p["merge_kernel"], p["merge_cfg"], (oa.ptr, lse_ptr, part_o, part_l) + p["merge_scalars"],
                device=qa.device, stream=stream)
     return result

@@ -121,24 +121,6 @@ def test_split_heuristic_fills_the_gpu():
     assert D.decode_num_splits(1, 8, 512, 132, per_sm) == 1
 
 
-def test_v2_plan_and_variants():
-    saved = D.DECODE_V2
-    try:
-        D.DECODE_V2 = True
-        p = plan(decode_args())
-        assert p["group"] == 4 and p["units"] == 2 and p["ugroups"] >= 1 and p["num_splits"] >= 1
-        for d in D.HEAD_DIMS:
-            warps, stages, upc, smem = D.decode_config_v2(d)
-            assert smem <= 227 * 1024 and stages >= 2 and warps % upc == 0
-            assert smem >= upc * D.QUERIES_PER_CTA * (D.MAX_SPLITS + 2) * 4  # the fused merge's weights
-    finally:
-        D.DECODE_V2 = saved
-    assert [D.fast_pages(b) for b in (1, 5, 8, 16, 24, 32, 48, 256)] == [False, False, False, True, False, True, False,
-                                                                           True]
-    names = {k.name for k in D.all_kernels()}
-    assert "paged_decode_v2_kernel<__nv_bfloat16, 128, 4, 3, 2, 1, false, true, true>" in names
-
-
 def test_decode_config_fits_shared_memory():
     for d in D.HEAD_DIMS:
         warps, stages, smem = D.decode_config(d)
@@ -337,70 +319,6 @@ def test_paged_decode_large_groups(heads, kv_heads):
     torch = _torch()
     run_decode(torch, batch_lens=[5, 300, 64], heads=heads, kv_heads=kv_heads, head_dim=128, block_size=16,
                dtype=torch.bfloat16, seed=heads)
-
-
-# paged_decode_v2_kernel (speedcore.decode.DECODE_V2): (warps, stages, units per CTA, fused merge, even splits,
-# lazy rescale), the default first, then the others benchmarks/_decode_tune.py times.  Block sizes 16 (a tile in one
-# page: the FAST kernels) and 5 (rows gathered one by one) alternate.
-V2_VARIANTS = [(4, 3, 1, False, True, True), (4, 3, 1, True, True, True), (4, 3, 1, False, False, False),
-               (4, 2, 1, False, True, True), (6, 2, 1, False, True, True), (8, 3, 2, False, True, True),
-               (8, 3, 8, True, True, True), (4, 3, 4, True, False, True)]
-
-
-@pytest.fixture
-def v2_variant(request):
-    warps, stages, upc, fuse, even, lazy = request.param
-    saved = (D.DECODE_V2, D.V2_CONFIGS[128], D.V2_FUSED_MERGE, D.V2_EVEN_SPLITS, D.V2_LAZY_RESCALE)
-    (D.DECODE_V2, D.V2_CONFIGS[128], D.V2_FUSED_MERGE, D.V2_EVEN_SPLITS,
-     D.V2_LAZY_RESCALE) = True, (warps, stages, upc), fuse, even, lazy
-    D.decode_config_v2.cache_clear()
-    D._DECODE_PLANS.clear()
-    yield request.param
-    D.DECODE_V2, D.V2_CONFIGS[128], D.V2_FUSED_MERGE, D.V2_EVEN_SPLITS, D.V2_LAZY_RESCALE = saved
-    D.decode_config_v2.cache_clear()
-    D._DECODE_PLANS.clear()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("v2_variant", V2_VARIANTS, indirect=True)
-def test_paged_decode_v2_variants(v2_variant):
-    torch = _torch()
-    # 3 KV heads (units not a multiple of upc), group 4 and group 12 (two query groups per KV head); the same
-    # shapes twice in a row (the fused merge's tickets must be left at zero), splits that leave short or empty
-    # splits, a window, a large scale (logits that jump past the lazy rescale's threshold)
-    for seed, (heads, splits) in enumerate([(12, None), (12, 7), (36, 3), (36, 3), (12, 1), (12, 64)]):
-        run_decode(torch, batch_lens=[1, 999, 17, 300, 0, 64], heads=heads, kv_heads=3, head_dim=128,
-                   block_size=16 if seed % 2 else 5, dtype=torch.bfloat16, num_splits=splits, seed=seed,
-                   window_left=200 if seed == 3 else -1, scale=1.5 if seed == 4 else None)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("v2_variant", V2_VARIANTS[:1], indirect=True)
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
-@pytest.mark.parametrize("head_dim, block_size, group", [(64, 32, 8), (256, 16, 3), (64, 7, 1), (256, 256, 5)])
-def test_paged_decode_v2_head_dims(v2_variant, dtype_name, head_dim, block_size, group):
-    torch = _torch()
-    for splits, softcap, window in ((None, 0.0, -1), (5, 30.0, 100)):
-        run_decode(torch, batch_lens=LENS, heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=block_size,
-                   dtype=getattr(torch, dtype_name), num_splits=splits, softcap=softcap, window_left=window,
-                   scale=0.5 if softcap else None, seed=head_dim + block_size)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("v2", [False, True])
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
-@pytest.mark.parametrize("block_size", [16, 64, 3])
-def test_paged_decode_peaked_logits(v2, dtype_name, block_size):
-    """Logits spread over tens of units (scale 2): v2's running max jumps past the lazy threshold many times."""
-    torch = _torch()
-    saved = D.DECODE_V2
-    try:
-        D.DECODE_V2 = v2
-        for splits in (None, 4):
-            run_decode(torch, batch_lens=[2000, 31, 513], heads=8, kv_heads=2, head_dim=128, block_size=block_size,
-                       dtype=getattr(torch, dtype_name), scale=2.0, num_splits=splits, seed=block_size)
-    finally:
-        D.DECODE_V2 = saved
 
 
 @pytest.mark.gpu
