@@ -16,9 +16,7 @@ The linear functions take the checkpoint tensors as stored, or the result of ``p
 / ``prepack_int8`` (checked once, a tile-major copy of the weight the kernel streams as contiguous 16 KB blocks,
 act-order rows sorted by group): prepack once per layer for speed.  INT4 prepacking also builds a second,
 fragment-major copy with per-group scale/zero records (same size as qweight, plus ~5%) for ``gemv_kernel``, the
-M <= 16 streaming kernel; ``use_gemv`` picks between the two kernels for 1 <= M <= 16 from H200 measurements.
-``qgemm_sm90_kernel`` (sm_90a: wgmma with the dequantized weights as the register operand, a producer warp and
-an mbarrier ring, stream-K) has its own wgmma-major copy; it is not dispatched until measured (``WG_ENABLED``).  Split-K launches use a per-stream scratch
+M <= 16 streaming kernel; ``use_gemv`` picks between the two kernels for 1 <= M <= 16 from H200 measurements.  Split-K launches use a per-stream scratch
 buffer and zeroed counters kept by this module; when capturing a CUDA graph, run the largest M once first so
 that the scratch does not grow (and move) afterwards.
 
@@ -61,22 +59,6 @@ GEMV_WARPS = 8
 GEMV_STEP_K = 32            # k per pipeline stage
 GEMV_GROUP_BYTES = 192      # INT4 group record per (block, group)
 GEMV_CTAS_PER_SM = 2
-
-# The Hopper fused kernel (qgemm_sm90_kernel, sm_90a) on its wgmma-major prepacked layout; must match kernels/quant.cu.
-WG_BM_CHOICES = (8, 16, 32, 64)  # rows of x per tile (the wgmma N)
-WG_BLOCK_N = 256                      # channels per CTA: 2 warpgroups x 2 tiles of 64
-WG_STEP_K = 64                        # k per pipeline stage
-WG_THREADS = 288                      # two consumer warpgroups + one producer warp
-WG_MAX_M = 1024                       # above this (torch, or CuPy float16): dequantize + cuBLAS
-# The Hopper kernel is not dispatched yet: its first form (copies issued by the consumer warpgroups) was correct
-# on the H200 but 1.2-2x slower than the kernels it would replace; the warp-specialized form in kernels/quant.cu
-# (one producer warp, mbarrier ring) compiles clean but has not run on a GPU.  Set True once
-# benchmarks/_quant_wg_gpu.sh shows it ahead (tests: SPEEDCORE_TEST_WG=1).
-WG_ENABLED = False
-# N K in this range: dequantize + cuBLAS already above M = 32.  Empty: measured slower on the H200 at fc2acbb
-# (benchmarks/_quant_wg_probe.py, 4096 x 4096 bf16: 116 us at M = 64 and 110 us at M = 128 against 45 / 55 us for
-# quant_mma_kernel), so every weight keeps the fused kernel up to MAX_MMA_M.
-DENSE_SMALL_WEIGHT = (1, 0)
 
 
 def _block_k(fmt: int) -> int:
@@ -446,103 +428,6 @@ def gemv_schedule(units_per_block: int, blocks: int, grid: int, warps: int = GEM
     return out
 
 
-def wg_supported(k: int, n: int, group: int) -> bool:
-    """Shapes the wgmma-major layout covers: N % 64 == 0, K % 64 == 0, G % 64 == 0."""
-    return k > 0 and n > 0 and n % 64 == 0 and k % WG_STEP_K == 0 and group > 0 and group % WG_STEP_K == 0
-
-
-def wg_smem_bytes(bm: int) -> int:
-    """Dynamic shared memory of qgemm_sm90_kernel<T, bm> (WgCfg in kernels/quant.cu): a ring of slots (x tile,
-    8 KB of weights, 4 group records) plus 1 KB to align the ring to the 128-byte swizzle's 1024-byte atoms."""
-    slot = -(-(bm * 128 + 2 * 2 * 2048 + 2 * 2 * 192) // 1024) * 1024
-    return slot * wg_stages(bm) + 1024
-
-
-def wg_stages(bm: int) -> int:
-    return 10 if bm == 64 else 8
-
-
-@dataclass(frozen=True)
-class WgConfig:
-    bm: int        # rows of x per tile
-    m_chunks: int  # tiles along M
-    tiles: int     # (256-channel block, m chunk) tiles
-    grid: int      # CTAs; grid == tiles: one whole tile each, else stream-K over the tiles' 64-k steps
-    smem: int
-
-    @property
-    def split(self) -> bool:
-        return self.grid != self.tiles
-
-
-@lru_cache(maxsize=8192)
-def wg_config(m: int, n: int, k: int, sms: int, ctas_per_sm: int = 0) -> WgConfig:
-    """Launch shape of qgemm_sm90_kernel (a pure function of the problem and the SM count).  Tiles of up to
-    64 rows x 256 channels; when there are fewer tiles than CTA slots (1 CTA per SM for 64-row tiles,
-    2 for smaller ones, or ``ctas_per_sm``), stream-K spreads the tiles' k-steps evenly over the slots (at
-    least 4 steps per CTA); otherwise each CTA computes whole tiles (no reduction)."""
-    bm = next(b for b in WG_BM_CHOICES if b >= min(m, WG_BM_CHOICES[-1]))
-    m_chunks = -(-m // bm)
-    tiles = -(-n // WG_BLOCK_N) * m_chunks
-    slots = sms * (ctas_per_sm or (2 if bm <= 32 else 1))
-    ks = k // WG_STEP_K
-    grid = tiles if tiles >= slots else max(tiles, min(slots, tiles * ks // 4))
-    return WgConfig(bm, m_chunks, tiles, grid, wg_smem_bytes(bm))
-
-
-def wg_schedule(tiles: int, steps: int, grid: int):
-    """qgemm_sm90_kernel's stream-K schedule as Python (mirrors the kernel's index math; for tests): per CTA a
-    list of segments (tile, first step, end step, stored directly)."""
-    total = tiles * steps
-    out = []
-    for c in range(grid):
-        u0, u1 = total * c // grid, total * (c + 1) // grid
-        segs, s0 = [], u0 % steps
-        for u in range(u0, u1):
-            tile, s = divmod(u, steps)
-            if s == steps - 1 or u == u1 - 1:
-                segs.append((tile, s0, s + 1, s0 == 0 and s + 1 == steps))
-                s0 = 0
-        out.append(segs)
-    return out
-
-
-def wg_pack_int4_reference(q) -> np.ndarray:
-    """The wgmma-major INT4 layout of q (K, N) values 0..15 as uint32 words (what wg_pack_int4_kernel makes).
-    Word [b, s, t, lane, j]: channels n = 64 b + 16 t + g + 8 (P % 2), k = 64 s + 16 j + 2 c + 8 (P // 2) + h
-    (lane = 4 g + c) at nibble i = P + 4 h."""
-    q = np.asarray(q, np.uint32)
-    k, n = q.shape
-    nb, ks = n // 64, k // 64
-    # (ks, j, p2, c, h, nb, t, p1, g): k = 64 s + 16 j + 8 p2 + 2 c + h; n = 64 b + 16 t + 8 p1 + g
-    v = q.reshape(ks, 4, 2, 4, 2, nb, 4, 2, 8)
-    words = np.zeros((nb, ks, 4, 8, 4, 4), np.uint32)  # [b, s, t, g, c, j]
-    for i in range(8):
-        p, h = i % 4, i // 4
-        part = v[:, :, p // 2, :, h, :, :, p % 2, :]  # (ks, j, c, nb, t, g)
-        words |= part.transpose(3, 0, 4, 5, 2, 1) << np.uint32(4 * i)
-    return words.reshape(-1)
-
-
-def wg_unpack_int4_reference(words, k: int, n: int) -> np.ndarray:
-    """Inverse of wg_pack_int4_reference, written from the consumer's side: thread 32 t + lane of a warpgroup
-    holds word j = the m16n8k16 A fragment (rows = channels 16 t .. 16 t + 15 of the 64, cols = k 16 j .. 16 j
-    + 15 of the 64): register P = nibbles (P, P + 4) = (row g + 8 (P % 2), k 2 c + 8 (P // 2) + (0, 1))."""
-    w = np.asarray(words, np.uint32).reshape(n // 64, k // 64, 4, 32, 4)
-    q = np.zeros((k, n), np.uint8)
-    for t in range(4):
-        for lane in range(32):
-            g, c = lane // 4, lane % 4
-            for j in range(4):
-                for p in range(4):
-                    for h in range(2):
-                        vals = (w[:, :, t, lane, j] >> np.uint32(4 * (p + 4 * h))) & 15  # (nb, ks)
-                        rows = 64 * np.arange(k // 64) + 16 * j + 2 * c + 8 * (p // 2) + h
-                        cols = 64 * np.arange(n // 64) + 16 * t + g + 8 * (p % 2)
-                        q[np.ix_(rows, cols)] = vals.T
-    return q
-
-
 _AWQ_NIB = tuple((o >> 1) if o % 2 == 0 else 4 + (o >> 1) for o in range(8))  # == _AWQ_POS
 
 
@@ -646,14 +531,6 @@ def _gemv_kernel(dtype: str, kind: int, mt: int) -> Kernel:
     return Kernel(SOURCE, f"quant::gemv_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>")
 
 
-@lru_cache(maxsize=None)
-def _wg_kernel(dtype: str, bm: int) -> Kernel:
-    return Kernel(SOURCE, f"quant::qgemm_sm90_kernel<{A.CTYPE[dtype]}, {bm}>", hopper=True)
-
-
-_WG_PACK_INT4 = {fmt: Kernel(SOURCE, f"quant::wg_pack_int4_kernel<{fmt}>") for fmt in (FMT_AWQ, FMT_GPTQ)}
-
-
 def all_kernels() -> list:
     """Every variant this module can launch (for ``python -m speedcore compile``)."""
     out = []
@@ -667,29 +544,19 @@ def all_kernels() -> list:
         for kind in (KIND_INT4, KIND_INT8):
             for mt in (1, 2):
                 out.append(_gemv_kernel(dtype, kind, mt))
-        for bm in WG_BM_CHOICES:
-            out.append(_wg_kernel(dtype, bm))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
     out.extend(_GEMV_PACK_GROUPS.values())
     out.append(_GEMV_PACK_INT8)
-    out.extend(_WG_PACK_INT4.values())
     return out
 
 
-def use_dense(m: int, lib: str, dtype: str, fused: bool = False, nk: int = 0) -> bool:
-    """Dispatch: dequantize once and call cuBLAS (torch.matmul / cupy.matmul) for M above MAX_MMA_M (WG_MAX_M
-    when the layer has the Hopper kernel's layout, ``fused``), where the GEMM is compute-bound and the one-time
-    dequantization is amortized; for 4096 x 4096-class weights (``nk`` = N K within DENSE_SMALL_WEIGHT) already
-    above M = 32 (smaller weights were not measured: two launches may cost more than the fused kernel there).
-    H200, 4096 x 4096 bf16: quant_mma_kernel took 45 us at M = 64 and 55 us at M = 128, dequantize + cuBLAS
-    37 us at M = 256 (dequantization ~1 us per 10^6 weights); at 8192 x 8192 the kernel stays ahead up to
-    M = 128 (64 / 84 us against 105+ us).  CuPy has no bfloat16 matmul, so CuPy bfloat16 always takes a
-    fused kernel."""
-    lo, hi = DENSE_SMALL_WEIGHT
-    limit = WG_MAX_M if fused else (32 if lo <= nk <= hi else MAX_MMA_M)
-    if m <= limit:
+def use_dense(m: int, lib: str, dtype: str) -> bool:
+    """Dispatch: dequantize once and call cuBLAS (torch.matmul / cupy.matmul) for M above MAX_MMA_M, where the
+    GEMM is compute-bound and the one-time dequantization is amortized.  CuPy has no bfloat16 matmul, so
+    CuPy bfloat16 always takes the tensor-core kernel."""
+    if m <= MAX_MMA_M:
         return False
     return lib == "torch" or dtype == "float16"
 
@@ -711,7 +578,6 @@ class AWQWeight:
     packed: object = None
     fast: object = field(default=None, repr=False, compare=False)
     gemv: object = field(default=None, repr=False, compare=False)
-    wg: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -731,7 +597,6 @@ class GPTQWeight:
     packed: object = None
     fast: object = field(default=None, repr=False, compare=False)
     gemv: object = field(default=None, repr=False, compare=False)
-    wg: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -744,19 +609,6 @@ class Int8Weight:
     packed: object = None
     fast: object = field(default=None, repr=False, compare=False)
     gemv: object = field(default=None, repr=False, compare=False)
-
-
-@dataclass(frozen=True)
-class _WgLayer:
-    """The wgmma-major copy for qgemm_sm90_kernel: weight words and gemv_kernel's group records (scales of
-    ``dtype`` + zero bytes), 64-k steps per group, groups."""
-    dtype: object
-    weight: object
-    groups: object
-    w_ptr: int
-    g_ptr: int
-    spg: int
-    ng: int
 
 
 @dataclass(frozen=True)
@@ -881,13 +733,9 @@ def _alloc_out(xa, rows: int, n: int):
 
 
 def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds, bias_ptr, n, group,
-                packed: bool, gemv=None, wg=None):
+                packed: bool, gemv=None):
     """Allocate y (rows, N) and run quant_mma_kernel, or gemv_kernel for M <= 16 when the layer has the
-    fragment-major copy (``gemv``) for x's dtype, or qgemm_sm90_kernel when it has the wgmma-major copy
-    (``wg``) and :func:`use_wgmma` says so; returns y (the caller's library)."""
-    if (wg is not None and rows > 0 and wg.dtype == xa.dtype
-            and (_WG_MODE == "on" or (_WG_MODE == "auto" and use_wgmma(rows, n, k)))):
-        return _launch_wg(wg, xa, rows, k, ldx, bias_ptr, n)
+    fragment-major copy (``gemv``) for x's dtype; returns y (the caller's library)."""
     if (gemv is not None and 0 < rows <= GEMV_MAX_M and (gemv.dtype is None or gemv.dtype == xa.dtype)
             and (_GEMV_MODE == "on" or (_GEMV_MODE == "auto" and use_gemv(gemv.kind, rows, n, k)))):
         return _launch_gemv(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
@@ -904,62 +752,6 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
         np.int64(ldx), np.int64(ldq), np.int64(ldz), np.int64(lds)) + tail + (np.int32(1 if packed else 0),)
     launch(kernel, lcfg, args, device=xa.device, stream=stream)
     return y
-
-
-# "auto": use_wgmma decides; "on": qgemm_sm90_kernel for every M wherever the layer has its layout; "off": never.
-_WG_MODE = "auto"
-_WG_CTAS_PER_SM = 0  # benchmarks may force the CTAs per SM of wg_config (0: its own choice)
-
-
-def use_wgmma(m: int, n: int, k: int) -> bool:
-    """Dispatch to qgemm_sm90_kernel (a pure function; the layer must have its layout, i.e. an sm_90 GPU):
-    every M above gemv_kernel's range up to WG_MAX_M, once WG_ENABLED."""
-    return WG_ENABLED and GEMV_MAX_M < m <= WG_MAX_M
-
-
-def _wg_scratch(xa, stream, floats: int, tickets: int):
-    """Zeroed fp32 workspace and int32 tickets for qgemm_sm90_kernel's split tiles (left zeroed by the kernel)."""
-    return (A.stream_buffer("wg_ws", xa, stream, floats, "float32", zeroed=True).ptr,
-            A.stream_buffer("wg_tickets", xa, stream, tickets, "int32", zeroed=True).ptr)
-
-
-@lru_cache(maxsize=8192)
-def _wg_plan(dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, ctas_per_sm: int):
-    cfg = wg_config(rows, n, k, sms, ctas_per_sm)
-    scalars = (np.int32(rows), np.int32(n), np.int32(k // WG_STEP_K), np.int32(n // 64), np.int32(ng),
-               np.int32(spg), np.int32(cfg.m_chunks))
-    return cfg, _wg_kernel(dtype, cfg.bm), LaunchConfig((cfg.grid,), (WG_THREADS,), cfg.smem), scalars
-
-
-def _launch_wg(wl, xa, rows, k, ldx, bias_ptr, n):
-    y, y_ptr = _alloc_out(xa, rows, n)
-    cfg, kernel, lcfg, scalars = _wg_plan(xa.dtype, rows, n, k, wl.spg, wl.ng, device_info(xa.device).sms,
-                                          _WG_CTAS_PER_SM)
-    stream = A.stream_of(xa)
-    ws_ptr, tickets_ptr = _wg_scratch(xa, stream, n * cfg.m_chunks * cfg.bm if cfg.split else 1, cfg.tiles)
-    args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, wl.w_ptr, wl.g_ptr, bias_ptr) + scalars + (np.int64(ldx),)
-    launch(kernel, lcfg, args, device=xa.device, stream=stream)
-    return y
-
-
-def _wg_pack(fmt, qa, za, sa, k, n, group, gemv=None):
-    """The wgmma-major copy of a checked INT4 layer (and gemv_kernel's group records, shared with ``gemv``)."""
-    stream = A.stream_of(qa)
-    words = A.empty(qa, (n * k // 8,), "int32", name="wg_weight")
-    total = words.shape[0]
-    launch(_WG_PACK_INT4[fmt], LaunchConfig((-(-total // 256),), (256,)),
-           (words.ptr, qa.ptr, np.int32(k // WG_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
-           device=qa.device, stream=stream)
-    if gemv is None or gemv.groups is None:
-        gemv = _gemv_pack_groups(fmt, qa, za, sa, k, n, group)
-    return _WgLayer(sa.dtype, words.obj, gemv.groups, words.ptr, gemv.g_ptr, group // WG_STEP_K, -(-k // group))
-
-
-def _want_wg_layout(device: int, k: int, n: int, group: int) -> bool:
-    """Whether prepack should build the wgmma-major copy: an sm_90 GPU, a covered shape, and the kernel in use."""
-    if not (WG_ENABLED or _WG_MODE == "on") or _WG_MODE == "off" or not wg_supported(k, n, group):
-        return False
-    return getattr(device_info(device), "cc", None) == (9, 0)
 
 
 # "auto": use_gemv decides; "on": gemv_kernel wherever the layer has its layout (prepack builds it for every
@@ -1028,21 +820,14 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
     launch(_GEMV_PACK_INT4[fmt], LaunchConfig((-(-total // 256),), (256,)),
            (words.ptr, qa.ptr, np.int32(k // GEMV_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
            device=qa.device, stream=stream)
-    recs = _gemv_pack_groups(fmt, qa, za, sa, k, n, group)
-    return _GemvLayer(KIND_INT4, sa.dtype, words.obj, recs.groups, words.ptr, recs.g_ptr, group // GEMV_STEP_K,
-                      recs.ng)
-
-
-def _gemv_pack_groups(fmt, qa, za, sa, k, n, group):
-    """INT4 group records (192 bytes per 64 channels and group), as a _GemvLayer without weights."""
     ng = -(-k // group)
     nb = n // 64
     recs = A.empty(qa, (nb * ng * GEMV_GROUP_BYTES,), "uint8", name="gemv_groups")
     total = nb * ng * 8
     launch(_GEMV_PACK_GROUPS[fmt], LaunchConfig((-(-total // 256),), (256,)),
            (recs.ptr, za.ptr, sa.ptr, np.int32(ng), np.int64(_row_stride(za)), np.int64(_row_stride(sa)),
-            np.int64(total)), device=qa.device, stream=A.stream_of(qa))
-    return _GemvLayer(KIND_INT4, sa.dtype, None, recs.obj, 0, recs.ptr, group // GEMV_STEP_K, ng)
+            np.int64(total)), device=qa.device, stream=stream)
+    return _GemvLayer(KIND_INT4, sa.dtype, words.obj, recs.obj, words.ptr, recs.ptr, group // GEMV_STEP_K, ng)
 
 
 @dataclass(frozen=True)
@@ -1062,8 +847,6 @@ class _FastLayer:
     scales_ptr: int
     lds: int
     gemv: object = None
-    wg: object = None
-    dense_ok: bool = False  # contiguous stored tensors: the small-weight dense dispatch may take them
 
 
 def _fast_call(f: _FastLayer, x, bias):
@@ -1073,8 +856,7 @@ def _fast_call(f: _FastLayer, x, bias):
     if xa.dtype != f.dtype or xa.lib != f.lib or xa.device != f.device or xa.ndim == 0 or xa.shape[-1] != f.k:
         return None
     rows, ldx = xa.rows()
-    if use_dense(rows, xa.lib, xa.dtype, f.wg is not None and f.wg.dtype == xa.dtype and _WG_MODE != "off",
-                 f.n * f.k if f.dense_ok else 0):
+    if use_dense(rows, xa.lib, xa.dtype):
         return None
     bias_ptr = 0
     if bias is not None:
@@ -1088,16 +870,15 @@ def _fast_call(f: _FastLayer, x, bias):
         xa = _rows_copy(xa, rows, f.k)
         ldx = f.k
     y = _launch_mma(f.fmt, xa, rows, f.k, ldx, f.qw_ptr, f.ldq, f.qz_ptr, f.ldz, f.scales_ptr, f.lds, bias_ptr, f.n,
-                    f.group, True, f.gemv, f.wg)
+                    f.group, True, f.gemv)
     return y.reshape(out_shape)
 
 
-def _make_fast(fmt, packed_obj, qa, za, sa, k, n, g, gemv=None, wg=None):
+def _make_fast(fmt, packed_obj, qa, za, sa, k, n, g, gemv=None):
     pa = A.wrap(packed_obj, "packed")
     return _FastLayer(fmt, sa.dtype, qa.lib, qa.device, k, n, g, pa.ptr, _row_stride(qa),
                       za.ptr if za is not None else 0, _row_stride(za) if za is not None else 0, sa.ptr,
-                      _row_stride(sa) if sa.ndim == 2 else 0, gemv, wg,
-                      fmt != FMT_INT8 and all(a.is_contiguous() for a in (qa, za, sa)))
+                      _row_stride(sa) if sa.ndim == 2 else 0, gemv)
 
 
 def packed_shape(fmt: int, k: int, n: int) -> tuple:
@@ -1215,15 +996,13 @@ def prepack_awq(qweight, qzeros, scales, *, group_size: int = 128, dtype=None) -
         if dtype not in A.HALF_DTYPES:
             raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
         sa = _as_dtype(sa, dtype, "scales")
-    packed = fast = gemv = wg = None
+    packed = fast = gemv = None
     if n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0 and all(_aligned_rows(a) for a in (qa, za, sa)):
         packed = _pack(FMT_AWQ, qa, k, n).obj
         if _want_gemv_layout(KIND_INT4, n, k, g):
             gemv = _gemv_pack(FMT_AWQ, qa, za, sa, k, n, g)
-        if _want_wg_layout(qa.device, k, n, g):
-            wg = _wg_pack(FMT_AWQ, qa, za, sa, k, n, g, gemv)
-        fast = _make_fast(FMT_AWQ, packed, qa, za, sa, k, n, g, gemv, wg)
-    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n, packed, fast, gemv, wg)
+        fast = _make_fast(FMT_AWQ, packed, qa, za, sa, k, n, g, gemv)
+    return AWQWeight(qa.obj, za.obj, sa.obj, g, k, n, packed, fast, gemv)
 
 
 def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, bias=None):
@@ -1246,7 +1025,7 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
 
     Notes
     -----
-    M = prod(x.shape[:-1]) <= MAX_MMA_M = 128 (32 when 2^23 <= N K <= 2^24; or CuPy bfloat16): one tensor-core kernel that streams the packed weights
+    M = prod(x.shape[:-1]) <= MAX_MMA_M = 128 (or CuPy bfloat16): one tensor-core kernel that streams the packed weights
     once per 64 rows of x (fastest with the tile-major copy made by :func:`prepack_awq`, which also skips
     the per-call weight checks); with a prepacked layer, M <= 16 may take ``gemv_kernel`` instead
     (:func:`use_gemv`; needs K % 32 == 0 and G % 32 == 0).  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernel needs
@@ -1256,13 +1035,13 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
         y = _fast_call(qweight.fast, x, bias)
         if y is not None:
             return y
-    packed = gemv = wg = None
+    packed = gemv = None
     if isinstance(qweight, AWQWeight):
         pw = qweight
         if qzeros is not None or scales is not None:
             raise TypeError("awq_linear: pass either an AWQWeight or (qweight, qzeros, scales), not both")
-        qweight, qzeros, scales, group_size, packed, gemv, wg = (pw.qweight, pw.qzeros, pw.scales, pw.group_size,
-                                                                 pw.packed, pw.gemv, pw.wg)
+        qweight, qzeros, scales, group_size, packed, gemv = (pw.qweight, pw.qzeros, pw.scales, pw.group_size,
+                                                             pw.packed, pw.gemv)
     elif qzeros is None or scales is None:
         raise TypeError("awq_linear: qzeros and scales are required with a stored qweight")
     xa, rows, k, ldx = _x_rows(x)
@@ -1272,10 +1051,7 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     _check_common(xa, (qa, za, sa), ba, n)
     sa = _as_dtype(sa, xa.dtype, "scales")
     fast = n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0
-    if wg is not None and (wg.dtype != xa.dtype or _WG_MODE == "off"):
-        wg = None
-    if not fast or use_dense(rows, xa.lib, xa.dtype, wg is not None,
-                             n * k if all(a.is_contiguous() for a in (qa, za, sa)) else 0):
+    if not fast or use_dense(rows, xa.lib, xa.dtype):
         if not fast and xa.lib != "torch" and xa.dtype != "float16":
             raise ValueError(f"awq_linear: N={n}, group_size={g} needs the dense path, which needs torch or "
                              f"float16 with CuPy (the fast kernel needs N % 64 == 0 and G == 32 or G % 64 == 0)")
@@ -1294,7 +1070,7 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
         ldx = k
     y = _launch_mma(FMT_AWQ, xa, rows, k, ldx, pk.ptr if pk is not None else qa.ptr, _row_stride(qa), za.ptr,
                     _row_stride(za), sa.ptr, _row_stride(sa), ba.ptr if ba is not None else 0, n, g, pk is not None,
-                    gemv, wg)
+                    gemv)
     return y.reshape(out_shape)
 
 
@@ -1402,16 +1178,14 @@ def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, 
         perm_a = _to_device_like(qa, perm)
         qa = _permute_gptq(qa, perm_a, k, n)
         perm_obj = perm_a.obj
-    packed = fast = gemv = wg = None
+    packed = fast = gemv = None
     if n % 64 == 0 and _fast_group_ok(g) and all(_aligned_rows(a) for a in (qa, za, sa)):
         packed = _pack(FMT_GPTQ, qa, k, n).obj
         if _want_gemv_layout(KIND_INT4, n, k, g):
             gemv = _gemv_pack(FMT_GPTQ, qa, za, sa, k, n, g)
-        if _want_wg_layout(qa.device, k, n, g):
-            wg = _wg_pack(FMT_GPTQ, qa, za, sa, k, n, g, gemv)
         if perm_obj is None:
-            fast = _make_fast(FMT_GPTQ, packed, qa, za, sa, k, n, g, gemv, wg)
-    return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, perm=perm_obj, packed=packed, fast=fast, gemv=gemv, wg=wg)
+            fast = _make_fast(FMT_GPTQ, packed, qa, za, sa, k, n, g, gemv)
+    return GPTQWeight(qa.obj, za.obj, sa.obj, g, k, n, perm=perm_obj, packed=packed, fast=fast, gemv=gemv)
 
 
 def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size: int = 128, bias=None):
@@ -1438,13 +1212,13 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
         y = _fast_call(qweight.fast, x, bias)
         if y is not None:
             return y
-    perm = packed = gemv = wg = None
+    perm = packed = gemv = None
     if isinstance(qweight, GPTQWeight):
         pw = qweight
         if qzeros is not None or scales is not None or g_idx is not None:
             raise TypeError("gptq_linear: pass either a GPTQWeight or (qweight, qzeros, scales, g_idx), not both")
-        qweight, qzeros, scales, g_idx, group_size, perm, packed, gemv, wg = (
-            pw.qweight, pw.qzeros, pw.scales, pw.g_idx, pw.group_size, pw.perm, pw.packed, pw.gemv, pw.wg)
+        qweight, qzeros, scales, g_idx, group_size, perm, packed, gemv = (
+            pw.qweight, pw.qzeros, pw.scales, pw.g_idx, pw.group_size, pw.perm, pw.packed, pw.gemv)
     elif qzeros is None or scales is None:
         raise TypeError("gptq_linear: qzeros and scales are required with a stored qweight")
     xa, rows, k, ldx = _x_rows(x)
@@ -1466,10 +1240,7 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
         else:
             irregular = True
     fast = not irregular and n % 64 == 0 and _fast_group_ok(g)
-    if wg is not None and (wg.dtype != xa.dtype or _WG_MODE == "off"):
-        wg = None
-    if not fast or use_dense(rows, xa.lib, xa.dtype, wg is not None,
-                             n * k if all(a.is_contiguous() for a in (qa, za, sa)) else 0):
+    if not fast or use_dense(rows, xa.lib, xa.dtype):
         if not fast and xa.lib != "torch" and xa.dtype != "float16":
             raise ValueError(f"gptq_linear: this layer (N={n}, group_size={g}, irregular g_idx={irregular}) needs "
                              f"the dense path, which needs torch or float16 with CuPy")
@@ -1496,7 +1267,7 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
         ldx = k
     y = _launch_mma(FMT_GPTQ, xa, rows, k, ldx, pk.ptr if pk is not None else qa.ptr, _row_stride(qa), za.ptr,
                     _row_stride(za), sa.ptr, _row_stride(sa), ba.ptr if ba is not None else 0, n, g, pk is not None,
-                    gemv, wg)
+                    gemv)
     return y.reshape(out_shape)
 
 

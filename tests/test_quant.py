@@ -1,7 +1,6 @@
 """Weight-only quantized linear layers: formats (CPU, bit-exact), heuristics, and the GPU kernels."""
 import contextlib
 import json
-import os
 import struct
 
 import numpy as np
@@ -202,9 +201,7 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 57
-    assert "quant::qgemm_sm90_kernel<__half, 64>" in names
-    assert all(k.hopper for k in Q.all_kernels() if "qgemm_sm90" in k.name)
+    assert len(names) == len(set(names)) == 47
     assert "quant::gemv_kernel<__nv_bfloat16, 0, 1>" in names
     assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
 
@@ -214,10 +211,6 @@ def test_dispatch():
     assert not Q.use_dense(Q.MAX_MMA_M, "torch", "float16")
     assert Q.use_dense(Q.MAX_MMA_M + 1, "torch", "bfloat16")
     assert not Q.use_dense(4096, "cupy", "bfloat16")
-    # the small-weight dense rule (DENSE_SMALL_WEIGHT) is off: every weight keeps the fused kernel to MAX_MMA_M
-    assert not Q.use_dense(33, "torch", "bfloat16", nk=4096 * 4096)  # the small-weight rule is off (measured slower)
-    assert not Q.use_dense(64, "torch", "bfloat16", nk=8192 * 8192) and not Q.use_dense(64, "torch", "float16", nk=4096)
-    assert not Q.use_dense(64, "cupy", "bfloat16", nk=4096 * 4096) and not Q.use_dense(64, "cupy", "float16", nk=4096 * 4096)
 
 
 # ------------------------------------------------------------------------------------------------ gemv layout (CPU)
@@ -303,72 +296,6 @@ def test_use_gemv_dispatch():
     assert not Q._want_gemv_layout(Q.KIND_INT4, 4096, 4096, 48)
 
 
-# ------------------------------------------------------------------------------------------------ wgmma layout (CPU)
-
-def test_wg_int4_layout_roundtrip_and_hand_made():
-    rng = np.random.default_rng(22)
-    for k, n in [(64, 64), (192, 128), (128, 320)]:
-        q = rng.integers(0, 16, (k, n)).astype(np.uint8)
-        words = Q.wg_pack_int4_reference(q)
-        assert words.dtype == np.uint32 and words.size == k * n // 8
-        assert np.array_equal(Q.wg_unpack_int4_reference(words, k, n), q)
-    # thread t = 2, lane 4 g + c = 5 (g 1, c 1), word j = 1: channels 16 t + g = 33 (P even) and 41 (P odd),
-    # k = 16 j + 2 c = 18, 19 (P < 2) and 26, 27 (P >= 2); nibble P + 4 h holds k + h
-    q = np.zeros((64, 64), np.uint8)
-    q[18, 33], q[19, 33], q[18, 41], q[19, 41] = 1, 2, 3, 4
-    q[26, 33], q[27, 33], q[26, 41], q[27, 41] = 5, 6, 7, 8
-    words = Q.wg_pack_int4_reference(q).reshape(1, 1, 4, 32, 4)
-    assert words[0, 0, 2, 5, 1] == 0x86427531
-    assert np.count_nonzero(words) == 1
-
-
-@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64, 65, 128, 256, 1024, 2048])
-@pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (192, 128), (320, 8192)])
-def test_wg_config(m, n, k):
-    cfg = Q.wg_config(m, n, k, 132)
-    assert cfg.bm in Q.WG_BM_CHOICES and cfg.bm * cfg.m_chunks >= m and cfg.bm * (cfg.m_chunks - 1) < m
-    assert cfg.tiles == -(-n // 256) * cfg.m_chunks
-    assert cfg.grid >= cfg.tiles and (cfg.grid == cfg.tiles or cfg.grid <= 264)
-    assert cfg.smem <= 227 * 1024
-    if cfg.bm <= 32:
-        assert 2 * (cfg.smem + 1024 + 256) <= 228 * 1024  # two CTAs per SM fit (+ static mbarriers)
-    assert Q.wg_supported(k, n, 128) == (n % 64 == 0 and k % 64 == 0)
-
-
-@pytest.mark.parametrize("m,n,k", [(1, 8192, 8192), (64, 28672, 8192), (64, 4096, 4096), (100, 576, 1024),
-                                   (1100, 4096, 256), (17, 192, 128)])
-def test_wg_schedule_covers_every_step_once(m, n, k):
-    cfg = Q.wg_config(m, n, k, 132)
-    steps = k // Q.WG_STEP_K
-    seen = np.zeros((cfg.tiles, steps), np.int32)
-    ticket = np.zeros(cfg.tiles, np.int64)
-    direct = np.zeros(cfg.tiles, np.int64)
-    for segs in Q.wg_schedule(cfg.tiles, steps, cfg.grid):
-        assert segs  # every CTA has work (the kernel returns early otherwise, before any barrier)
-        for tile, s0, s1, full in segs:
-            assert 0 <= s0 < s1 <= steps
-            seen[tile, s0:s1] += 1
-            if full:
-                direct[tile] += 1
-            else:
-                ticket[tile] += s1 - s0
-    assert (seen == 1).all()
-    # a tile is stored directly by its only CTA, or its partial CTAs' tickets add up to the step count
-    assert all((d == 1 and t == 0) or (d == 0 and t == steps) for d, t in zip(direct, ticket))
-    if cfg.grid == cfg.tiles:
-        assert direct.sum() == cfg.tiles
-
-
-def test_wg_dispatch(monkeypatch):
-    assert not any(Q.use_wgmma(m, 8192, 8192) for m in (1, 17, 64, 256)) or Q.WG_ENABLED
-    monkeypatch.setattr(Q, "WG_ENABLED", True)
-    assert not Q.use_wgmma(16, 8192, 8192) and Q.use_wgmma(17, 8192, 8192) and Q.use_wgmma(Q.WG_MAX_M, 4096, 4096)
-    assert not Q.use_wgmma(Q.WG_MAX_M + 1, 4096, 4096)
-    assert not Q.use_dense(Q.WG_MAX_M, "torch", "bfloat16", True) and Q.use_dense(Q.MAX_MMA_M + 1, "torch", "bfloat16")
-    assert Q.use_dense(Q.WG_MAX_M + 1, "torch", "float16", True)
-    assert not Q.wg_supported(4096, 4096, 32) and not Q.wg_supported(4064, 4096, 128)
-
-
 # ------------------------------------------------------------------------------------------------ GPU
 
 def _torch():
@@ -411,8 +338,8 @@ def test_awq_linear_small(dtype, m, n, k, g):
     assert torch.equal(y, y2)
     packed = Q.prepack_awq(torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g)
     assert packed.packed is not None
-    if (packed.gemv is not None and m <= Q.GEMV_MAX_M) or (packed.wg is not None and Q.use_wgmma(m, n, k)):
-        # gemv_kernel / qgemm_sm90_kernel on their own copies (the summation order differs: compare values)
+    if packed.gemv is not None and m <= Q.GEMV_MAX_M:
+        # M <= 16 takes gemv_kernel on the fragment-major copy (split-K order differs: compare values)
         err, finite = _rel_err(Q.awq_linear(x, packed, bias=bias), _ref(x, ref_w, bias))
         assert finite and err < 1e-2, err
     else:
@@ -449,7 +376,7 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
     if not act_order:
         y3 = Q.gptq_linear(x, *args[:3], group_size=g)
         assert torch.equal(y, y3)
-        if (packed.gemv is None or m > Q.GEMV_MAX_M) and (packed.wg is None or not Q.use_wgmma(m, n, k)):
+        if packed.gemv is None or m > Q.GEMV_MAX_M:
             assert torch.equal(y, y2)
 
 
@@ -583,120 +510,6 @@ def _check_gemv_exact_rows():
                 y = _linear(fmt, eye, layer)
                 expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
                 assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
-
-
-@contextlib.contextmanager
-def _wg_mode(mode):
-    """Force the Hopper kernel's dispatch ("on": qgemm_sm90_kernel for every M where prepack built its layout)."""
-    old = Q._WG_MODE
-    Q._WG_MODE = mode
-    try:
-        yield
-    finally:
-        Q._WG_MODE = old
-
-
-def _need_sm90(torch):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("qgemm_sm90_kernel needs an sm_90 GPU")
-    if not (Q.WG_ENABLED or os.environ.get("SPEEDCORE_TEST_WG")):
-        # Not dispatched and not yet run on a GPU in its warp-specialized form: a protocol bug would hang
-        # (mbarrier waits), so it runs only when asked for (benchmarks/_quant_wg_gpu.sh sets the variable).
-        pytest.skip("qgemm_sm90_kernel is not dispatched (WG_ENABLED False); set SPEEDCORE_TEST_WG=1 to test it")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
-@pytest.mark.parametrize("m,n,k,g", [(1, 512, 4096, 128), (5, 192, 384, 64), (17, 1024, 1024, 128),
-                                     (33, 320, 8192, 128), (64, 4096, 512, 64), (100, 256, 640, 128),
-                                     (130, 2048, 2048, 128), (300, 576, 1024, 256), (1100, 4096, 256, 128)])
-def test_wg_small(dtype, fmt, m, n, k, g):
-    """qgemm_sm90_kernel: values against float64 over tiles past N, partial m-chunks, stream-K splits (partial and
-    whole tiles) and whole-tile grids (M = 1100), repeated calls (workspace and tickets restored)."""
-    torch = _torch()
-    _need_sm90(torch)
-    td = getattr(torch, dtype)
-    rng = np.random.default_rng(m * 13 + n + k + fmt)
-    with _wg_mode("on"):
-        layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
-        assert layer.wg is not None
-        x = torch.randn(m, k, device="cuda", dtype=td)
-        bias = torch.randn(n, device="cuda", dtype=td) if m % 2 else None
-        ref = _ref(x, w_kn, bias)
-        for _ in range(3):
-            y = _linear(fmt, x, layer, bias)
-            err, finite = _rel_err(y, ref)
-            assert finite and err < 1e-2, err
-        xv = torch.randn(m, k + 8, device="cuda", dtype=td)[:, 8:]  # a view with a row stride
-        err, finite = _rel_err(_linear(fmt, xv, layer, bias), _ref(xv, w_kn, bias))
-        assert finite and err < 1e-2, err
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
-def test_wg_pack_kernel_matches_reference_small(fmt):
-    torch = _torch()
-    _need_sm90(torch)
-    rng = np.random.default_rng(50 + fmt)
-    k, n, g = 384, 192, 128
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
-    q = rng.integers(0, 16, (k, n))
-    z = rng.integers(0, 16, (k // g, n))
-    s = (rng.random((k // g, n)) + 0.5).astype(np.float16)
-    with _wg_mode("on"):
-        if fmt == Q.FMT_AWQ:
-            layer = Q.prepack_awq(t(Q.pack_awq(q)), t(Q.pack_awq(z)), t(s), group_size=g)
-            zeros = z
-        else:
-            layer = Q.prepack_gptq(t(Q.pack_rows(q)), t(Q.pack_cols(z)), t(s), group_size=g)
-            zeros = z + 1
-    assert np.array_equal(layer.wg.weight.cpu().numpy().view(np.uint32), Q.wg_pack_int4_reference(q))
-    assert np.array_equal(layer.wg.groups.cpu().numpy(), Q.gemv_pack_groups_reference(zeros, s.view(np.uint16)))
-
-
-@pytest.mark.gpu
-def test_wg_exact_rows_small():
-    """x = one-hot rows pick rows of W exactly through qgemm_sm90_kernel: every nibble, zero point (GPTQ's 16
-    included) and scale position, whole and split tiles, both dtypes."""
-    torch = _torch()
-    _need_sm90(torch)
-    rng = np.random.default_rng(14)
-    with _wg_mode("on"):
-        for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ):
-            for td in (torch.float16, torch.bfloat16):
-                k, n, g = 1024, 512, 64
-                layer, _, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
-                s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
-                qw, qz = layer.qweight, layer.qzeros
-                layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
-                args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
-                w_kn = (Q.dequantize_awq_reference(*args, group_size=g) if fmt == Q.FMT_AWQ
-                        else Q.dequantize_gptq_reference(*args, None, g))
-                for rows in (slice(0, 16), slice(101, 106), slice(200, 264)):
-                    eye = torch.eye(k, device="cuda", dtype=td)[rows]
-                    y = _linear(fmt, eye, layer)
-                    expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
-                    assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
-
-
-@pytest.mark.gpu
-def test_gptq_act_order_wg_small():
-    torch = _torch()
-    _need_sm90(torch)
-    rng = np.random.default_rng(77)
-    k, n, g, m = 512, 256, 128, 40
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    perm = rng.permutation(k)
-    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=perm)
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
-    ref_w = Q.dequantize_gptq_reference(qw, qz, s, g_idx, g)
-    with _wg_mode("on"):
-        layer = Q.prepack_gptq(t(qw), t(qz), t(s), t(g_idx), group_size=g)
-        assert layer.wg is not None and layer.perm is not None
-        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        err, finite = _rel_err(Q.gptq_linear(x, layer), _ref(x, ref_w))
-        assert finite and err < 1e-2, err
 
 
 @pytest.mark.gpu
@@ -967,7 +780,7 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     import dataclasses
 
     calls = fake_gpu
-    k, n, g = 1024, 1536, 128  # N K below DENSE_SMALL_WEIGHT: M = 100 stays on the fused kernel
+    k, n, g = 1024, 1536, 128
     x = _FakeTensor((m, k), "bfloat16")
     bias = _FakeTensor((n,), "bfloat16")
     pw = Q.prepack_awq(_FakeTensor((k, n // 8), "int32"), _FakeTensor((k // g, n // 8), "int32"),
