@@ -39,11 +39,6 @@ extern "C" __device__ long long fa90_trace[160 * 4 * FA90_TRACE_ITERS * FA90_TRA
           (v);                                                                                              \
   } while (0)
 #define FA90_MARK(it, ev) FA90_MARK_V(it, ev, clock64())
-__device__ __forceinline__ long long fa90_globaltimer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 #else
 #define FA90_MARK_V(it, ev, v) \
   do {                         \
@@ -178,7 +173,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   }
   __syncthreads();
   FA90_MARK(FA90_TRACE_ITERS - 2, 0);
-  FA90_MARK_V(FA90_TRACE_ITERS - 2, 1, fa90_globaltimer());
+  FA90_MARK_V(FA90_TRACE_ITERS - 2, 1, (long long)sc::globaltimer_ns());
 
   auto info = [&](int tile) {
     return fa90::tile_info(tile, num_m, nheads, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
@@ -537,7 +532,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     FA90_MARK(titer, 7);
   }
   FA90_MARK(FA90_TRACE_ITERS - 2, 2);
-  FA90_MARK_V(FA90_TRACE_ITERS - 2, 3, fa90_globaltimer());
+  FA90_MARK_V(FA90_TRACE_ITERS - 2, 3, (long long)sc::globaltimer_ns());
   if (PINGPONG && cw == 0) sc::named_bar_sync(1, 256);  // the last consumer's last hand-over
   if (tid == 0) sc::bulk_wait_group<0>();  // shared memory must outlive the stores reading it
 }

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
   extern __shared__ uint4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #ifdef DECODE_TRACE
-  auto gtime = []() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; };
+  auto gtime = sc::globaltimer_ns;
   unsigned long long* trace = reinterpret_cast<unsigned long long*>(lse_out) + (long long)blockIdx.x * 8;
   if (threadIdx.x == 0) { unsigned smid; asm volatile("mov.u32 %0, %smid;" : "=r"(smid)); trace[0] = gtime(); trace[4] = smid; }
   lse_out = nullptr;

@@ -7,6 +7,12 @@ namespace sc {
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
+// The GPU-wide nanosecond clock (coarse ticks), for the kernels' diagnostic traces.
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // 16-byte global -> shared copy that bypasses registers (and L1: .cg).  With pred false the 16 bytes are
 // zero-filled instead (src-size 0), so out-of-range rows read as zeros without a branch.
