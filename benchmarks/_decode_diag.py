@@ -19,6 +19,32 @@ def pct(x, ps=(0, 10, 50, 90, 100)):
     return " ".join(f"p{p}={np.percentile(x, p):.2f}" for p in ps)
 
 
+def paged_problem(torch, batch, seqlen, heads, kvh, hd):
+    """One decode step's data, bf16: q (batch, heads, hd) and contiguous k, v (batch, kvh, seqlen, hd) for the
+    SDPA peers; the same K and V in shuffled 16-token pages for ours.  Returns q, k, v, the paged caches, the
+    block table, seq_lens, out, the wrapped arguments of speedcore.decode, q as (batch, heads, 1, hd) and the
+    K+V bytes."""
+    dt = torch.bfloat16
+    q = torch.randn(batch, heads, hd, device="cuda", dtype=dt)
+    k = torch.randn(batch, kvh, seqlen, hd, device="cuda", dtype=dt)
+    v = torch.randn_like(k)
+    perm = torch.randperm(batch * seqlen // 16, device="cuda")
+
+    def paged(x):
+        pages = x.view(batch, kvh, seqlen // 16, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, kvh, hd)
+        out = torch.empty_like(pages)
+        out[perm] = pages
+        return out
+
+    kc, vc = paged(k), paged(v)
+    table = perm.view(batch, -1).int()
+    lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    wr = [A.wrap(x, n) for x, n in ((q, "q"), (kc, "k_cache"), (vc, "v_cache"), (table, "block_table"),
+                                     (lens, "seq_lens"), (out, "out"))]
+    return q, k, v, kc, vc, table, lens, out, wr, q.view(batch, heads, 1, hd), 2 * k.numel() * 2
+
+
 def main():
     from speedcore.bench import Bench
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -27,27 +53,7 @@ def main():
     torch = b.torch
     F = torch.nn.functional
     for batch, seqlen, heads, kvh, hd in SHAPES:
-        dt = torch.bfloat16
-        q = torch.randn(batch, heads, hd, device="cuda", dtype=dt)
-        k = torch.randn(batch, kvh, seqlen, hd, device="cuda", dtype=dt)
-        v = torch.randn_like(k)
-        nblocks = batch * seqlen // 16
-        perm = torch.randperm(nblocks, device="cuda")
-
-        def paged(x):
-            pages = x.view(batch, kvh, seqlen // 16, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, kvh, hd)
-            out = torch.empty_like(pages)
-            out[perm] = pages
-            return out
-
-        kc, vc = paged(k), paged(v)
-        table = perm.view(batch, -1).int()
-        lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        nbytes = 2 * k.numel() * 2
-        wr = [A.wrap(x, n) for x, n in ((q, "q"), (kc, "k_cache"), (vc, "v_cache"), (table, "block_table"),
-                                         (lens, "seq_lens"), (out, "out"))]
-        q4 = q.view(batch, heads, 1, hd)
+        q, k, v, kc, vc, table, lens, out, wr, q4, nbytes = paged_problem(torch, batch, seqlen, heads, kvh, hd)
         ours = lambda: D._paged_decode(*wr, None, 0.0, -1, False)  # noqa: E731
 
         def cudnn():

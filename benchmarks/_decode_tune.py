@@ -13,8 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from speedcore import decode as D  # noqa: E402
-from speedcore import _arrays as A  # noqa: E402
 from speedcore._compile import Kernel, compile_kernel  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _decode_diag import paged_problem  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OLD = os.path.exists(os.path.join(HERE, "..", "kernels", "_decode_old.cu"))
@@ -67,27 +69,7 @@ def main():
     F = torch.nn.functional
     summary = []
     for (batch, seqlen, heads, kvh, hd), plan in SWEEP.items():
-        dt = torch.bfloat16
-        q = torch.randn(batch, heads, hd, device="cuda", dtype=dt)
-        k = torch.randn(batch, kvh, seqlen, hd, device="cuda", dtype=dt)
-        v = torch.randn_like(k)
-        nblocks = batch * seqlen // 16
-        perm = torch.randperm(nblocks, device="cuda")
-
-        def paged(x):
-            pages = x.view(batch, kvh, seqlen // 16, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, kvh, hd)
-            out = torch.empty_like(pages)
-            out[perm] = pages
-            return out
-
-        kc, vc = paged(k), paged(v)
-        table = perm.view(batch, -1).int()
-        lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        nbytes = 2 * k.numel() * 2
-        wr = [A.wrap(x, n) for x, n in ((q, "q"), (kc, "k_cache"), (vc, "v_cache"), (table, "block_table"),
-                                         (lens, "seq_lens"), (out, "out"))]
-        q4 = q.view(batch, heads, 1, hd)
+        q, k, v, kc, vc, table, lens, out, wr, q4, nbytes = paged_problem(torch, batch, seqlen, heads, kvh, hd)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             cudnn = lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kvh)  # noqa: E731
             ref = cudnn().view_as(q).float()
