@@ -8,8 +8,8 @@ Three paths, picked by :func:`gemm_path`, a pure function of the problem and the
   start while the last tile's writes drain.  B may be K-major (a Linear weight (N, K)) or N-major (a row-major
   (K, N) matrix, read transposed by wgmma).
 * ``"ampere"`` (sm_80+): mma.sync + ldmatrix from a cp.async ring of swizzled tiles.
-* ``"skinny"`` (M <= 64, decode): the same mma.sync kernel with narrow N tiles, deep K tiles and warps
-  splitting K, so the weight streams once at HBM bandwidth.
+* ``"skinny"`` (decode: M <= 64, or M <= 32 on sm_90): the same mma.sync kernel with narrow N tiles, deep K
+  tiles and warps splitting K, so the weight streams once at HBM bandwidth.
 """
 from __future__ import annotations
 
@@ -26,13 +26,12 @@ SOURCE = "gemm.cu"
 SOURCE_SM90 = "gemm_sm90.cu"
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 PATHS = ("hopper", "ampere", "skinny")
-SKINNY_MAX_M = 64
+SKINNY_MAX_M = 64      # the skinny kernel's range without wgmma (sm_80, sm_86, sm_89)
+SKINNY_MAX_M_HOPPER = 32
 # M in (32, 64] on the H200 goes to the wgmma kernel's 64-row tiles (see wgmma_config): same-run A/B at fc2acbb
 # (benchmarks/_gemm_ab.py small, bf16, M = 64, ratio to cuBLAS) 8192^2 0.98 against the skinny kernel's 0.76,
 # 14336 x 4096 1.00 against 0.65, 28672 x 8192 1.01 against 0.62, 4096^2 0.84 against 0.81, 4096 x 14336 0.83
 # against 0.83.  At M = 32 the skinny kernel stayed ahead for N <= 8192 (1.02 / 0.96 against 0.80 / 0.77).
-HOPPER_WIDE_MIN_M = 32
-HOPPER_WIDE_MIN_N = 0
 GROUP_M = 8
 
 
@@ -140,7 +139,7 @@ def _ceil(a: int, b: int) -> int:
 def gemm_path(m: int, n: int, k: int, dtype: str, cc: tuple, b_kmajor: bool) -> str:
     """Which kernel serves an (m, n, k) problem: "skinny", "hopper" or "ampere" (see the module docstring)."""
     hopper = tuple(cc) == (9, 0)
-    if m <= SKINNY_MAX_M and not (hopper and m > HOPPER_WIDE_MIN_M and n >= HOPPER_WIDE_MIN_N):
+    if m <= (SKINNY_MAX_M_HOPPER if hopper else SKINNY_MAX_M):
         return "skinny"
     return "hopper" if hopper else "ampere"
 
