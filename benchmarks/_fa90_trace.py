@@ -107,7 +107,8 @@ def trace(b, d, causal, s):
 
 
 AB_CASES = [(64, True, 512), (64, True, 1024), (64, True, 2048), (64, True, 4096), (64, True, 8192),
-            (128, True, 2048), (256, True, 2048)]
+            (64, False, 512), (64, False, 1024), (128, False, 512), (128, False, 1024), (128, True, 512),
+            (128, True, 2048), (256, False, 2048), (256, True, 2048)]
 
 
 def with_options(extra):

@@ -56,9 +56,29 @@ __host__ __device__ constexpr bool o_has_own_buffer(int q_bytes, int kv_ring_byt
 }
 
 // Everything about one tile that both the producer and the consumers derive from its index.
+// The producer derives it once and hands it to the consumers through shared memory: derived again on the
+// consumers' path it cost about 0.5 us per tile (two integer divisions and a long dependent chain of uniform-
+// datapath arithmetic, measured with -DFA90_TRACE), all of it between one tile's epilogue and the next tile's
+// first GEMM.  `index` is the tile's number (num_tiles or more: no more tiles); 12 ints, three 16-byte words in shared memory.
 struct Tile {
-  int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end;
+  int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end, index;
 };
+__device__ __forceinline__ void store_tile(int4* to, const Tile& t) {
+  to[0] = make_int4(t.m0, t.head, t.batch, t.q_off);
+  to[1] = make_int4(t.k_off, t.sq, t.sk, t.rows_q);
+  to[2] = make_int4(t.n_begin, t.n_end, t.index, 0);
+}
+// Every lane gets lane 0's copy: provably warp-uniform values keep ptxas from serializing the wgmmas (and let it
+// keep them in uniform registers).
+__device__ __forceinline__ Tile load_tile_uniform(const int4* from) {
+  const volatile int* const f = reinterpret_cast<const volatile int*>(from);
+  auto u = [&](int i) { return __shfl_sync(0xffffffffu, f[i], 0); };
+  Tile t;
+  t.m0 = u(0), t.head = u(1), t.batch = u(2), t.q_off = u(3);
+  t.k_off = 0, t.sq = u(5), t.sk = u(6), t.rows_q = u(7);
+  t.n_begin = u(8), t.n_end = u(9), t.index = u(10);
+  return t;
+}
 
 __device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int reverse_m, int seqlen_q,
                                           int seqlen_k, const int* cu_q, const int* cu_k, int total_q, int total_k,
@@ -153,7 +173,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   unsigned long long* const v_empty = v_full + STAGES;
   unsigned long long* const tile_full = v_empty + STAGES;  // [2]
   unsigned long long* const tile_empty = tile_full + 2;    // [2]
-  int* const tile_ring = reinterpret_cast<int*>(tile_empty + 2);  // [2]
+  int4* const tile_ring = reinterpret_cast<int4*>(tile_empty + 2);  // [2][3]: fa90::Tile, 16-byte aligned
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -197,16 +217,18 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       int piter = 0;
       for (int tile = blockIdx.x;; tile = gridDim.x + atomicAdd(tile_counter, 1), ++piter) {
         FA90_MARK(piter, 0);
+        fa90::Tile t{};
+        if (tile < num_tiles) t = info(tile);
+        t.index = tile;
         sc::mbar_wait(&tile_empty[tslot], tphase ^ 1);
         FA90_MARK(piter, 1);
-        tile_ring[tslot] = tile;
+        fa90::store_tile(tile_ring + 3 * tslot, t);  // published by the arrive's release
         sc::mbar_arrive(&tile_full[tslot]);
         if (++tslot == 2) {
           tslot = 0;
           tphase ^= 1;
         }
         if (tile >= num_tiles) break;
-        const fa90::Tile t = info(tile);
         if (t.rows_q <= 0 || t.n_begin >= t.n_end) continue;
         const int bc = varlen ? 0 : t.batch, kv_head = t.head / heads_per_kv;
         sc::mbar_wait(q_empty, q_phase ^ 1);
@@ -269,11 +291,22 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     FA90_MARK(titer, 0);
     sc::mbar_wait(&tile_full[tslot], (titer >> 1) & 1);
     FA90_MARK(titer, 1);
-    // broadcast from lane 0: a provably warp-uniform value keeps ptxas from serializing the wgmmas below
-    const int tile = __shfl_sync(0xffffffffu, *reinterpret_cast<volatile int*>(&tile_ring[tslot]), 0);
+    // Three consumers have 160 registers each: the descriptor's fields held in registers cost them a spill
+    // (derived from the index they live in uniform registers), so they derive it again.
+#ifdef FA90_TILE_BY_INDEX
+    constexpr bool DERIVE = true;  // A/B switch
+#else
+    constexpr bool DERIVE = NC > 2;
+#endif
+    fa90::Tile t;
+    if constexpr (DERIVE)
+      t.index = __shfl_sync(0xffffffffu, reinterpret_cast<const volatile int*>(tile_ring + 3 * tslot)[10], 0);
+    else
+      t = fa90::load_tile_uniform(tile_ring + 3 * tslot);
     if (lane == 0) sc::mbar_arrive(&tile_empty[tslot]);
+    const int tile = t.index;
     if (tile >= num_tiles) break;
-    const fa90::Tile t = info(tile);
+    if constexpr (DERIVE) t = info(tile);
     if (t.rows_q <= 0) continue;
     T* const o_rows_p = out + t.batch * o_batch_stride + (long long)(t.q_off + t.m0) * o_row_stride +
                         t.head * o_head_stride;
