@@ -1148,4 +1148,295 @@ __global__ void __launch_bounds__(256) gemv_pack_int8_kernel(unsigned* __restric
   out[idx] = (unsigned)r0[0] | ((unsigned)r0[1] << 8) | ((unsigned)r1[0] << 16) | ((unsigned)r1[1] << 24);
 }
 
+// ============================================================================================================
+// Small-M register-streaming kernel (gemv_stream_kernel, M <= 16) on the same fragment-major layout.
+//
+// Why a second small-M kernel: at M <= 16 the op is a read of the packed weights (N K / 2 bytes) and nothing
+// else, so the time is launch + bytes / HBM rate + the latency of the last loads + the reduction.  The
+// cp.async ring of gemv_kernel pays shared-memory round trips, ring bookkeeping and a stream-K schedule whose
+// partial blocks go through fp32 atomics; this kernel keeps the bytes in registers:
+// * each warp streams a contiguous run of its block's steps in chunks of 4 steps (128 k, 4 KB): eight 16-byte
+//   loads per lane straight into the mma A fragments, plus the lane's x words and the chunk's group record
+//   (a chunk never straddles a group: G % 128 == 0), all issued before any of them is used;
+// * the next chunk(s) are prefetched into L2 (one 128-byte line per lane), so a warp's effective bytes in flight
+//   are 4 KB in registers plus 4 KB per prefetch distance, without registers;
+// * a CTA is one 64-channel block (32 for INT8) and W warps that split its K, so the reduction is one pass
+//   through shared memory and y is written directly; only when blocks x W cannot fill the GPU does K split
+//   over `splits` CTAs per block (fp32 partials in a zeroed workspace, last CTA by ticket writes y).
+// Single wave: the grid is sized so that every warp is resident at once (16 warps per SM at <= 128 registers)
+// and all warps have equal work, so there is no tail wave.
+constexpr int kStreamChunkSteps = 4;  // 32-k steps per chunk
+// Warps per CTA (and resident per SM): 16 at <= 128 registers; INT4 at M <= 16 holds twice the x words and
+// the per-weight scale/zero pairs, which need up to 168 registers (12 warps).
+template <int KIND, int MT> struct StreamWarps {
+  static constexpr int MAX = (KIND == KIND_INT4 && MT == 2) ? 12 : 16;
+};
+
+// volatile: the compiler keeps every load of a chunk ahead of the math (left to itself it sinks some of them
+// next to their first use, which puts a second memory round trip into every chunk).
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 ldg16_nc(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg8_nc(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// y[m, n] = sum_k x[m, k] W[k, n] for M <= 8 MT.  Grid: NB x splits CTAs of W = blockDim.x / 32 warps; block
+// b = blockIdx.x % NB, split = blockIdx.x / NB; warp gw = split W + warp of the block's W splits warps takes
+// chunks [gw KC / (W splits), (gw + 1) KC / (W splits)).  Requires KS % 4 == 0 and (INT4) SPG % 4 == 0.
+// Dynamic shared memory: W * M * (BN + 4) floats.  `zero` must be 0 (see dep below).
+template <typename T, int KIND, int MT>
+__global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_stream_kernel(
+    T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
+    const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
+    const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int prefetch,
+    unsigned zero, long long ldx) {
+  constexpr bool INT4 = KIND == KIND_INT4;
+  constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
+  // M <= 8 INT4: (magic + q) goes to the mma as is; magic + zero point come off once per chunk through
+  // sum_k x.  M <= 16: per-weight (q - z) * s (no registers for a second accumulator set).
+  constexpr bool XSUM = INT4 && MT == 1;
+  extern __shared__ __align__(16) float red[];
+  __shared__ int s_last;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int W = blockDim.x >> 5;
+  const int b = blockIdx.x % NB, split = blockIdx.x / NB;
+  const int KC = KS / U, wpb = W * splits, gw = split * W + warp;
+  const int c0 = (int)((long long)gw * KC / wpb), c1 = (int)((long long)(gw + 1) * KC / wpb);
+
+  const uint4* wb = wpk + (long long)b * KS * 64;
+  const unsigned char* gb = grec + (long long)b * NG * 192;
+  // Rows of x past M read row M - 1 (a valid address); their output columns are never stored.
+  const T* xr[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) xr[mt] = x + (long long)min(8 * mt + g, M - 1) * ldx + 4 * c;
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
+
+  auto prefetch_chunk = [&](int cc) {
+    if (cc < c1) prefetch_l2(reinterpret_cast<const unsigned char*>(wb + (long long)U * cc * 64) + 128 * lane);
+  };
+  for (int d = 1; d < prefetch; ++d) prefetch_chunk(c0 + d);
+
+  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+  const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u;
+
+#pragma unroll 1
+  for (int cc = c0; cc < c1; ++cc) {
+    const uint4* wp = wb + (long long)U * cc * 64 + lane;
+    uint4 wv[U][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) wv[u][h] = ldg_stream(wp + u * 64 + h * 32);
+    uint2 xv[U][2][MT];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          xv[u][h][mt] = ldg8_nc(xr[mt] + (U * cc + u) * 32 + 16 * h);
+    uint4 sv = make_uint4(0u, 0u, 0u, 0u);
+    uint2 zv = make_uint2(0u, 0u);
+    if constexpr (INT4) {
+      const unsigned char* gr = gb + (long long)((U * cc) / SPG) * 192;
+      sv = ldg16_nc(gr + 16 * g);
+      zv = ldg8_nc(gr + 128 + 8 * g);
+    }
+    if (prefetch > 0) prefetch_chunk(cc + prefetch);
+    // All loads of the chunk in flight at once: left alone, ptxas sinks some loads next to their first use,
+    // behind math that waits on the earlier ones (a second memory round trip per chunk).  Every dequant
+    // constant below depends on an XOR of all loaded words, masked by a zero the compiler cannot see.
+    unsigned dep = sv.x ^ sv.y ^ sv.z ^ sv.w ^ zv.x ^ zv.y;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        dep ^= wv[u][h].x ^ wv[u][h].y ^ wv[u][h].z ^ wv[u][h].w;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) dep ^= xv[u][h][mt].x ^ xv[u][h][mt].y;
+      }
+    dep &= zero;
+    const unsigned magic = MAGIC | dep;
+
+    if constexpr (XSUM) {
+      float accg[NT][4], xs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) accg[t][j] = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const unsigned bx[2] = {xv[u][h][0].x, xv[u][h][0].y};
+          {
+            const unsigned ones[4] = {Bits<T>::ONE | dep, Bits<T>::ONE, Bits<T>::ONE, Bits<T>::ONE};
+            float d[4] = {xs[0], xs[1], 0.f, 0.f};
+            sc::mma_16816<T>(d, ones, bx);
+            xs[0] = d[0];
+            xs[1] = d[1];
+          }
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const unsigned wd = sc::word(wv[u][h], t);
+            unsigned a[4];
+            if constexpr (is_half<T>::value) {
+              const unsigned w8 = wd >> 8;
+              a[0] = and_or(wd, mask_lo, magic);
+              a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, 0x63806380u);  // + 960
+              a[2] = and_or(w8, mask_lo, magic);
+              a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, 0x63806380u);
+            } else {
+              a[0] = and_or(wd, mask_lo, magic);
+              a[1] = and_or(wd >> 4, mask_lo, magic);
+              a[2] = and_or(wd >> 8, mask_lo, magic);
+              a[3] = and_or(wd >> 12, mask_lo, magic);
+            }
+            sc::mma_16816<T>(accg[t], a, bx);
+          }
+        }
+      // acc += s (sum (magic + q) x - (magic + z) sum x), per channel o = 2 t + h of this lane.
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int o = 2 * t + hh;
+          const float2 sp = sc::unpack2<T>(sc::word(sv, o / 2));
+          const float s = (o & 1) ? sp.y : sp.x;
+          const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
+          const float zf = (float)z + (is_half<T>::value ? 1024.f : 128.f);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 2 * hh + e;
+            acc[0][t][j] = fmaf(s, fmaf(-zf, xs[e], accg[t][j]), acc[0][t][j]);
+          }
+        }
+    } else if constexpr (INT4) {
+      unsigned scl[8], zc[8];
+#pragma unroll
+      for (int o = 0; o < 8; ++o) {
+        scl[o] = __byte_perm(sc::word(sv, o / 2), 0u, (o & 1) ? 0x3232u : 0x1010u);
+        const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
+        if constexpr (is_half<T>::value) {
+          // channel g (even o): -(1024 + z) for (1024 + q); channel g + 8 (odd o): -(64 + z) for (1024 + 16 q) / 16
+          zc[o] = ((o & 1) ? (0xd400u + (z << 4)) : (0xe400u | z)) * 0x10001u;
+        } else {
+          zc[o] = (0xc300u | z) * 0x10001u;  // -(128 + z)
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const unsigned wd = sc::word(wv[u][h], t);
+            unsigned a[4];
+            if constexpr (is_half<T>::value) {
+              const unsigned w8 = wd >> 8;
+              a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+              a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
+              a[2] = fma2<T>(and_or(w8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+              a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
+            } else {
+              a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+              a[1] = fma2<T>(and_or(wd >> 4, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
+              a[2] = fma2<T>(and_or(wd >> 8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+              a[3] = fma2<T>(and_or(wd >> 12, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
+            }
+            // (q - z) * s rounded once to T, as the references do.
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[2 * t + (i & 1)], Bits<T>::NEG_ZERO);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const unsigned bx[2] = {xv[u][h][mt].x, xv[u][h][mt].y};
+              sc::mma_16816<T>(acc[mt][t], a, bx);
+            }
+          }
+        }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const unsigned u0w = sc::word(wv[u][h], 2 * t) ^ dep, u1w = sc::word(wv[u][h], 2 * t + 1) ^ dep;
+            const unsigned a[4] = {int8_pair<T, 0x4140u>(u0w), int8_pair<T, 0x4342u>(u0w),
+                                   int8_pair<T, 0x4140u>(u1w), int8_pair<T, 0x4342u>(u1w)};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const unsigned bx[2] = {xv[u][h][mt].x, xv[u][h][mt].y};
+              sc::mma_16816<T>(acc[mt][t], a, bx);
+            }
+          }
+    }
+  }
+
+  // Sum the W warps through shared memory: red[(warp M + row) RS + channel], rows < M only.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int row = 8 * mt + 2 * c + (j & 1);
+        if (row < M) red[(warp * M + row) * RS + 16 * t + g + 8 * (j >> 1)] = acc[mt][t][j];
+      }
+  __syncthreads();
+  const int n0 = b * BN;
+  auto store_y = [&](int row, int n, float v) {
+    if constexpr (!INT4) v *= sc::to_float(scales[n]);
+    if (bias != nullptr) v += sc::to_float(bias[n]);
+    y[(long long)row * N + n] = sc::from_float<T>(v);
+  };
+  for (int item = tid; item < M * BN; item += blockDim.x) {
+    const int row = item / BN, ch = item % BN;
+    float v = 0.f;
+    for (int w = 0; w < W; ++w) v += red[(w * M + row) * RS + ch];
+    if (splits == 1) store_y(row, n0 + ch, v);
+    else atomicAdd(ws + (long long)row * N + n0 + ch, v);
+  }
+  if (splits == 1) return;
+  __threadfence();  // this thread's partial sums are visible before the ticket counts them
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(tickets + b, 1) == splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int item = tid; item < M * BN; item += blockDim.x) {
+    const int row = item / BN, ch = item % BN;
+    float* p = ws + (long long)row * N + n0 + ch;
+    const float v = __ldcg(p);
+    __stcg(p, 0.f);  // the workspace stays zero between launches
+    store_y(row, n0 + ch, v);
+  }
+  if (tid == 0) tickets[b] = 0;
+}
+
+
 }  // namespace quant

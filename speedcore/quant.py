@@ -60,6 +60,10 @@ GEMV_STEP_K = 32            # k per pipeline stage
 GEMV_GROUP_BYTES = 192      # INT4 group record per (block, group)
 GEMV_CTAS_PER_SM = 2
 
+# The register-streaming small-M kernel (gemv_stream_kernel) on the same layout; must match kernels/quant.cu.
+STREAM_CHUNK_K = 128        # k per chunk (4 steps): K and (INT4) G must be multiples of it
+STREAM_PREFETCH = 1         # chunks prefetched into L2 ahead of the one being loaded
+
 
 def _block_k(fmt: int) -> int:
     return 32 if fmt == FMT_INT8 else 64
@@ -410,6 +414,57 @@ def gemv_config(m: int, n: int, k: int, kind: int, sms: int) -> GemvConfig:
     return GemvConfig(mt, nb, ks, grid, gemv_smem_bytes(kind, mt))
 
 
+def stream_max_warps(kind: int, mt: int) -> int:
+    """Warps per CTA of gemv_stream_kernel<T, kind, mt> (its launch bounds, StreamWarps<> in kernels/quant.cu),
+    which is also the resident warps per SM the single-wave grid is sized for: 16 at <= 128 registers, 12 for
+    INT4 at M > 8 (<= 168 registers)."""
+    return 12 if (kind == KIND_INT4 and mt == 2) else 16
+
+
+def stream_supported(kind: int, k: int, n: int, group: int = 0) -> bool:
+    """Shapes gemv_stream_kernel covers: the fragment-major layout, K % 128 == 0 and (INT4) G % 128 == 0, so
+    that a 4-step chunk never straddles a group."""
+    if not gemv_supported(kind, k, n, group) or k % STREAM_CHUNK_K:
+        return False
+    return kind == KIND_INT8 or group % STREAM_CHUNK_K == 0
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    mt: int        # 8-row mma tiles of x (M <= 8: 1, M <= 16: 2)
+    blocks: int    # NB: channel blocks (64 INT4, 32 INT8)
+    steps: int     # KS: 32-k steps per block
+    warps: int     # W: warps per CTA, each a contiguous share of the block's chunks
+    splits: int    # CTAs per block along K (> 1 only when blocks x 16 warps cannot fill the GPU)
+    prefetch: int  # L2 prefetch distance in chunks
+    smem: int      # dynamic shared memory: the cross-warp reduction rows
+
+    @property
+    def grid(self) -> int:
+        return self.blocks * self.splits
+
+
+@lru_cache(maxsize=8192)
+def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, splits: int = 0,
+                  prefetch: int = -1) -> StreamConfig:
+    """Launch shape of gemv_stream_kernel (a pure function of the problem and the SM count; the keyword
+    arguments override the heuristic, for measurements).
+
+    One wave of equal warps: about stream_max_warps() warps per SM in all, each block's K shared by
+    W <= stream_max_warps() warps of one CTA (the reduction stays in shared memory) and, only where N is too small for that
+    to fill the GPU, by several CTAs (fp32 partials).  Every warp gets at least one 128-k chunk."""
+    mt = 1 if m <= 8 else 2
+    nb, ks = n // gemv_block_n(kind), k // GEMV_STEP_K
+    kc = ks // 4
+    wmax = stream_max_warps(kind, mt)
+    per_block = max(1, min(kc, (wmax * sms) // nb))
+    w = min(warps or per_block, wmax)
+    sp = splits or max(1, min(per_block // w, kc // w))
+    pf = STREAM_PREFETCH if prefetch < 0 else prefetch
+    smem = w * max(m, 1) * (gemv_block_n(kind) + 4) * 4
+    return StreamConfig(mt, nb, ks, w, sp, pf, smem)
+
+
 def gemv_schedule(units_per_block: int, blocks: int, grid: int, warps: int = GEMV_WARPS):
     """The stream-K schedule of gemv_kernel, as Python (mirrors the kernel's index math; for tests): a list
     over CTAs of lists of (block, segment start, segment end, [(piece start, piece end) per warp])."""
@@ -531,6 +586,11 @@ def _gemv_kernel(dtype: str, kind: int, mt: int) -> Kernel:
     return Kernel(SOURCE, f"quant::gemv_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>")
 
 
+@lru_cache(maxsize=None)
+def _stream_kernel(dtype: str, kind: int, mt: int) -> Kernel:
+    return Kernel(SOURCE, f"quant::gemv_stream_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>")
+
+
 def all_kernels() -> list:
     """Every variant this module can launch (for ``python -m speedcore compile``)."""
     out = []
@@ -544,6 +604,7 @@ def all_kernels() -> list:
         for kind in (KIND_INT4, KIND_INT8):
             for mt in (1, 2):
                 out.append(_gemv_kernel(dtype, kind, mt))
+                out.append(_stream_kernel(dtype, kind, mt))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
@@ -736,9 +797,11 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
                 packed: bool, gemv=None):
     """Allocate y (rows, N) and run quant_mma_kernel, or gemv_kernel for M <= 16 when the layer has the
     fragment-major copy (``gemv``) for x's dtype; returns y (the caller's library)."""
-    if (gemv is not None and 0 < rows <= GEMV_MAX_M and (gemv.dtype is None or gemv.dtype == xa.dtype)
-            and (_GEMV_MODE == "on" or (_GEMV_MODE == "auto" and use_gemv(gemv.kind, rows, n, k)))):
-        return _launch_gemv(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
+    if gemv is not None and 0 < rows <= GEMV_MAX_M and (gemv.dtype is None or gemv.dtype == xa.dtype):
+        if use_stream(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K):
+            return _launch_stream(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
+        if _GEMV_MODE == "on" or (_GEMV_MODE == "auto" and use_gemv(gemv.kind, rows, n, k)):
+            return _launch_gemv(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
     y, y_ptr = _alloc_out(xa, rows, n)
     if rows == 0:
         return y
@@ -757,6 +820,17 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
 # "auto": use_gemv decides; "on": gemv_kernel wherever the layer has its layout (prepack builds it for every
 # format); "off": quant_mma_kernel only.  Tests and benchmarks switch it to run both kernels on one layer.
 _GEMV_MODE = "auto"
+# "on": gemv_stream_kernel for 1 <= M <= 16 wherever the layer has the fragment-major copy and the shape fits
+# (stream_supported), before the choice above; "off": never.  _STREAM_OVERRIDE: keyword overrides of
+# stream_config (warps, splits, prefetch), for measurements.
+_STREAM_MODE = "on"
+_STREAM_OVERRIDE: dict = {}
+
+
+def use_stream(kind: int, m: int, n: int, k: int, group: int = 0) -> bool:
+    """Dispatch for 1 <= M <= 16 on prepacked layers (a pure function but for the _STREAM_MODE switch):
+    gemv_stream_kernel wherever its shape constraints hold (stream_supported), before use_gemv's choice."""
+    return _STREAM_MODE == "on" and 1 <= m <= GEMV_MAX_M and stream_supported(kind, k, n, group)
 
 
 def use_gemv(kind: int, m: int, n: int, k: int) -> bool:
@@ -774,7 +848,11 @@ def use_gemv(kind: int, m: int, n: int, k: int) -> bool:
 
 def _want_gemv_layout(kind: int, n: int, k: int, group: int = 0) -> bool:
     """Whether prepack should build the fragment-major copy: the shape fits it and some M would use it."""
-    if not gemv_supported(kind, k, n, group) or _GEMV_MODE == "off":
+    if not gemv_supported(kind, k, n, group):
+        return False
+    if _STREAM_MODE == "on" and stream_supported(kind, k, n, group):
+        return True
+    if _GEMV_MODE == "off":
         return False
     return _GEMV_MODE == "on" or any(use_gemv(kind, m, n, k) for m in range(1, GEMV_MAX_M + 1))
 
@@ -799,6 +877,28 @@ def _launch_gemv(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
                                             device_info(xa.device).sms)
     stream = A.stream_of(xa)
     ws_ptr, tickets_ptr = _gemv_scratch(xa, stream, rows * n, cfg.blocks)
+    args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, gl.w_ptr, gl.g_ptr,
+            scales_ptr if gl.kind == KIND_INT8 else 0, bias_ptr) + scalars + (np.int64(ldx),)
+    launch(kernel, lcfg, args, device=xa.device, stream=stream)
+    return y
+
+
+@lru_cache(maxsize=8192)
+def _stream_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple):
+    cfg = stream_config(rows, n, k, kind, sms, **dict(override))
+    scalars = (np.int32(rows), np.int32(n), np.int32(cfg.steps), np.int32(spg), np.int32(ng), np.int32(cfg.blocks),
+               np.int32(cfg.splits), np.int32(cfg.prefetch), np.uint32(0))
+    return cfg, _stream_kernel(dtype, kind, cfg.mt), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem), scalars
+
+
+def _launch_stream(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
+    y, y_ptr = _alloc_out(xa, rows, n)
+    cfg, kernel, lcfg, scalars = _stream_plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng,
+                                              device_info(xa.device).sms, tuple(sorted(_STREAM_OVERRIDE.items())))
+    stream = A.stream_of(xa)
+    ws_ptr = tickets_ptr = 0
+    if cfg.splits > 1:
+        ws_ptr, tickets_ptr = _gemv_scratch(xa, stream, rows * n, cfg.blocks)
     args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, gl.w_ptr, gl.g_ptr,
             scales_ptr if gl.kind == KIND_INT8 else 0, bias_ptr) + scalars + (np.int64(ldx),)
     launch(kernel, lcfg, args, device=xa.device, stream=stream)

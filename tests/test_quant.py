@@ -201,7 +201,8 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 47
+    assert len(names) == len(set(names)) == 55
+    assert "quant::gemv_stream_kernel<__half, 1, 2>" in names
     assert "quant::gemv_kernel<__nv_bfloat16, 0, 1>" in names
     assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
 
@@ -292,8 +293,54 @@ def test_use_gemv_dispatch():
     assert Q.use_gemv(Q.KIND_INT4, 16, 8192, 8192) and Q.use_gemv(Q.KIND_INT4, 8, 4096, 4096)
     assert not Q.use_gemv(Q.KIND_INT4, 17, 4096, 4096) and not Q.use_gemv(Q.KIND_INT4, 0, 4096, 4096)
     assert not any(Q.use_gemv(Q.KIND_INT8, m, 28672, 8192) for m in range(1, 17))
-    assert Q._want_gemv_layout(Q.KIND_INT4, 4096, 4096, 128) and not Q._want_gemv_layout(Q.KIND_INT8, 4096, 4096)
-    assert not Q._want_gemv_layout(Q.KIND_INT4, 4096, 4096, 48)
+    assert Q._want_gemv_layout(Q.KIND_INT4, 4096, 4096, 128) and not Q._want_gemv_layout(Q.KIND_INT4, 4096, 4096, 48)
+    # INT8 gets the fragment-major copy only for gemv_stream_kernel (K % 128 == 0)
+    assert Q._want_gemv_layout(Q.KIND_INT8, 4096, 4096) and not Q._want_gemv_layout(Q.KIND_INT8, 4096, 4080)
+
+
+def test_stream_supported():
+    assert Q.stream_supported(Q.KIND_INT4, 8192, 8192, 128) and Q.stream_supported(Q.KIND_INT4, 4096, 512, 4096)
+    assert not Q.stream_supported(Q.KIND_INT4, 8192, 8192, 64) and not Q.stream_supported(Q.KIND_INT4, 8192, 8192, 32)
+    assert not Q.stream_supported(Q.KIND_INT4, 4160, 8192, 4160)    # K % 128 != 0
+    assert Q.stream_supported(Q.KIND_INT8, 4096, 32) and not Q.stream_supported(Q.KIND_INT8, 4064, 64)
+
+
+def _stream_chunks(cfg):
+    """(block, chunk) -> how many warps of the launch cover it, mirroring gemv_stream_kernel's index math."""
+    kc = cfg.steps // 4
+    seen = np.zeros((cfg.blocks, kc), np.int32)
+    wpb = cfg.warps * cfg.splits
+    for cta in range(cfg.grid):
+        b, split = cta % cfg.blocks, cta // cfg.blocks
+        for w in range(cfg.warps):
+            gw = split * cfg.warps + w
+            seen[b, gw * kc // wpb:(gw + 1) * kc // wpb] += 1
+    return seen
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8192, 8192), (1, 28672, 8192), (16, 8192, 28672), (9, 4096, 4096),
+                                   (1, 512, 1024), (16, 64, 128), (4, 4096, 4096), (1, 4096, 14336)])
+def test_stream_config(m, n, k):
+    for kind in (Q.KIND_INT4, Q.KIND_INT8):
+        cfg = Q.stream_config(m, n, k, kind, 132)
+        wmax = Q.stream_max_warps(kind, cfg.mt)
+        assert cfg.mt == (1 if m <= 8 else 2)
+        assert cfg.blocks * Q.gemv_block_n(kind) == n and cfg.steps * 32 == k
+        assert 1 <= cfg.warps <= wmax and cfg.splits >= 1
+        assert cfg.warps * cfg.splits <= cfg.steps // 4              # every warp has at least one chunk
+        assert cfg.grid * cfg.warps <= wmax * 132 or cfg.splits == 1  # one wave (splits only where it fits)
+        assert cfg.smem == cfg.warps * m * (Q.gemv_block_n(kind) + 4) * 4 and cfg.smem <= 227 * 1024
+        assert (_stream_chunks(cfg) == 1).all()
+    # the acceptance shapes: one CTA per 64-channel block, no split-K, a full wave
+    c = Q.stream_config(1, 8192, 8192, Q.KIND_INT4, 132)
+    assert (c.warps, c.splits, c.grid) == (16, 1, 128)
+    c = Q.stream_config(1, 28672, 8192, Q.KIND_INT4, 132)
+    assert (c.warps, c.splits, c.grid) == (4, 1, 448)
+    c = Q.stream_config(1, 4096, 4096, Q.KIND_INT4, 132)
+    assert (c.warps, c.splits, c.grid) == (16, 2, 128)
+    # overrides (for measurements) are honoured within the kernel's limits
+    c = Q.stream_config(1, 512, 4096, Q.KIND_INT4, 132, warps=3, splits=3, prefetch=2)
+    assert (c.warps, c.splits, c.prefetch, c.grid) == (3, 3, 2, 24) and (_stream_chunks(c) == 1).all()
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -381,6 +428,21 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
 
 
 @contextlib.contextmanager
+def _stream(mode="on", **override):
+    """Force gemv_stream_kernel on or off for M <= 16 (and override its launch shape)."""
+    old, old_o = Q._STREAM_MODE, dict(Q._STREAM_OVERRIDE)
+    Q._STREAM_MODE = mode
+    Q._STREAM_OVERRIDE.clear()
+    Q._STREAM_OVERRIDE.update(override)
+    try:
+        yield
+    finally:
+        Q._STREAM_MODE = old
+        Q._STREAM_OVERRIDE.clear()
+        Q._STREAM_OVERRIDE.update(old_o)
+
+
+@contextlib.contextmanager
 def _gemv_mode(mode):
     """Force the small-M dispatch ("on": gemv_kernel wherever prepack built its layout, "off": never)."""
     old = Q._GEMV_MODE
@@ -436,7 +498,7 @@ def test_gemv_small(dtype, fmt, m, n, k, g):
     if fmt == Q.FMT_AWQ and g > 0 and k % g:
         g = 64  # AWQ has whole groups only (GPTQ keeps the short last group)
     rng = np.random.default_rng(m * 31 + n + k + fmt)
-    with _gemv_mode("on"):
+    with _gemv_mode("on"), _stream("off"):
         layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
         assert layer.gemv is not None
         x = torch.randn(m, k, device="cuda", dtype=td)
@@ -487,12 +549,79 @@ def _check_gemv_pack_kernels(fmt):
 def test_gemv_exact_rows_small():
     """x = one-hot rows (M = 16 and 5) pick rows of W exactly through gemv_kernel: every nibble / byte, zero
     point (GPTQ's 16 included) and scale position, whole blocks and split ones."""
-    with _gemv_mode("on"):
+    with _gemv_mode("on"), _stream("off"):
         _check_gemv_exact_rows()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8])
+@pytest.mark.parametrize("m,n,k,g,override", [
+    (1, 512, 4096, 128, {}), (5, 4096, 4096, 128, {}), (8, 1024, 1024, -1, {}), (9, 192, 384, 128, {}),
+    (16, 1024, 8192, 128, {}), (16, 4096, 1024, 256, {}), (1, 8192, 1024, 128, {}),
+    (3, 512, 4096, 128, {"warps": 3, "splits": 3, "prefetch": 2}), (12, 320, 2048, 128, {"warps": 5, "splits": 2}),
+    (1, 256, 1024, 128, {"warps": 1, "splits": 8, "prefetch": 0}), (2, 128, 512, 128, {"warps": 2, "prefetch": 3})])
+def test_stream_small(dtype, fmt, m, n, k, g, override):
+    """gemv_stream_kernel (M <= 16, prepacked, K and G multiples of 128): values against float64 through the
+    default launch shape and forced ones (split-K with tickets, odd warp counts, prefetch distances), repeated
+    calls (workspace and tickets left zeroed), and the same layer through quant_mma_kernel."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    if fmt == Q.FMT_INT8 and n % 64:
+        pytest.skip("the INT8 fast path needs N % 64 == 0")
+    rng = np.random.default_rng(m * 37 + n + k + fmt)
+    with _stream("on", **override):
+        layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
+        assert layer.gemv is not None
+        kind = Q.KIND_INT8 if fmt == Q.FMT_INT8 else Q.KIND_INT4
+        assert Q.stream_supported(kind, k, n, layer.gemv.spg * 32)
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        bias = torch.randn(n, device="cuda", dtype=td) if m % 2 else None
+        ref = _ref(x, w_kn, bias)
+        for _ in range(3):
+            y = _linear(fmt, x, layer, bias)
+            err, finite = _rel_err(y, ref)
+            assert finite and err < 1e-2, err
+        # a strided view of x (rows 16-byte aligned) and 3-D leading shape
+        xb = torch.randn(m, k + 64, device="cuda", dtype=td)[:, 32:32 + k]
+        y3 = _linear(fmt, xb.reshape(1, m, k), layer, bias)
+        assert y3.shape == (1, m, n)
+        err, finite = _rel_err(y3.reshape(m, n), _ref(xb, w_kn, bias))
+        assert finite and err < 1e-2, err
+    with _gemv_mode("off"), _stream("off"):
+        y_mma = _linear(fmt, x, layer, bias)
+    assert (y.float() - y_mma.float()).abs().max().item() <= 2e-2 * y_mma.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("override", [{}, {"warps": 3, "splits": 2}])
+def test_stream_exact_rows_small(override):
+    """x = one-hot rows (M = 16, 5 and 1) pick rows of W exactly through gemv_stream_kernel: every nibble / byte,
+    zero point (GPTQ's 16 included) and scale position, with and without split-K."""
+    torch = _torch()
+    rng = np.random.default_rng(13)
+    with _stream("on", **override):
+        for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8):
+            for td in (torch.float16, torch.bfloat16):
+                k, n, g = 1024, 512, 128
+                layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
+                if fmt != Q.FMT_INT8:
+                    s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
+                    qw, qz = (layer.qweight, layer.qzeros)
+                    layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
+                    ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
+                    args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
+                    w_kn = ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
+                for rows in (slice(0, 16), slice(101, 106), slice(1000, 1001)):
+                    eye = torch.eye(k, device="cuda", dtype=td)[rows]
+                    y = _linear(fmt, eye, layer)
+                    expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
+                    assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
 
 
 def _check_gemv_exact_rows():
     torch = _torch()
+    Q._STREAM_MODE = "off"  # G = 32: gemv_kernel (restored by the callers' contexts)
     rng = np.random.default_rng(12)
     for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8):
         for td in (torch.float16, torch.bfloat16):
@@ -770,7 +899,7 @@ def _same_launch(a, b):
     ka, ca, aa = a
     kb, cb, ab = b
     assert ka == kb and ca == cb
-    assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name else 21)
+    assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name else 18 if "gemv_stream" in ka.name else 21)
     for u, v in zip(aa, ab):
         assert type(u) is type(v) and u == v, (aa, ab)
 
@@ -790,7 +919,10 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
     _same_launch(calls[0], calls[1])
     args = calls[0][2]
-    if Q.use_gemv(Q.KIND_INT4, m, n, k):
+    if Q.use_stream(Q.KIND_INT4, m, n, k, g):
+        assert "gemv_stream_kernel" in calls[0][0].name
+        assert args[4] == pw.gemv.w_ptr and args[5] == pw.gemv.g_ptr and int(args[-1]) == k
+    elif Q.use_gemv(Q.KIND_INT4, m, n, k):
         assert "gemv_kernel" in calls[0][0].name
         assert args[4] == pw.gemv.w_ptr and args[5] == pw.gemv.g_ptr and int(args[-1]) == k
     else:
