@@ -55,6 +55,23 @@ __host__ __device__ constexpr bool o_has_own_buffer(int q_bytes, int kv_ring_byt
   return 2 * q_bytes + kv_ring_bytes <= 200 * 1024;
 }
 
+// n / d for 0 <= n < 2^31 and 1 <= d < 2^31 by a multiply and a shift (the round-up method, "add" variant): the
+// multiplier is computed once per thread, and a tile's descriptor then costs no division.
+struct FastDiv {
+  unsigned mul;
+  int shift, d;
+  __device__ __forceinline__ explicit FastDiv(int divisor) : d(divisor) {
+    shift = 32 - __clz(divisor - 1);
+    mul = (unsigned)(((1ull << 32) * ((1ull << shift) - (unsigned)divisor)) / (unsigned)divisor + 1);
+  }
+  __device__ __forceinline__ int div(int n) const { return (int)((__umulhi((unsigned)n, mul) + (unsigned)n) >> shift); }
+};
+// The producer's choice: its 24 registers cannot hold the multipliers, and its divisions are off the critical path.
+struct PlainDiv {
+  int d;
+  __device__ __forceinline__ int div(int n) const { return n / d; }
+};
+
 // Everything about one tile that both the producer and the consumers derive from its index.
 // The producer derives it once and hands it to the consumers through shared memory: derived again on the
 // consumers' path it cost about 0.5 us per tile (two integer divisions and a long dependent chain of uniform-
@@ -80,14 +97,15 @@ __device__ __forceinline__ Tile load_tile_uniform(const int4* from) {
   return t;
 }
 
-__device__ __forceinline__ Tile tile_info(int tile, int num_m, int nheads, int reverse_m, int seqlen_q,
+template <typename Div>
+__device__ __forceinline__ Tile tile_info(int tile, const Div& num_m, const Div& nheads, int reverse_m, int seqlen_q,
                                           int seqlen_k, const int* cu_q, const int* cu_k, int total_q, int total_k,
                                           int window_left, int window_right, int bm, int bn) {
   Tile t;
-  const int m_idx = tile % num_m, rest = tile / num_m;
-  const int m_block = reverse_m ? num_m - 1 - m_idx : m_idx;
-  t.head = rest % nheads;
-  t.batch = rest / nheads;
+  const int rest = num_m.div(tile), m_idx = tile - rest * num_m.d;
+  const int m_block = reverse_m ? num_m.d - 1 - m_idx : m_idx;
+  t.batch = nheads.div(rest);
+  t.head = rest - t.batch * nheads.d;
   t.q_off = 0;
   t.k_off = 0;
   t.sq = seqlen_q;
@@ -195,10 +213,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   FA90_MARK(FA90_TRACE_ITERS - 2, 0);
   FA90_MARK_V(FA90_TRACE_ITERS - 2, 1, (long long)sc::globaltimer_ns());
 
-  auto info = [&](int tile) {
-    return fa90::tile_info(tile, num_m, nheads, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-                           total_q, total_k, window_left, window_right, BM, BN);
-  };
+  // (a macro, not a generic lambda: NVRTC 13.0 rejects those)
+#define FA90_TILE_INFO(tile, num_m_div, nheads_div)                                                                 \
+  fa90::tile_info(tile, num_m_div, nheads_div, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, total_q, \
+                  total_k, window_left, window_right, BM, BN)
+
   const bool varlen = cu_seqlens_q != nullptr;
 
   if (wg == 0) {
@@ -218,7 +237,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       for (int tile = blockIdx.x;; tile = gridDim.x + atomicAdd(tile_counter, 1), ++piter) {
         FA90_MARK(piter, 0);
         fa90::Tile t{};
-        if (tile < num_tiles) t = info(tile);
+        if (tile < num_tiles) t = FA90_TILE_INFO(tile, fa90::PlainDiv{num_m}, fa90::PlainDiv{nheads});
         t.index = tile;
         sc::mbar_wait(&tile_empty[tslot], tphase ^ 1);
         FA90_MARK(piter, 1);
@@ -270,6 +289,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   }
 
   sc::setmaxnreg_inc<CONSUMER_REGS>();
+#ifdef FA90_PLAIN_DIV
+  const fa90::PlainDiv num_m_div{num_m}, nheads_div{nheads};  // A/B switch
+#else
+  const fa90::FastDiv num_m_div(num_m), nheads_div(nheads);
+#endif
   const int cw = wg - 1;  // consumer index: rows 64 cw .. 64 cw + 63 of the tile
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, q4 = lane % 4;
@@ -306,7 +330,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     if (lane == 0) sc::mbar_arrive(&tile_empty[tslot]);
     const int tile = t.index;
     if (tile >= num_tiles) break;
-    if constexpr (DERIVE) t = info(tile);
+    if constexpr (DERIVE) t = FA90_TILE_INFO(tile, num_m_div, nheads_div);
     if (t.rows_q <= 0) continue;
     T* const o_rows_p = out + t.batch * o_batch_stride + (long long)(t.q_off + t.m0) * o_row_stride +
                         t.head * o_head_stride;
@@ -569,3 +593,4 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   if (PINGPONG && cw == 0) sc::named_bar_sync(1, 256);  // the last consumer's last hand-over
   if (tid == 0) sc::bulk_wait_group<0>();  // shared memory must outlive the stores reading it
 }
+#undef FA90_TILE_INFO
