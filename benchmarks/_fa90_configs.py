@@ -67,6 +67,14 @@ def main():
                 line += f" | {alt} {type(exc).__name__}"
             finally:
                 att.flash_attn_sm90_config = orig
+        if causal:  # the tile order: head-major instead of grouped (attention.sm90_head_group_log2)
+            orig_group = att.sm90_head_group_log2
+            att.sm90_head_group_log2 = lambda *a: 0
+            try:
+                t = flops / b.time_ms(run) / 1e9
+                line += f" | head-major {t / cudnn:.3f}"
+            finally:
+                att.sm90_head_group_log2 = orig_group
         print(line, flush=True)
 
 

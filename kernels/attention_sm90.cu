@@ -98,12 +98,17 @@ __device__ __forceinline__ Tile load_tile_uniform(const int4* from) {
 }
 
 template <typename Div>
-__device__ __forceinline__ Tile tile_info(int tile, const Div& num_m, const Div& nheads, int reverse_m, int seqlen_q,
+__device__ __forceinline__ Tile tile_info(int tile, const Div& group, int group_log2, int num_m, const Div& nheads,
+                                          int reverse_m, int seqlen_q,
                                           int seqlen_k, const int* cu_q, const int* cu_k, int total_q, int total_k,
                                           int window_left, int window_right, int bm, int bn) {
   Tile t;
-  const int rest = num_m.div(tile), m_idx = tile - rest * num_m.d;
-  const int m_block = reverse_m ? num_m.d - 1 - m_idx : m_idx;
+  // Tiles come in groups of 2^group_log2 (batch, head) pairs, m-blocks outermost within a group: masked problems
+  // then take every pair's heaviest m-block first, so the tiles claimed last (the kernel's tail) are light ones,
+  // while a group's K and V stay small enough for L2 (speedcore/attention.py, sm90_head_group_log2).
+  const int g = group.div(tile), r = tile - g * group.d;
+  const int m_idx = r >> group_log2, rest = (g << group_log2) + (r & ((1 << group_log2) - 1));
+  const int m_block = reverse_m ? num_m - 1 - m_idx : m_idx;
   t.batch = nheads.div(rest);
   t.head = rest - t.batch * nheads.d;
   t.q_off = 0;
@@ -151,7 +156,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     long long o_row_stride, long long o_head_stride, long long lse_batch_stride, long long lse_head_stride,
     int seqlen_q, int seqlen_k, int total_q, int total_k, int head_dim, int nheads, int heads_per_kv, int num_m,
     int num_tiles, int window_left, int window_right, float scale_log2, float softcap_pre, float softcap_post,
-    int reverse_m, int* __restrict__ tile_counter) {
+    int reverse_m, int head_group_log2, int* __restrict__ tile_counter) {
   using namespace fa;
   constexpr int BM = 64 * NC;  // query rows per tile: NC consumer warpgroups of 64
   constexpr int DC = D / 64;                 // 128-byte column chunks of a row
@@ -165,7 +170,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   // producer gives back down to 24 and the consumers may take only what it gave (setmaxnreg.inc waits for free
   // registers: asking for more would hang), in multiples of 8, at most 240.
   constexpr int LAUNCH_REGS = (65536 / (128 * (NC + 1))) / 8 * 8;
-  constexpr int PRODUCER_REGS = 24;
+  constexpr int PRODUCER_REGS = 32;
   constexpr int CONSUMER_SHARE = (LAUNCH_REGS + (LAUNCH_REGS - PRODUCER_REGS) / NC) / 8 * 8;
   constexpr int CONSUMER_REGS = CONSUMER_SHARE > 240 ? 240 : CONSUMER_SHARE;
   static_assert(PRODUCER_REGS + NC * CONSUMER_REGS <= (NC + 1) * LAUNCH_REGS, "setmaxnreg would deadlock");
@@ -214,8 +219,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   FA90_MARK_V(FA90_TRACE_ITERS - 2, 1, (long long)sc::globaltimer_ns());
 
   // (a macro, not a generic lambda: NVRTC 13.0 rejects those)
-#define FA90_TILE_INFO(tile, num_m_div, nheads_div)                                                                 \
-  fa90::tile_info(tile, num_m_div, nheads_div, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, total_q, \
+#define FA90_TILE_INFO(tile, group_div, nheads_div)                                                                 \
+  fa90::tile_info(tile, group_div, head_group_log2, num_m, nheads_div, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, total_q, \
                   total_k, window_left, window_right, BM, BN)
 
   const bool varlen = cu_seqlens_q != nullptr;
@@ -237,7 +242,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       for (int tile = blockIdx.x;; tile = gridDim.x + atomicAdd(tile_counter, 1), ++piter) {
         FA90_MARK(piter, 0);
         fa90::Tile t{};
-        if (tile < num_tiles) t = FA90_TILE_INFO(tile, fa90::PlainDiv{num_m}, fa90::PlainDiv{nheads});
+        if (tile < num_tiles)
+          t = FA90_TILE_INFO(tile, fa90::PlainDiv{num_m << head_group_log2}, fa90::PlainDiv{nheads});
         t.index = tile;
         sc::mbar_wait(&tile_empty[tslot], tphase ^ 1);
         FA90_MARK(piter, 1);
@@ -290,9 +296,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
 
   sc::setmaxnreg_inc<CONSUMER_REGS>();
 #ifdef FA90_PLAIN_DIV
-  const fa90::PlainDiv num_m_div{num_m}, nheads_div{nheads};  // A/B switch
+  const fa90::PlainDiv group_div{num_m << head_group_log2}, nheads_div{nheads};  // A/B switch
 #else
-  const fa90::FastDiv num_m_div(num_m), nheads_div(nheads);
+  const fa90::FastDiv group_div(num_m << head_group_log2), nheads_div(nheads);
 #endif
   const int cw = wg - 1;  // consumer index: rows 64 cw .. 64 cw + 63 of the tile
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -330,7 +336,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     if (lane == 0) sc::mbar_arrive(&tile_empty[tslot]);
     const int tile = t.index;
     if (tile >= num_tiles) break;
-    if constexpr (DERIVE) t = FA90_TILE_INFO(tile, num_m_div, nheads_div);
+    if constexpr (DERIVE) t = FA90_TILE_INFO(tile, group_div, nheads_div);
     if (t.rows_q <= 0) continue;
     T* const o_rows_p = out + t.batch * o_batch_stride + (long long)(t.q_off + t.m0) * o_row_stride +
                         t.head * o_head_stride;

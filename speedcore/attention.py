@@ -111,8 +111,11 @@ PATHS = ("sm80", "sm90")
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 # (keys per tile BN, K/V ring stages, consumer warpgroups NC, pingpong) per (kernel head dim, masked): BN x D
 # tiles of K and V per stage, a (64 NC) x D tile of Q.  "masked" tiles (causal, windows, varlen) have unequal
-# work.  Picked on an H200 (benchmarks/_fa90_tune.py) among the spill-free candidates.
-_SM90_TILES = {(64, False): (128, 4, 3, True), (64, True): (128, 4, 3, True),
+# work.  Picked on an H200 (benchmarks/_fa90_tune.py, then benchmarks/_fa90_configs.py) among the spill-free
+# candidates.  Head dim 64 dropped pingpong once the tile descriptor came from the producer and the masked tile
+# order was grouped (same run, ratio to cuDNN, pingpong -> free-running): causal s2048 1.013 -> 1.019, s8192
+# 1.084 -> 1.095, s16384 1.033 -> 1.050, full s2048-16384 1.009-1.035 -> 1.031-1.051, s512 0.959 -> 0.952.
+_SM90_TILES = {(64, False): (128, 4, 3, False), (64, True): (128, 4, 3, False),
                (128, False): (128, 2, 2, False), (128, True): (128, 2, 2, True),
                (192, False): (64, 3, 2, True), (192, True): (64, 3, 2, True),
                (256, False): (64, 2, 2, False), (256, True): (64, 2, 2, False)}
@@ -121,7 +124,7 @@ _SM90_TILES = {(64, False): (128, 4, 3, True), (64, True): (128, 4, 3, True),
 # cuDNN): seqlen 512 0.85 with two consumers against 0.84 with three, 1024 0.87 against 0.90 (three consumers lost
 # more at 512 before masked m-blocks were aligned to the sequence end: 0.79 against 0.86).
 SM90_SHORT = 512
-_SM90_TILES_SHORT_MASKED = {64: (128, 4, 2, True)}
+_SM90_TILES_SHORT_MASKED = {64: (128, 4, 2, False)}
 
 
 def sm90_head_dim(head_dim: int) -> int:
@@ -314,6 +317,26 @@ def _tma_strides(a, varlen: bool) -> tuple:
     return shape, tuple(strides)
 
 
+HEAD_GROUP_L2_BYTES = 16 << 20  # K and V of one tile group: a fraction of the H100/H200's 50-60 MB L2
+MAX_HEAD_GROUP_LOG2 = 6
+
+
+@lru_cache(maxsize=4096)
+def sm90_head_group_log2(batch_heads: int, kv_bytes_per_head: int, masked: bool) -> int:
+    """log2 of the (batch, head) pairs per tile group of the sm_90 schedule (kernels/attention_sm90.cu,
+    tile_info): within a group the m-blocks are outermost, so a masked problem's heaviest m-blocks are claimed
+    first and its lightest last, which shortens the tail where SMs wait for the last heavy tiles (causal d64
+    s2048: CTA end times spread over 28 us of 367).  A power of two dividing ``batch_heads``, and small enough
+    that the group's K and V stay in L2; 0 (head-major order) for unmasked problems, whose tiles weigh alike."""
+    if not masked:
+        return 0
+    lg = 0
+    while (lg < MAX_HEAD_GROUP_LOG2 and batch_heads % (2 << lg) == 0
+           and (2 << lg) * kv_bytes_per_head <= HEAD_GROUP_L2_BYTES):
+        lg += 1
+    return lg
+
+
 def _tile_counter(ref, stream):
     """Two int32 zeros per (library, device, stream) for the sm_90 kernel's dynamic tile schedule: the kernel
     leaves them zero when it ends, and launches on one stream run in order, so they can share them."""
@@ -333,6 +356,8 @@ def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, s
     bm = 64 * nc
     num_m = -(-max_seqlen_q // bm)
     num_tiles = num_m * nheads * batch
+    # varlen keeps head-major order: its sequences differ in length anyway
+    group_log2 = 0 if varlen else sm90_head_group_log2(batch * nheads, seqlen_k * head_dim * 4, not uniform)
     maps = []
     for a, rows in ((qa, bm), (ka, bn), (va, bn), (oa, 64)):
         dims, strides = _tma_strides(a, varlen)
@@ -343,7 +368,7 @@ def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, s
             cu_k.ptr if cu_k is not None else 0, *(i64(x) for x in os_ + lse_strides), i32(seqlen_q), i32(seqlen_k),
             i32(total_q), i32(total_k), i32(head_dim), i32(nheads), i32(nheads // nheads_kv), i32(num_m),
             i32(num_tiles), i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED),
-            np.float32(scale_log2), np.float32(softcap_pre), np.float32(softcap_post), i32(reverse),
+            np.float32(scale_log2), np.float32(softcap_pre), np.float32(softcap_post), i32(reverse), i32(group_log2),
             _tile_counter(qa, stream).ptr)
     grid = min(num_tiles, dev.sms)
     cfg = LaunchConfig((grid,), (128 * (nc + 1),), smem_bytes_sm90(d, bn, stages, nc))

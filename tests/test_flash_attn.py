@@ -150,6 +150,17 @@ def test_sm90_kernel_serves_the_default_path(monkeypatch):
     assert launches == [64, 96, 128, 192, 256, 128]
 
 
+def test_sm90_head_group():
+    lg = fa.sm90_head_group_log2
+    assert lg(256, 512 << 10, False) == 0            # unmasked tiles weigh alike: head-major
+    assert lg(256, 512 << 10, True) == 5             # 32 pairs x 512 KB of K and V = 16 MB
+    assert lg(256, 4 << 20, True) == 2               # longer sequences: fewer pairs per group
+    assert lg(1024, 1 << 10, True) == fa.MAX_HEAD_GROUP_LOG2
+    assert lg(24, 1 << 10, True) == 3                # a power of two that divides batch x heads
+    assert lg(25, 1 << 10, True) == 0
+    assert lg(2, 64 << 20, True) == 0                # one pair's K and V already exceed the budget
+
+
 def test_attention_path():
     assert fa.attention_path(128, (9, 0), False) == "sm90"
     assert fa.attention_path(96, (9, 0), True) == "sm90"
