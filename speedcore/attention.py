@@ -356,8 +356,11 @@ def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, s
     bm = 64 * nc
     num_m = -(-max_seqlen_q // bm)
     num_tiles = num_m * nheads * batch
-    # varlen keeps head-major order: its sequences differ in length anyway
-    group_log2 = 0 if varlen else sm90_head_group_log2(batch * nheads, seqlen_k * head_dim * 4, not uniform)
+    # Head-major order for varlen (its sequences differ in length anyway) and for short sequences, whose heaviest
+    # tiles are short too: d64 causal s512, same run, ratio to cuDNN: head-major 0.915 against grouped 0.900
+    # (s1024: 0.905 against 0.936).
+    grouped = not uniform and not varlen and not short
+    group_log2 = sm90_head_group_log2(batch * nheads, seqlen_k * head_dim * 4, grouped)
     maps = []
     for a, rows in ((qa, bm), (ka, bn), (va, bn), (oa, 64)):
         dims, strides = _tma_strides(a, varlen)
