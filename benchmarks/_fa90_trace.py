@@ -1,7 +1,7 @@
 """Where the sm_90 attention kernel's time goes, per tile: the kernel compiled with -DFA90_TRACE stamps clock64()
 at each phase of each tile (kernels/attention_sm90.cu); this prints the mean phase durations in microseconds.
 
-    PYTHONPATH=. python3 benchmarks/_fa90_trace.py [--ab=-DSWITCH[,-DOTHER]]...
+    PYTHONPATH=. python3 benchmarks/_fa90_trace.py [--ab=-DSWITCH[,-DOTHER]]... [--cases=d:causal:seqlen,...]
 
 Each --ab= also times the kernels built with those extra options against the default build, in one process.
 """
@@ -183,8 +183,19 @@ def precompile():
         list(ex.map(_compile_one, ks))
 
 
+def _cases_from_argv():
+    """--cases=d:causal:seqlen,... (causal 0 or 1) replaces CASES (traced) and AB_CASES (timed)."""
+    global CASES, AB_CASES
+    for a in sys.argv[1:]:
+        if a.startswith("--cases="):
+            CASES = AB_CASES = [tuple(int(x) for x in c.split(":")) for c in a[8:].split(",")]
+            CASES = AB_CASES = [(d, bool(c), s) for d, c, s in CASES]
+
+
 def main():
     from speedcore.bench import Bench
+
+    _cases_from_argv()
 
     precompile()
 
