@@ -1,6 +1,6 @@
-"""Same-run probe for the small-M paths (not a suite): gemv_stream_kernel (default launch shape and a sweep of
-warps / splits / L2 prefetch distance), the previous dispatch on the same prepacked layer (stream off), and
-cuBLAS (F.linear, same dtype); read-bandwidth references.  Prints one line per case, a summary table last."""
+"""Same-run probe for the small-M paths (not a suite): gemv_bulk_kernel (default launch shape and a sweep of
+warps / splits / ring stages), gemv_stream_kernel, the previous dispatch on the same prepacked layer (neither),
+and cuBLAS (F.linear, same dtype); read-bandwidth references.  Prints one line per case, a summary table last."""
 import sys
 import time
 
@@ -21,15 +21,20 @@ def tb(nbytes, ms):
     return nbytes / ms / 1e9
 
 
-def timed(call, x, mode="on", **override):
-    Q._STREAM_MODE = mode
-    Q._STREAM_OVERRIDE.clear()
-    Q._STREAM_OVERRIDE.update(override)
+def timed(call, x, which, **override):
+    """which: "bulk" (gemv_bulk_kernel), "stream" (gemv_stream_kernel), "old" (neither: the previous dispatch)."""
+    modes = (Q._STREAM_MODE, Q._BULK_MODE)
+    Q._STREAM_MODE = "off" if which == "old" else "on"
+    Q._BULK_MODE = "on" if which == "bulk" else "off"
+    ov = Q._BULK_OVERRIDE if which == "bulk" else Q._STREAM_OVERRIDE
+    ov.clear()
+    ov.update(override)
     try:
         return b.time_ms(lambda: call(x))
     finally:
-        Q._STREAM_MODE = "on"
+        Q._STREAM_MODE, Q._BULK_MODE = modes
         Q._STREAM_OVERRIDE.clear()
+        Q._BULK_OVERRIDE.clear()
 
 
 def layer_int4(fmt, n, k, dt):
@@ -53,27 +58,27 @@ def case(fmt, n, k, dt, ms, sweep=()):
         s = (torch.rand(n, device=dev) * 0.01 + 0.001).to(dt)
         layer = Q.prepack_int8(w8, s)
         call = lambda x: speedcore.int8_linear(x, layer)  # noqa: E731
-        kind = Q.KIND_INT8
     else:
         layer, call = layer_int4(fmt, n, k, dt)
-        kind = Q.KIND_INT4
     w = torch.randn(n, k, device=dev, dtype=dt) * 0.01
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=dt)
         nbytes = (k * n if fmt == "int8" else k * n // 2 + (k // G) * n * 3) + 2 * m * (k + n)
-        ours = timed(call, x)
-        old = timed(call, x, "off")
+        ours = b.time_ms(lambda: call(x))  # the dispatch as shipped
+        old = timed(call, x, "old")
         cub = b.time_ms(lambda: F.linear(x, w))
-        cfg = Q.stream_config(m, n, k, kind, 132)
         label = f"{fmt:4s} {str(dt)[6:]:8s} M={m:<2d} {n:>5d}x{k:<5d}"
-        print(f"{label} stream {ours*1e3:6.1f}us {tb(nbytes, ours):4.2f}TB/s x{cub/ours:4.2f} | old {old*1e3:6.1f}us "
-              f"x{cub/old:4.2f} | cuBLAS {cub*1e3:6.1f}us  [W{cfg.warps} sp{cfg.splits} pf{cfg.prefetch} "
-              f"grid {cfg.grid}]", flush=True)
-        summary.append((label, ours, old, cub))
-        if m in (1, 16) or m == ms[0]:
-            for ov in sweep:
-                t = timed(call, x, **ov)
-                print(f"    {ov} {t*1e3:6.1f}us {tb(nbytes, t):4.2f}TB/s x{cub/t:4.2f}", flush=True)
+        print(f"{label} default {ours*1e3:6.1f}us {tb(nbytes, ours):4.2f}TB/s x{cub/ours:4.2f} | old "
+              f"{old*1e3:6.1f}us x{cub/old:4.2f} | cuBLAS {cub*1e3:6.1f}us", flush=True)
+        row = {"default": ours}
+        if m in (1, 16):
+            for name, which, ov in sweep:
+                if m > 8 and ov.get("stages", 0) > 4:
+                    continue
+                t = timed(call, x, which, **ov)
+                row[name] = t
+                print(f"    {name:14s} {t*1e3:6.1f}us {tb(nbytes, t):4.2f}TB/s x{cub/t:4.2f}", flush=True)
+        summary.append((label, row, old, cub))
     del layer, w
     torch.cuda.empty_cache()
 
@@ -88,18 +93,33 @@ tiny = torch.ones(1, device=b.device)
 print(f"launch floor: tiny add_ {b.time_ms(lambda: tiny.add_(1.0))*1e3:.1f} us", flush=True)
 
 bf, fp = torch.bfloat16, torch.float16
-PF = [{"prefetch": p} for p in (0, 2, 3)]
-case("awq", 8192, 8192, bf, [1, 4, 8, 9, 16],
-     PF + [{"warps": 8, "splits": 2}, {"warps": 12}, {"warps": 8}, {"warps": 4, "splits": 4}, {"warps": 16, "splits": 2}])
-case("awq", 28672, 8192, bf, [1, 16], PF + [{"warps": 2}, {"warps": 8}, {"warps": 3}])
-case("awq", 8192, 28672, bf, [1, 16], PF + [{"warps": 8}])
-case("awq", 4096, 4096, bf, [1, 16], PF + [{"warps": 16, "splits": 1}, {"warps": 8, "splits": 4}])
-case("awq", 8192, 8192, fp, [1, 16])
-case("gptq", 8192, 8192, bf, [1, 16])
-case("int8", 8192, 8192, bf, [1, 16], PF + [{"warps": 4}, {"warps": 16}])
-case("int8", 28672, 8192, bf, [1], PF)
-case("int8", 8192, 8192, fp, [1])
+V = [("stream o0", "stream", {"order": 0}), ("stream o1", "stream", {"order": 1}),
+     ("stream o2", "stream", {"order": 2}),
+     ("stream o1 W8", "stream", {"order": 1, "warps": 8}), ("bulk o0 S2", "bulk", {"order": 0, "stages": 2}),
+     ("bulk o1", "bulk", {"order": 1}), ("bulk o1 S2", "bulk", {"order": 1, "stages": 2}),
+     ("bulk o2", "bulk", {"order": 2}), ("bulk o2 S2", "bulk", {"order": 2, "stages": 2})]
+for nn, kk in ((2048, 8192), (7168, 8192)):
+    wd = torch.randn(nn, kk, device=b.device, dtype=bf)
+    xd = torch.randn(1, kk, device=b.device, dtype=bf)
+    t = b.time_ms(lambda: F.linear(xd, wd))
+    print(f"equal-bytes reference: cuBLAS M=1 {nn}x{kk} bf16 ({nn * kk * 2 / 1e6:.1f} MB): {t*1e3:.1f} us = "
+          f"{nn * kk * 2 / t / 1e9:.2f} TB/s", flush=True)
+    del wd
+case("awq", 8192, 8192, bf, [1, 4, 8, 9, 16], V)
+case("awq", 28672, 8192, bf, [1, 16], V)
+case("awq", 8192, 28672, bf, [1, 16], V)
+case("awq", 4096, 4096, bf, [1, 16], V)
+case("awq", 8192, 8192, fp, [1, 16], V[:4])
+case("awq", 28672, 8192, fp, [1, 16])
+case("gptq", 8192, 8192, bf, [1, 16], V[:4])
+case("int8", 8192, 8192, bf, [1, 16], V)
+case("int8", 28672, 8192, bf, [1], V)
+case("int8", 8192, 8192, fp, [1], V[:4])
 
-print(f"\nprobe done in {time.time() - t0:.0f}s\nsummary (us; ratio = cuBLAS / ours)")
-for label, ours, old, cub in summary:
-    print(f"{label} stream {ours*1e3:6.1f} x{cub/ours:4.2f} | old {old*1e3:6.1f} x{cub/old:4.2f} | cuBLAS {cub*1e3:6.1f}")
+print(f"\nprobe done in {time.time() - t0:.0f}s\nsummary (us; xR = cuBLAS / time)")
+names = ["default"] + [v[0] for v in V]
+print(f"{'case':34s} " + " ".join(f"{nm[:11]:>11s}" for nm in names) + "      old  cuBLAS")
+for label, row, old, cub in summary:
+    cells = " ".join((f"{row[nm]*1e3:5.1f}x{cub/row[nm]:4.2f}" if nm in row else " " * 10).rjust(11)
+                     for nm in names)
+    print(f"{label:34s} {cells} {old*1e3:5.1f}x{cub/old:4.2f} {cub*1e3:6.1f}")

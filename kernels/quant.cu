@@ -20,6 +20,7 @@
 // its outputs are 16-byte stores.
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "common/tma.cuh"
 
 namespace quant {
 
@@ -1197,206 +1198,153 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
-// y[m, n] = sum_k x[m, k] W[k, n] for M <= 8 MT.  Grid: NB x splits CTAs of W = blockDim.x / 32 warps; block
-// b = blockIdx.x % NB, split = blockIdx.x / NB; warp gw = split W + warp of the block's W splits warps takes
-// chunks [gw KC / (W splits), (gw + 1) KC / (W splits)).  Requires KS % 4 == 0 and (INT4) SPG % 4 == 0.
-// Dynamic shared memory: W * M * (BN + 4) floats.  `zero` must be 0 (see dep below).
-template <typename T, int KIND, int MT>
-__global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_stream_kernel(
-    T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
-    const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
-    const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int prefetch,
-    unsigned zero, long long ldx) {
+// The math of one chunk (4 steps x 16 k x 2 halves) of gemv_stream_kernel / gemv_bulk_kernel: wf(u, h) gives the
+// lane's 16 weight bytes of step u, half h; xf(u, h, mt) its 8 bytes of x (rows 8 mt + g); sv / zv the lane's
+// scales / zero points of the chunk's group (INT4); dep a zero that every dequant constant depends on.
+template <typename T, int KIND, int MT, typename WF, typename XF>
+__device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_INT4 ? 4 : 2][4], WF wf, XF xf,
+                                                  uint4 sv, uint2 zv, unsigned dep) {
   constexpr bool INT4 = KIND == KIND_INT4;
-  constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
-  // M <= 8 INT4: (magic + q) goes to the mma as is; magic + zero point come off once per chunk through
-  // sum_k x.  M <= 16: per-weight (q - z) * s (no registers for a second accumulator set).
+  constexpr int NT = INT4 ? 4 : 2, U = kStreamChunkSteps;
   constexpr bool XSUM = INT4 && MT == 1;
-  extern __shared__ __align__(16) float red[];
-  __shared__ int s_last;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int W = blockDim.x >> 5;
-  const int b = blockIdx.x % NB, split = blockIdx.x / NB;
-  const int KC = KS / U, wpb = W * splits, gw = split * W + warp;
-  const int c0 = (int)((long long)gw * KC / wpb), c1 = (int)((long long)(gw + 1) * KC / wpb);
-
-  const uint4* wb = wpk + (long long)b * KS * 64;
-  const unsigned char* gb = grec + (long long)b * NG * 192;
-  // Rows of x past M read row M - 1 (a valid address); their output columns are never stored.
-  const T* xr[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) xr[mt] = x + (long long)min(8 * mt + g, M - 1) * ldx + 4 * c;
-
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+  const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u;
+  const unsigned magic = MAGIC | dep;
+  if constexpr (XSUM) {
+    float accg[NT][4], xs[2] = {0.f, 0.f};
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
-
-  auto prefetch_chunk = [&](int cc) {
-    if (cc < c1) prefetch_l2(reinterpret_cast<const unsigned char*>(wb + (long long)U * cc * 64) + 128 * lane);
-  };
-  for (int d = 1; d < prefetch; ++d) prefetch_chunk(c0 + d);
-
-  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
-  const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u;
-
-#pragma unroll 1
-  for (int cc = c0; cc < c1; ++cc) {
-    const uint4* wp = wb + (long long)U * cc * 64 + lane;
-    uint4 wv[U][2];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) wv[u][h] = ldg_stream(wp + u * 64 + h * 32);
-    uint2 xv[U][2][MT];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          xv[u][h][mt] = ldg8_nc(xr[mt] + (U * cc + u) * 32 + 16 * h);
-    uint4 sv = make_uint4(0u, 0u, 0u, 0u);
-    uint2 zv = make_uint2(0u, 0u);
-    if constexpr (INT4) {
-      const unsigned char* gr = gb + (long long)((U * cc) / SPG) * 192;
-      sv = ldg16_nc(gr + 16 * g);
-      zv = ldg8_nc(gr + 128 + 8 * g);
-    }
-    if (prefetch > 0) prefetch_chunk(cc + prefetch);
-    // All loads of the chunk in flight at once: left alone, ptxas sinks some loads next to their first use,
-    // behind math that waits on the earlier ones (a second memory round trip per chunk).  Every dequant
-    // constant below depends on an XOR of all loaded words, masked by a zero the compiler cannot see.
-    unsigned dep = sv.x ^ sv.y ^ sv.z ^ sv.w ^ zv.x ^ zv.y;
+      for (int j = 0; j < 4; ++j) accg[t][j] = 0.f;
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        dep ^= wv[u][h].x ^ wv[u][h].y ^ wv[u][h].z ^ wv[u][h].w;
+        const uint4 wu = wf(u, h);
+        const uint2 xw = xf(u, h, 0);
+        const unsigned bx[2] = {xw.x, xw.y};
+        {
+          const unsigned ones[4] = {Bits<T>::ONE | dep, Bits<T>::ONE, Bits<T>::ONE, Bits<T>::ONE};
+          float d[4] = {xs[0], xs[1], 0.f, 0.f};
+          sc::mma_16816<T>(d, ones, bx);
+          xs[0] = d[0];
+          xs[1] = d[1];
+        }
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) dep ^= xv[u][h][mt].x ^ xv[u][h][mt].y;
+        for (int t = 0; t < NT; ++t) {
+          const unsigned wd = sc::word(wu, t);
+          unsigned a[4];
+          if constexpr (is_half<T>::value) {
+            const unsigned w8 = wd >> 8;
+            a[0] = and_or(wd, mask_lo, magic);
+            a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, 0x63806380u);  // + 960
+            a[2] = and_or(w8, mask_lo, magic);
+            a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, 0x63806380u);
+          } else {
+            a[0] = and_or(wd, mask_lo, magic);
+            a[1] = and_or(wd >> 4, mask_lo, magic);
+            a[2] = and_or(wd >> 8, mask_lo, magic);
+            a[3] = and_or(wd >> 12, mask_lo, magic);
+          }
+          sc::mma_16816<T>(accg[t], a, bx);
+        }
       }
-    dep &= zero;
-    const unsigned magic = MAGIC | dep;
-
-    if constexpr (XSUM) {
-      float accg[NT][4], xs[2] = {0.f, 0.f};
+    // acc += s (sum (magic + q) x - (magic + z) sum x), per channel o = 2 t + h of this lane.
 #pragma unroll
-      for (int t = 0; t < NT; ++t)
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) accg[t][j] = 0.f;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const unsigned bx[2] = {xv[u][h][0].x, xv[u][h][0].y};
-          {
-            const unsigned ones[4] = {Bits<T>::ONE | dep, Bits<T>::ONE, Bits<T>::ONE, Bits<T>::ONE};
-            float d[4] = {xs[0], xs[1], 0.f, 0.f};
-            sc::mma_16816<T>(d, ones, bx);
-            xs[0] = d[0];
-            xs[1] = d[1];
-          }
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const unsigned wd = sc::word(wv[u][h], t);
-            unsigned a[4];
-            if constexpr (is_half<T>::value) {
-              const unsigned w8 = wd >> 8;
-              a[0] = and_or(wd, mask_lo, magic);
-              a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, 0x63806380u);  // + 960
-              a[2] = and_or(w8, mask_lo, magic);
-              a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, 0x63806380u);
-            } else {
-              a[0] = and_or(wd, mask_lo, magic);
-              a[1] = and_or(wd >> 4, mask_lo, magic);
-              a[2] = and_or(wd >> 8, mask_lo, magic);
-              a[3] = and_or(wd >> 12, mask_lo, magic);
-            }
-            sc::mma_16816<T>(accg[t], a, bx);
-          }
-        }
-      // acc += s (sum (magic + q) x - (magic + z) sum x), per channel o = 2 t + h of this lane.
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int o = 2 * t + hh;
-          const float2 sp = sc::unpack2<T>(sc::word(sv, o / 2));
-          const float s = (o & 1) ? sp.y : sp.x;
-          const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
-          const float zf = (float)z + (is_half<T>::value ? 1024.f : 128.f);
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = 2 * hh + e;
-            acc[0][t][j] = fmaf(s, fmaf(-zf, xs[e], accg[t][j]), acc[0][t][j]);
-          }
-        }
-    } else if constexpr (INT4) {
-      unsigned scl[8], zc[8];
-#pragma unroll
-      for (int o = 0; o < 8; ++o) {
-        scl[o] = __byte_perm(sc::word(sv, o / 2), 0u, (o & 1) ? 0x3232u : 0x1010u);
+      for (int hh = 0; hh < 2; ++hh) {
+        const int o = 2 * t + hh;
+        const float2 sp = sc::unpack2<T>(sc::word(sv, o / 2));
+        const float s = (o & 1) ? sp.y : sp.x;
         const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
-        if constexpr (is_half<T>::value) {
-          // channel g (even o): -(1024 + z) for (1024 + q); channel g + 8 (odd o): -(64 + z) for (1024 + 16 q) / 16
-          zc[o] = ((o & 1) ? (0xd400u + (z << 4)) : (0xe400u | z)) * 0x10001u;
-        } else {
-          zc[o] = (0xc300u | z) * 0x10001u;  // -(128 + z)
+        const float zf = (float)z + (is_half<T>::value ? 1024.f : 128.f);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 2 * hh + e;
+          acc[0][t][j] = fmaf(s, fmaf(-zf, xs[e], accg[t][j]), acc[0][t][j]);
         }
       }
+  } else if constexpr (INT4) {
+    unsigned scl[8], zc[8];
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+    for (int o = 0; o < 8; ++o) {
+      scl[o] = __byte_perm(sc::word(sv, o / 2), 0u, (o & 1) ? 0x3232u : 0x1010u);
+      const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
+      if constexpr (is_half<T>::value) {
+        // channel g (even o): -(1024 + z) for (1024 + q); channel g + 8 (odd o): -(64 + z) for (1024 + 16 q) / 16
+        zc[o] = ((o & 1) ? (0xd400u + (z << 4)) : (0xe400u | z)) * 0x10001u;
+      } else {
+        zc[o] = (0xc300u | z) * 0x10001u;  // -(128 + z)
+      }
+    }
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const unsigned wd = sc::word(wv[u][h], t);
-            unsigned a[4];
-            if constexpr (is_half<T>::value) {
-              const unsigned w8 = wd >> 8;
-              a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-              a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
-              a[2] = fma2<T>(and_or(w8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-              a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
-            } else {
-              a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-              a[1] = fma2<T>(and_or(wd >> 4, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
-              a[2] = fma2<T>(and_or(wd >> 8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-              a[3] = fma2<T>(and_or(wd >> 12, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
-            }
-            // (q - z) * s rounded once to T, as the references do.
+      for (int h = 0; h < 2; ++h) {
+        const uint4 wu = wf(u, h);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[2 * t + (i & 1)], Bits<T>::NEG_ZERO);
+        for (int t = 0; t < NT; ++t) {
+          const unsigned wd = sc::word(wu, t);
+          unsigned a[4];
+          if constexpr (is_half<T>::value) {
+            const unsigned w8 = wd >> 8;
+            a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+            a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
+            a[2] = fma2<T>(and_or(w8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+            a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
+          } else {
+            a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+            a[1] = fma2<T>(and_or(wd >> 4, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
+            a[2] = fma2<T>(and_or(wd >> 8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+            a[3] = fma2<T>(and_or(wd >> 12, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
+          }
+          // (q - z) * s rounded once to T, as the references do.
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const unsigned bx[2] = {xv[u][h][mt].x, xv[u][h][mt].y};
-              sc::mma_16816<T>(acc[mt][t], a, bx);
-            }
+          for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[2 * t + (i & 1)], Bits<T>::NEG_ZERO);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint2 xw = xf(u, h, mt);
+            const unsigned bx[2] = {xw.x, xw.y};
+            sc::mma_16816<T>(acc[mt][t], a, bx);
           }
         }
-    } else {
+      }
+  } else {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h) {
+        const uint4 wu = wf(u, h);
 #pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const unsigned u0w = sc::word(wv[u][h], 2 * t) ^ dep, u1w = sc::word(wv[u][h], 2 * t + 1) ^ dep;
-            const unsigned a[4] = {int8_pair<T, 0x4140u>(u0w), int8_pair<T, 0x4342u>(u0w),
-                                   int8_pair<T, 0x4140u>(u1w), int8_pair<T, 0x4342u>(u1w)};
+        for (int t = 0; t < NT; ++t) {
+          const unsigned u0w = sc::word(wu, 2 * t) ^ dep, u1w = sc::word(wu, 2 * t + 1) ^ dep;
+          const unsigned a[4] = {int8_pair<T, 0x4140u>(u0w), int8_pair<T, 0x4342u>(u0w),
+                                 int8_pair<T, 0x4140u>(u1w), int8_pair<T, 0x4342u>(u1w)};
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const unsigned bx[2] = {xv[u][h][mt].x, xv[u][h][mt].y};
-              sc::mma_16816<T>(acc[mt][t], a, bx);
-            }
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint2 xw = xf(u, h, mt);
+            const unsigned bx[2] = {xw.x, xw.y};
+            sc::mma_16816<T>(acc[mt][t], a, bx);
           }
-    }
+        }
+      }
   }
+}
 
+// The end of gemv_stream_kernel / gemv_bulk_kernel: sum the CTA's warps through shared memory (red: W * M rows of
+// BN + 4 floats, rows < M only), then store y, or (split-K) add into the zeroed fp32 workspace, where the last of
+// the block's CTAs (ticket) writes y and leaves workspace and ticket zeroed.
+template <typename T, int KIND, int MT>
+__device__ __forceinline__ void stream_epilogue(const float (&acc)[MT][KIND == KIND_INT4 ? 4 : 2][4], float* red,
+                                                T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
+                                                const T* __restrict__ scales, const T* __restrict__ bias, int M, int N,
+                                                int b, int splits) {
+  constexpr bool INT4 = KIND == KIND_INT4;
+  constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, RS = BN + 4;
+  __shared__ int s_last;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int W = blockDim.x >> 5;
   // Sum the W warps through shared memory: red[(warp M + row) RS + channel], rows < M only.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -1436,6 +1384,238 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
     store_y(row, n0 + ch, v);
   }
   if (tid == 0) tickets[b] = 0;
+}
+
+// Which chunks a warp streams, and in what order.  Warp gw of the wpb warps of a block (over its splits CTAs):
+//   order 0: the contiguous run [gw KC / wpb, (gw + 1) KC / wpb), in order;
+//   order 1: chunks gw, gw + wpb, gw + 2 wpb, ... (a CTA's warps sweep the block side by side);
+//   order 2: order 0's run, started at a per-warp rotation (concurrent reads spread over addresses).
+struct ChunkOrder {
+  int base, n, stride, rot;
+  __device__ __forceinline__ ChunkOrder(int order, int KC, int wpb, int gw, int b) {
+    if (order == 1) {
+      base = gw;
+      stride = wpb;
+      n = gw < KC ? (KC - gw + wpb - 1) / wpb : 0;
+      rot = 0;
+    } else {
+      base = (int)((long long)gw * KC / wpb);
+      n = (int)((long long)(gw + 1) * KC / wpb) - base;
+      stride = 1;
+      rot = (order == 2 && n > 0) ? (int)((7u * (unsigned)b + 3u * (unsigned)gw) % (unsigned)n) : 0;
+    }
+  }
+  // i-th chunk, 0 <= i < n
+  __device__ __forceinline__ int operator()(int i) const {
+    int j = i + rot;
+    if (j >= n) j -= n;
+    return base + j * stride;
+  }
+};
+
+// y[m, n] = sum_k x[m, k] W[k, n] for M <= 8 MT.  Grid: NB x splits CTAs of W = blockDim.x / 32 warps; block
+// b = blockIdx.x % NB, split = blockIdx.x / NB; warp gw = split W + warp of the block's W splits warps takes
+// its chunks in the given order (ChunkOrder).  Requires KS % 4 == 0 and (INT4) SPG % 4 == 0.
+// Dynamic shared memory: W * M * (BN + 4) floats.  `zero` must be 0 (see dep below).
+template <typename T, int KIND, int MT>
+__global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_stream_kernel(
+    T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
+    const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
+    const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int prefetch,
+    int order, unsigned zero, long long ldx) {
+  constexpr bool INT4 = KIND == KIND_INT4;
+  constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
+  // M <= 8 INT4: (magic + q) goes to the mma as is; magic + zero point come off once per chunk through
+  // sum_k x.  M <= 16: per-weight (q - z) * s (no registers for a second accumulator set).
+  constexpr bool XSUM = INT4 && MT == 1;
+  extern __shared__ __align__(16) float red[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int W = blockDim.x >> 5;
+  const int b = blockIdx.x % NB, split = blockIdx.x / NB;
+  const int KC = KS / U, wpb = W * splits, gw = split * W + warp;
+  const ChunkOrder chunk(order, KC, wpb, gw, b);
+
+  const uint4* wb = wpk + (long long)b * KS * 64;
+  const unsigned char* gb = grec + (long long)b * NG * 192;
+  // Rows of x past M read row M - 1 (a valid address); their output columns are never stored.
+  const T* xr[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) xr[mt] = x + (long long)min(8 * mt + g, M - 1) * ldx + 4 * c;
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
+
+  auto prefetch_chunk = [&](int i) {
+    if (i < chunk.n)
+      prefetch_l2(reinterpret_cast<const unsigned char*>(wb + (long long)U * chunk(i) * 64) + 128 * lane);
+  };
+  for (int d = 1; d < prefetch; ++d) prefetch_chunk(d);
+
+#pragma unroll 1
+  for (int i = 0; i < chunk.n; ++i) {
+    const int cc = chunk(i);
+    const uint4* wp = wb + (long long)U * cc * 64 + lane;
+    uint4 wv[U][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) wv[u][h] = ldg_stream(wp + u * 64 + h * 32);
+    uint2 xv[U][2][MT];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          xv[u][h][mt] = ldg8_nc(xr[mt] + (U * cc + u) * 32 + 16 * h);
+    uint4 sv = make_uint4(0u, 0u, 0u, 0u);
+    uint2 zv = make_uint2(0u, 0u);
+    if constexpr (INT4) {
+      const unsigned char* gr = gb + (long long)((U * cc) / SPG) * 192;
+      sv = ldg16_nc(gr + 16 * g);
+      zv = ldg8_nc(gr + 128 + 8 * g);
+    }
+    if (prefetch > 0) prefetch_chunk(i + prefetch);
+    // All loads of the chunk in flight at once: left alone, ptxas sinks some loads next to their first use,
+    // behind math that waits on the earlier ones (a second memory round trip per chunk).  Every dequant
+    // constant below depends on an XOR of all loaded words, masked by a zero the compiler cannot see.
+    unsigned dep = sv.x ^ sv.y ^ sv.z ^ sv.w ^ zv.x ^ zv.y;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        dep ^= wv[u][h].x ^ wv[u][h].y ^ wv[u][h].z ^ wv[u][h].w;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) dep ^= xv[u][h][mt].x ^ xv[u][h][mt].y;
+      }
+    dep &= zero;
+
+    stream_chunk_math<T, KIND, MT>(acc, [&](int u, int h) { return wv[u][h]; },
+                                   [&](int u, int h, int mt) { return xv[u][h][mt]; }, sv, zv, dep);
+  }
+
+  stream_epilogue<T, KIND, MT>(acc, red, y, ws, tickets, scales, bias, M, N, b, splits);
+}
+
+
+// ============================================================================================================
+// gemv_bulk_kernel (sm_90+): the chunks of gemv_stream_kernel, moved by the bulk-copy engine instead of LDG.
+//
+// Why: on the H200 every load-instruction form of this stream (gemv_kernel's cp.async ring, gemv_stream_kernel's
+// register chunks, any warp count or L2-prefetch distance; torch.sum alike) levels off near 3.3 TB/s, while
+// cuBLAS, which loads through TMA, reads ~4.5 TB/s: the bytes a warp can keep in flight through LDG are
+// capped per SM.  cp.async.bulk copies are tracked by the copy engine, not by the SM's load path, so a warp
+// keeps (S - 1) chunks (12 KB at S = 4) in flight with one instruction each.
+//
+// Per warp: a ring of S stages in shared memory, each one chunk: the 4 KB of weights, the 192-byte group
+// record (INT4) and M rows x 256 bytes of x (row pitch 288 bytes: 8-byte reads are conflict-free per half-warp).
+// One mbarrier per stage (count 1: lane 0's arrive.expect_tx, completed by the bytes).  Lane 0 copies the
+// weights, lane 1 the group record, lanes 2 .. M + 1 one row of x each.  Every lane waits on the stage's
+// barrier and reads its fragments; a __syncwarp before each refill orders the lanes' reads of that stage
+// before the copy that overwrites it.  Grid, work split, math and epilogue are gemv_stream_kernel's.
+constexpr int kBulkXPitch = 288;
+constexpr int kBulkMaxWarps = 16;
+
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   sc::smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(sc::smem_addr(bar))
+               : "memory");
+}
+
+// Dynamic shared memory: align128(W S 8) bytes of mbarriers, then W rings of S stages of
+// 4096 + (INT4 ? 192 : 0) + 288 M bytes (the epilogue's reduction rows reuse the rings).
+template <typename T, int KIND, int MT>
+__global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
+    T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
+    const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
+    const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int stages, int order,
+    long long ldx) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool INT4 = KIND == KIND_INT4;
+  constexpr int NT = INT4 ? 4 : 2, U = kStreamChunkSteps;
+  constexpr int G_OFF = 4096, X_OFF = 4096 + (INT4 ? 192 : 0);
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int W = blockDim.x >> 5;
+  const int b = blockIdx.x % NB, split = blockIdx.x / NB;
+  const int KC = KS / U, wpb = W * splits, gw = split * W + warp;
+  const ChunkOrder chunk(order, KC, wpb, gw, b);
+  const int stage_bytes = X_OFF + M * kBulkXPitch;
+  const int ring_off = (W * stages * 8 + 127) & ~127;
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem) + warp * stages;
+  unsigned char* ring = smem + ring_off + warp * stages * stage_bytes;
+  const unsigned tx = X_OFF + M * 256;
+  const unsigned char* wsrc = reinterpret_cast<const unsigned char*>(wpk + (long long)b * KS * 64);
+  const unsigned char* gsrc = grec + (long long)b * NG * 192;
+  const T* xsrc = x + (long long)min(max(lane - 2, 0), M - 1) * ldx;
+
+  if (lane == 0) {
+    for (int s = 0; s < stages; ++s) sc::mbar_init(bars + s, 1);
+    sc::fence_mbar_init();
+  }
+  __syncwarp();
+  auto issue = [&](int cc, int slot) {
+    unsigned char* st = ring + slot * stage_bytes;
+    if (lane == 0) sc::mbar_arrive_expect_tx(bars + slot, tx);
+    __syncwarp();  // the expected bytes are registered before any copy can complete
+    if (lane == 0) {
+      bulk_copy_g2s(st, wsrc + (long long)cc * 4096, 4096, bars + slot);
+    } else if (INT4 && lane == 1) {
+      bulk_copy_g2s(st + G_OFF, gsrc + (long long)((U * cc) / SPG) * 192, 192, bars + slot);
+    } else if (lane >= 2 && lane < 2 + M) {
+      bulk_copy_g2s(st + X_OFF + (lane - 2) * kBulkXPitch, xsrc + 128LL * cc, 256, bars + slot);
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
+
+  const int pre = min(stages - 1, chunk.n);
+  for (int i = 0; i < pre; ++i) issue(chunk(i), i);
+  int slot = 0, islot = pre % stages;
+  unsigned phase = 0;
+#pragma unroll 1
+  for (int i = 0; i < chunk.n; ++i) {
+    if (i + stages - 1 < chunk.n) {
+      __syncwarp();  // every lane is done with the stage read last iteration, which this copy refills
+      issue(chunk(i + stages - 1), islot);
+      if (++islot == stages) islot = 0;
+    }
+    sc::mbar_wait(bars + slot, phase);
+    const unsigned char* st = ring + slot * stage_bytes;
+    uint4 sv = make_uint4(0u, 0u, 0u, 0u);
+    uint2 zv = make_uint2(0u, 0u);
+    if constexpr (INT4) {
+      sv = *reinterpret_cast<const uint4*>(st + G_OFF + 16 * g);
+      zv = *reinterpret_cast<const uint2*>(st + G_OFF + 128 + 8 * g);
+    }
+    const unsigned char* xrow[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) xrow[mt] = st + X_OFF + min(8 * mt + g, M - 1) * kBulkXPitch + 8 * c;
+    stream_chunk_math<T, KIND, MT>(
+        acc, [&](int u, int h) { return *reinterpret_cast<const uint4*>(st + u * 1024 + h * 512 + 16 * lane); },
+        [&](int u, int h, int mt) { return *reinterpret_cast<const uint2*>(xrow[mt] + 64 * u + 32 * h); }, sv, zv,
+        0u);
+    if (++slot == stages) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+  __syncthreads();  // the reduction rows below reuse the other warps' rings
+  stream_epilogue<T, KIND, MT>(acc, reinterpret_cast<float*>(smem + ring_off), y, ws, tickets, scales, bias, M, N,
+                               b, splits);
+#endif
 }
 
 

@@ -201,8 +201,8 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 55
-    assert "quant::gemv_stream_kernel<__half, 1, 2>" in names
+    assert len(names) == len(set(names)) == 63
+    assert "quant::gemv_stream_kernel<__half, 1, 2>" in names and "quant::gemv_bulk_kernel<__half, 0, 1>" in names
     assert "quant::gemv_kernel<__nv_bfloat16, 0, 1>" in names
     assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
 
@@ -305,7 +305,7 @@ def test_stream_supported():
     assert Q.stream_supported(Q.KIND_INT8, 4096, 32) and not Q.stream_supported(Q.KIND_INT8, 4064, 64)
 
 
-def _stream_chunks(cfg):
+def _stream_chunks(cfg, order=None):
     """(block, chunk) -> how many warps of the launch cover it, mirroring gemv_stream_kernel's index math."""
     kc = cfg.steps // 4
     seen = np.zeros((cfg.blocks, kc), np.int32)
@@ -313,9 +313,52 @@ def _stream_chunks(cfg):
     for cta in range(cfg.grid):
         b, split = cta % cfg.blocks, cta // cfg.blocks
         for w in range(cfg.warps):
-            gw = split * cfg.warps + w
-            seen[b, gw * kc // wpb:(gw + 1) * kc // wpb] += 1
+            for c in Q.chunk_order(cfg.order if order is None else order, kc, wpb, split * cfg.warps + w, b):
+                seen[b, c] += 1
     return seen
+
+
+@pytest.mark.parametrize("kc,wpb", [(64, 16), (64, 12), (7, 3), (5, 8), (1, 1), (224, 12), (32, 5)])
+def test_chunk_orders_cover_every_chunk_once(kc, wpb):
+    for order in (0, 1, 2):
+        for b in (0, 5, 127):
+            got = sorted(c for gw in range(wpb) for c in Q.chunk_order(order, kc, wpb, gw, b))
+            assert got == list(range(kc)), (order, b)
+    # order 2 starts the warps of a block at different offsets of their runs
+    starts = {Q.chunk_order(2, 64, 16, gw, 3)[0] - 4 * gw for gw in range(16)}
+    assert len(starts) > 1
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8192, 8192), (1, 28672, 8192), (16, 8192, 28672), (9, 4096, 4096),
+                                   (1, 512, 1024), (16, 64, 128), (4, 4096, 4096), (1, 4096, 14336), (16, 28672, 8192)])
+def test_bulk_config(m, n, k):
+    for kind in (Q.KIND_INT4, Q.KIND_INT8):
+        cfg = Q.bulk_config(m, n, k, kind, 132)
+        assert cfg.mt == (1 if m <= 8 else 2) and cfg.stages == 2 and cfg.order == 1
+        assert cfg.blocks * Q.gemv_block_n(kind) == n and cfg.steps * 32 == k
+        assert 1 <= cfg.warps <= Q.BULK_MAX_WARPS and cfg.splits >= 1
+        assert cfg.warps * cfg.splits <= cfg.steps // 4
+        assert cfg.smem == Q.bulk_smem_bytes(kind, m, cfg.warps, cfg.stages) <= Q.BULK_SMEM_PER_CTA
+        # one wave: the CTAs each SM must hold fit its shared memory together
+        per_sm = -(-cfg.grid // 132)
+        assert per_sm * (cfg.smem + 1024) <= Q.BULK_SMEM_PER_SM or cfg.grid <= 132, (kind, cfg)
+        assert (_stream_chunks(cfg) == 1).all()
+    c = Q.bulk_config(1, 8192, 8192, Q.KIND_INT4, 132)
+    assert (c.warps, c.splits, c.grid) == (16, 1, 128)
+    c = Q.bulk_config(1, 28672, 8192, Q.KIND_INT4, 132)
+    assert (c.warps, c.splits, c.grid) == (4, 1, 448)
+    c = Q.bulk_config(1, 8192, 8192, Q.KIND_INT4, 132, stages=4)
+    assert (c.warps, c.splits, c.grid) == (12, 1, 128)
+    c = Q.bulk_config(1, 512, 4096, Q.KIND_INT8, 132, warps=3, splits=3, stages=2)
+    assert (c.warps, c.splits, c.stages, c.grid) == (3, 3, 2, 48) and (_stream_chunks(c) == 1).all()
+    # dispatch: INT4, M = 1, N K >= 2^26, sm_90+
+    assert Q.use_bulk(Q.KIND_INT4, 1, 8192, 8192, 128, (9, 0)) and Q.use_bulk(Q.KIND_INT4, 1, 28672, 8192, 128)
+    assert not Q.use_bulk(Q.KIND_INT4, 2, 8192, 8192, 128) and not Q.use_bulk(Q.KIND_INT4, 1, 4096, 4096, 128)
+    assert not Q.use_bulk(Q.KIND_INT8, 1, 8192, 8192) and not Q.use_bulk(Q.KIND_INT4, 1, 8192, 8192, 128, (8, 9))
+    with _stream("on", "on"):
+        assert Q.use_bulk(Q.KIND_INT4, 1, 8192, 8192, 128, (9, 0))
+        assert not Q.use_bulk(Q.KIND_INT4, 1, 8192, 8192, 128, (8, 0))
+        assert not Q.use_bulk(Q.KIND_INT4, 17, 8192, 8192, 128) and not Q.use_bulk(Q.KIND_INT4, 1, 8192, 8192, 64)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 8192, 8192), (1, 28672, 8192), (16, 8192, 28672), (9, 4096, 4096),
@@ -330,10 +373,13 @@ def test_stream_config(m, n, k):
         assert cfg.warps * cfg.splits <= cfg.steps // 4              # every warp has at least one chunk
         assert cfg.grid * cfg.warps <= wmax * 132 or cfg.splits == 1  # one wave (splits only where it fits)
         assert cfg.smem == cfg.warps * m * (Q.gemv_block_n(kind) + 4) * 4 and cfg.smem <= 227 * 1024
-        assert (_stream_chunks(cfg) == 1).all()
+        for order in (0, 1, 2):
+            assert (_stream_chunks(cfg, order) == 1).all()
     # the acceptance shapes: one CTA per 64-channel block, no split-K, a full wave
     c = Q.stream_config(1, 8192, 8192, Q.KIND_INT4, 132)
-    assert (c.warps, c.splits, c.grid) == (16, 1, 128)
+    assert (c.warps, c.splits, c.grid, c.prefetch, c.order) == (16, 1, 128, 0, 0)
+    assert Q.stream_config(16, 8192, 8192, Q.KIND_INT4, 132).order == 2
+    assert Q.stream_config(16, 8192, 8192, Q.KIND_INT8, 132).order == 0
     c = Q.stream_config(1, 28672, 8192, Q.KIND_INT4, 132)
     assert (c.warps, c.splits, c.grid) == (4, 1, 448)
     c = Q.stream_config(1, 4096, 4096, Q.KIND_INT4, 132)
@@ -428,18 +474,28 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
 
 
 @contextlib.contextmanager
-def _stream(mode="on", **override):
-    """Force gemv_stream_kernel on or off for M <= 16 (and override its launch shape)."""
-    old, old_o = Q._STREAM_MODE, dict(Q._STREAM_OVERRIDE)
-    Q._STREAM_MODE = mode
+def _stream(mode="on", bulk="off", **override):
+    """Force gemv_stream_kernel ("on", with bulk "off") or gemv_bulk_kernel (bulk "on") for M <= 16, or neither
+    (mode "off"), and override the chosen kernel's launch shape (stream: warps, splits, prefetch; bulk: warps,
+    splits, and stages = prefetch + 2)."""
+    old = (Q._STREAM_MODE, Q._BULK_MODE, dict(Q._STREAM_OVERRIDE), dict(Q._BULK_OVERRIDE))
+    Q._STREAM_MODE, Q._BULK_MODE = mode, bulk
     Q._STREAM_OVERRIDE.clear()
-    Q._STREAM_OVERRIDE.update(override)
+    Q._BULK_OVERRIDE.clear()
+    if bulk == "on":
+        Q._BULK_OVERRIDE.update({k: v for k, v in override.items() if k in ("warps", "splits", "order")})
+        if "prefetch" in override:
+            Q._BULK_OVERRIDE["stages"] = override["prefetch"] + 2
+    else:
+        Q._STREAM_OVERRIDE.update(override)
     try:
         yield
     finally:
-        Q._STREAM_MODE = old
+        Q._STREAM_MODE, Q._BULK_MODE = old[0], old[1]
         Q._STREAM_OVERRIDE.clear()
-        Q._STREAM_OVERRIDE.update(old_o)
+        Q._STREAM_OVERRIDE.update(old[2])
+        Q._BULK_OVERRIDE.clear()
+        Q._BULK_OVERRIDE.update(old[3])
 
 
 @contextlib.contextmanager
@@ -558,19 +614,24 @@ def test_gemv_exact_rows_small():
 @pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8])
 @pytest.mark.parametrize("m,n,k,g,override", [
     (1, 512, 4096, 128, {}), (5, 4096, 4096, 128, {}), (8, 1024, 1024, -1, {}), (9, 192, 384, 128, {}),
-    (16, 1024, 8192, 128, {}), (16, 4096, 1024, 256, {}), (1, 8192, 1024, 128, {}),
-    (3, 512, 4096, 128, {"warps": 3, "splits": 3, "prefetch": 2}), (12, 320, 2048, 128, {"warps": 5, "splits": 2}),
+    (16, 1024, 8192, 128, {"order": 1}), (16, 4096, 1024, 256, {"order": 2}), (1, 8192, 1024, 128, {"order": 2}),
+    (3, 512, 4096, 128, {"warps": 3, "splits": 3, "prefetch": 2, "order": 2}), (4, 512, 4096, 128, {"order": 1}),
+    (12, 320, 2048, 128, {"warps": 5, "splits": 2, "order": 1}),
     (1, 256, 1024, 128, {"warps": 1, "splits": 8, "prefetch": 0}), (2, 128, 512, 128, {"warps": 2, "prefetch": 3})])
-def test_stream_small(dtype, fmt, m, n, k, g, override):
-    """gemv_stream_kernel (M <= 16, prepacked, K and G multiples of 128): values against float64 through the
-    default launch shape and forced ones (split-K with tickets, odd warp counts, prefetch distances), repeated
-    calls (workspace and tickets left zeroed), and the same layer through quant_mma_kernel."""
+@pytest.mark.parametrize("bulk", ["off", "on"])
+def test_stream_small(dtype, fmt, m, n, k, g, override, bulk):
+    """gemv_stream_kernel and gemv_bulk_kernel (M <= 16, prepacked, K and G multiples of 128): values against
+    float64 through the default launch shape and forced ones (split-K with tickets, odd warp counts, prefetch
+    distances / ring depths), repeated calls (workspace and tickets left zeroed), and the same layer through
+    quant_mma_kernel."""
     torch = _torch()
+    if bulk == "on" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("gemv_bulk_kernel needs sm_90")
     td = getattr(torch, dtype)
     if fmt == Q.FMT_INT8 and n % 64:
         pytest.skip("the INT8 fast path needs N % 64 == 0")
     rng = np.random.default_rng(m * 37 + n + k + fmt)
-    with _stream("on", **override):
+    with _stream("on", bulk, **override):
         layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
         assert layer.gemv is not None
         kind = Q.KIND_INT8 if fmt == Q.FMT_INT8 else Q.KIND_INT4
@@ -594,13 +655,18 @@ def test_stream_small(dtype, fmt, m, n, k, g, override):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("override", [{}, {"warps": 3, "splits": 2}])
-def test_stream_exact_rows_small(override):
-    """x = one-hot rows (M = 16, 5 and 1) pick rows of W exactly through gemv_stream_kernel: every nibble / byte,
+@pytest.mark.parametrize("override", [{}, {"warps": 3, "splits": 2}, {"warps": 3, "splits": 2, "order": 1},
+                                      {"warps": 5, "order": 2}])
+@pytest.mark.parametrize("bulk", ["off", "on"])
+def test_stream_exact_rows_small(override, bulk):
+    """x = one-hot rows (M = 16, 5 and 1) pick rows of W exactly through gemv_stream_kernel / gemv_bulk_kernel:
+    every nibble / byte,
     zero point (GPTQ's 16 included) and scale position, with and without split-K."""
     torch = _torch()
+    if bulk == "on" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("gemv_bulk_kernel needs sm_90")
     rng = np.random.default_rng(13)
-    with _stream("on", **override):
+    with _stream("on", bulk, **override):
         for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8):
             for td in (torch.float16, torch.bfloat16):
                 k, n, g = 1024, 512, 128
@@ -878,7 +944,7 @@ def fake_gpu(monkeypatch):
     calls = []
     monkeypatch.setattr(A, "wrap", wrap)
     monkeypatch.setattr(A, "stream_of", lambda ref: type("S", (), {"ptr": 0})())
-    monkeypatch.setattr(Q, "device_info", lambda i: type("D", (), {"sms": 132})())
+    monkeypatch.setattr(Q, "device_info", lambda i: type("D", (), {"sms": 132, "cc": (9, 0)})())
     monkeypatch.setattr(Q, "launch", lambda kernel, cfg, args, device, stream: calls.append((kernel, cfg, args)))
     monkeypatch.setattr(Q, "_workspace_ptr", lambda xa, stream, nbytes: 0x5000)
     monkeypatch.setattr(Q, "_ticket_buffer", lambda xa, stream, count: type("T", (), {"ptr": 0x6000})())
@@ -899,7 +965,8 @@ def _same_launch(a, b):
     ka, ca, aa = a
     kb, cb, ab = b
     assert ka == kb and ca == cb
-    assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name else 18 if "gemv_stream" in ka.name else 21)
+    assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name else 19 if "gemv_stream" in ka.name
+                                  else 18 if "gemv_bulk" in ka.name else 21)
     for u, v in zip(aa, ab):
         assert type(u) is type(v) and u == v, (aa, ab)
 
@@ -919,7 +986,10 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
     _same_launch(calls[0], calls[1])
     args = calls[0][2]
-    if Q.use_stream(Q.KIND_INT4, m, n, k, g):
+    if Q.use_bulk(Q.KIND_INT4, m, n, k, g, (9, 0)):
+        assert "gemv_bulk_kernel" in calls[0][0].name
+        assert args[4] == pw.gemv.w_ptr and args[5] == pw.gemv.g_ptr and int(args[-1]) == k
+    elif Q.use_stream(Q.KIND_INT4, m, n, k, g):
         assert "gemv_stream_kernel" in calls[0][0].name
         assert args[4] == pw.gemv.w_ptr and args[5] == pw.gemv.g_ptr and int(args[-1]) == k
     elif Q.use_gemv(Q.KIND_INT4, m, n, k):
