@@ -5,7 +5,7 @@ versions, made by the caller) and the current ones with the heuristic's and forc
 so clocks drift alike.  Prints one table (TFLOP/s or TB/s; ratio to cuBLAS in brackets).
 
     PYTHONPATH=. python3 benchmarks/_gemm_ab.py precompile       # parallel NVRTC into the disk cache first
-    PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere]
+    PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere] [skinny] [mid]
 
 The previous kernels (those of 869ced9) are made beside the current ones with
     git show 869ced9:kernels/gemm_sm90.cu | sed 's/gemm_wgmma_kernel(/gemm_wgmma_prev_kernel(/' > kernels/gemm_sm90_prev.cu
@@ -32,8 +32,12 @@ OPT = ("-default-device",)
 
 NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
 _C = gemm.MmaConfig
-AMPERE_CFGS = [_C(128, 256, 64, 2, 4, 1, 4), _C(128, 256, 64, 2, 4, 1, 3), _C(256, 128, 64, 4, 2, 1, 4),
-               _C(128, 128, 64, 2, 4, 1, 6), _C(128, 128, 64, 2, 2, 1, 4), _C(128, 256, 32, 2, 4, 1, 6)]
+# Large tiles of gemm_mma_tile_kernel (BK = 64).
+AMPERE_CFGS = [_C(256, 128, 64, 4, 2, 1, 3), _C(256, 128, 64, 4, 2, 1, 4), _C(128, 256, 64, 2, 4, 1, 3),
+               _C(128, 256, 64, 2, 4, 1, 4), _C(128, 128, 64, 2, 4, 1, 6)]
+# Skinny (decode) alternatives.
+SKINNY_CFGS = {"s16x32x256w8s4": _C(16, 32, 256, 1, 1, 8, 4), "s16x32x128w8s8": _C(16, 32, 128, 1, 1, 8, 8),
+               "s16x64x128w4s8": _C(16, 64, 128, 1, 2, 4, 8), "s64x32x128w8s4": _C(64, 32, 128, 1, 1, 8, 4)}
 
 
 # -- the previous Hopper kernel and its heuristic ------------------------------------------------------------
@@ -145,6 +149,11 @@ def precompile_all():
         kern.add(old_mma_kernel(C(128, 256, 64, 2, 4, 1, 4)))
     for c in AMPERE_CFGS:
         kern.add(gemm._mma_kernel("bfloat16", c, True))
+    for c in AMPERE_CFGS[:3]:
+        kern.add(gemm._mma_kernel("bfloat16", c, False))
+    for c in SKINNY_CFGS.values():
+        kern.add(gemm._mma_kernel("bfloat16", c, True))
+        kern.add(gemm._mma_kernel("bfloat16", c, False))
     kern.update(gemm.all_kernels())
     kern = sorted(kern, key=lambda kk: kk.name)
     with ProcessPoolExecutor(16) as ex:
@@ -218,21 +227,79 @@ def small_section():
 
 
 def ampere_section():
-    cfgs = AMPERE_CFGS
     s = 8192
     x = torch.randn(s, s, dtype=DT, device="cuda")
     w = torch.randn(s, s, dtype=DT, device="cuda") / s ** 0.5
     out = torch.empty(s, s, dtype=DT, device="cuda")
+    b_kn = w.t().contiguous()
+    for rep in range(2):
+        t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
+             "default": b.time_ms(lambda: speedcore.linear(x, w, out=out, _path="ampere"))}
+        for c in AMPERE_CFGS:
+            t[f"{c.bm}x{c.bn}s{c.stages}"] = time_forced(lambda: speedcore.linear(x, w, out=out, _path="ampere"), mma=c)
+        report(f"ampere linear 8192^3 #{rep}", s, s, s, t)
+    t = {"cublas": b.time_ms(lambda: torch.matmul(x, b_kn)),
+         "default": b.time_ms(lambda: speedcore.matmul(x, b_kn, out=out, _path="ampere"))}
+    for c in AMPERE_CFGS[:3]:
+        t[f"{c.bm}x{c.bn}s{c.stages}"] = time_forced(lambda: speedcore.matmul(x, b_kn, out=out, _path="ampere"), mma=c)
+    report("ampere matmul 8192^3", s, s, s, t)
     t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w))}
-    if HAVE_PREV:
-        t["old"] = b.time_ms(old_mma_fn(x, w, out, cfgs[0]))
-    for c in cfgs:
-        try:
-            t[f"{c.bm}x{c.bn}x{c.bk}w{c.wm}{c.wn}s{c.stages}"] = time_forced(
-                lambda: speedcore.linear(x, w, out=out, _path="ampere"), mma=c)
-        except Exception as e:  # a config the launch refuses
-            print("skip", c, e)
-    report("ampere 8192^3", s, s, s, t)
+    saved = gemm._GROUP_ARG
+    for g in (4, 8, 16, 32):
+        gemm._GROUP_ARG = np.int32(g)
+        t[f"group{g}"] = b.time_ms(lambda: speedcore.linear(x, w, out=out, _path="ampere"))
+    gemm._GROUP_ARG = saved
+    report("ampere linear 8192^3 group_m", s, s, s, t)
+    for m, n, k in [(4096, 4096, 4096), (2048, 14336, 4096)]:
+        x2 = torch.randn(m, k, dtype=DT, device="cuda")
+        w2 = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
+        t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x2, w2)),
+             "default": b.time_ms(lambda: speedcore.linear(x2, w2, _path="ampere"))}
+        report(f"ampere linear {m}x{n}x{k}", m, n, k, t)
+
+
+def skinny_section():
+    """M = 1 / 16 decode shapes: the default (new rules) and forced skinny configs against cuBLAS, linear (K-major)
+    and matmul (N-major); and a 4 KB copy, whose time is the fixed cost of one timed launch."""
+    tiny = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    tiny2 = torch.empty_like(tiny)
+    print(f"fixed cost of a timed launch (4 KB copy): {b.time_ms(lambda: tiny2.copy_(tiny)) * 1e3:.2f} us", flush=True)
+    for m, n, k in [(16, 4096, 4096), (1, 4096, 4096), (16, 14336, 4096), (16, 8192, 8192)]:
+        x = torch.randn(m, k, dtype=DT, device="cuda")
+        w = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
+        out = torch.empty(m, n, dtype=DT, device="cuda")
+        b_kn = w.t().contiguous()
+        for op in ("linear", "matmul"):
+            if op == "linear":
+                fn = lambda: speedcore.linear(x, w, out=out)  # noqa: E731
+                fs = lambda: speedcore.linear(x, w, out=out, _path="skinny")  # noqa: E731
+                t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w))}
+            else:
+                fn = lambda: speedcore.matmul(x, b_kn, out=out)  # noqa: E731
+                fs = lambda: speedcore.matmul(x, b_kn, out=out, _path="skinny")  # noqa: E731
+                t = {"cublas": b.time_ms(lambda: torch.matmul(x, b_kn))}
+            t["default"] = b.time_ms(fn)
+            for name, c in list(SKINNY_CFGS.items())[:3]:
+                t[name] = time_forced(fs, mma=c)
+            report(f"{op} {m}x{n}x{k}", m, n, k, t)
+
+
+def mid_section():
+    """M = 64 / 128 (the issue's rows nearest 0.8x): the default dispatch against cuBLAS and the alternatives."""
+    for m, n, k in [(64, 4096, 4096), (128, 4096, 4096), (64, 4096, 14336), (128, 4096, 14336), (64, 14336, 4096),
+                    (128, 8192, 8192)]:
+        x = torch.randn(m, k, dtype=DT, device="cuda")
+        w = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
+        out = torch.empty(m, n, dtype=DT, device="cuda")
+        t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
+             "default": b.time_ms(lambda: speedcore.linear(x, w, out=out))}
+        for bm, bn in [(64, 32), (64, 64), (64, 128)] + ([(128, 64)] if m == 128 else []):
+            t[f"h{bm}x{bn}"] = time_forced(lambda: speedcore.linear(x, w, out=out, _path="hopper"), wgmma=(bm, bn))
+        if m == 64:
+            t["skinny64"] = time_forced(lambda: speedcore.linear(x, w, out=out, _path="skinny"),
+                                        mma=SKINNY_CFGS["s64x32x128w8s4"])
+        t["default#2"] = b.time_ms(lambda: speedcore.linear(x, w, out=out))
+        report(f"linear {m}x{n}x{k}", m, n, k, t)
 
 
 if __name__ == "__main__":
@@ -253,6 +320,7 @@ if __name__ == "__main__":
     DT = torch.bfloat16
     parts = sys.argv[1:] or ["hopper", "small", "ampere"]
     for p in parts:
-        {"hopper": hopper_section, "small": small_section, "ampere": ampere_section}[p]()
+        {"hopper": hopper_section, "small": small_section, "ampere": ampere_section, "skinny": skinny_section,
+         "mid": mid_section}[p]()
     print("\n==== A/B summary (ratio to cuBLAS in brackets) ====")
     print("\n".join(rows))

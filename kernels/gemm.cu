@@ -7,11 +7,14 @@
 // b[k * ldb + n] (a row-major (K, N) matrix).  K and N are multiples of 8 so every 16-byte chunk of a row is
 // either wholly inside or wholly outside the matrix: out-of-range chunks are zero-filled by cp.async.
 //
-// One kernel covers two regimes:
-//  * large M: WK = 1, warps tile the CTA's BM x BN output;
-//  * skinny M (decode, M <= 64): a narrow BN, a deep BK and WK warps splitting each stage's K slice; the
-//    partial sums meet in shared memory at the end.  The weight streams through the ring once, so the kernel
-//    is bound by HBM bandwidth, with (STAGES - 1) stages of loads in flight per CTA.
+// Two kernels:
+//  * gemm_mma_tile_kernel (large M): warps tile the CTA's BM x BN output, BK = 64.  Tuned for issue
+//    bandwidth: each warp double-buffers its ldmatrix fragments in registers (k-step i + 1 is loaded while
+//    k-step i's mma.syncs issue), the one barrier per k-tile sits behind the second-to-last k-step's mmas, and
+//    the next k-tile's cp.asyncs use per-thread pointers and row masks set up once (no per-load index math);
+//  * gemm_mma_kernel (skinny M, decode, M <= 64): a narrow BN, a deep BK and WK warps splitting each stage's K
+//    slice; the partial sums meet in shared memory at the end.  The weight streams through the ring once, so
+//    the kernel is bound by HBM bandwidth, with (STAGES - 1) stages of loads in flight per CTA.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/epilogue.cuh"
@@ -28,7 +31,188 @@ template <int CHUNKS> __device__ __forceinline__ int swizzle(int r, int c) {
   else return r * 16 + ((c ^ ((r >> 2) & 1)) << 3);
 }
 
+// Shared-address forms of cp.async / ldmatrix (the large-tile kernel keeps 32-bit shared addresses, so a
+// stage's or a fragment's address is one add or XOR away from a per-thread base).
+__device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Grouped raster: GROUP_M row tiles sweep the column tiles together, so their B tiles stay in L2.
+__device__ __forceinline__ void grouped_tile(int pid, int m_tiles, int n_tiles, int group_m, int& tile_m,
+                                             int& tile_n) {
+  const int per_group = group_m * n_tiles;
+  const int first_m = (pid / per_group) * group_m;
+  const int gsize = min(m_tiles - first_m, group_m);
+  tile_m = first_m + (pid % per_group) % gsize;
+  tile_n = (pid % per_group) / gsize;
+}
+
 }  // namespace
+
+// Large tiles.  Shared memory: STAGES x (A tile BM x 64, B tile) with 128-byte rows for A and a K-major B (the
+// 16-byte chunk c of row r at chunk c ^ (r & 7)), and BN * 2-byte rows for an N-major B (the same XOR on the
+// low three chunk bits).  Because every row a thread loads or an ldmatrix lane reads has the same r & 7 at every
+// k-step, the swizzled addresses are a per-thread base XOR a compile-time constant.
+template <typename T, int BM, int BN, int WM, int WN, int STAGES, bool B_KMAJOR>
+__global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
+    T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ bias, int M,
+    int N, int K, long long lda, long long ldb, long long ldo, int act, int group_m) {
+  constexpr int BK = 64, KSTEPS = BK / 16, NT = WM * WN * 32;
+  constexpr int WTM = BM / WM, WTN = BN / WN, MT = WTM / 16, NT8 = WTN / 8;
+  constexpr int A_STAGE = BM * BK * 2, B_STAGE = BN * BK * 2;  // bytes
+  constexpr int B_ROW = B_KMAJOR ? BK * 2 : BN * 2;            // bytes per shared B row
+  // cp.async geometry: a thread loads chunk column *_c of rows *_r0 + l * *_STEP.
+  constexpr int A_CH = BK / 8, A_STEP = NT / A_CH, NA = BM / A_STEP;
+  constexpr int B_CH = B_ROW / 16, B_STEP = NT / B_CH, NB = (B_KMAJOR ? BN : BK) / B_STEP;
+  constexpr int NLOAD = NA + NB, LOADS_PER_STEP = (NLOAD + KSTEPS - 2) / (KSTEPS - 1);
+  static_assert(WTM % 16 == 0 && WTN % 16 == 0 && (WTN & (WTN - 1)) == 0, "bad warp tiling");
+  static_assert(NT % B_CH == 0 && A_STEP % 8 == 0 && B_STEP % 8 == 0, "rows of one thread must share r & 7");
+  static_assert(BM % A_STEP == 0 && (B_KMAJOR ? BN : BK) % B_STEP == 0 && NLOAD <= 32, "tile loads must split");
+  static_assert(B_KMAJOR || BN % 64 == 0, "an N-major B tile is whole 128-byte swizzle rows");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const unsigned sA = sc::smem_addr(smem_raw), sB = sA + STAGES * A_STAGE;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp / WN, wn = warp % WN;
+  int tile_m, tile_n;
+  grouped_tile(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, group_m, tile_m, tile_n);
+  const int m0 = tile_m * BM, n0 = tile_n * BN;
+
+  // -- cp.async state, fixed for the whole K loop --------------------------------------------------------
+  const int a_r0 = tid / A_CH, a_c = tid % A_CH;
+  const T* a_src = a + (long long)(m0 + a_r0) * lda + a_c * 8;
+  const long long a_step = (long long)A_STEP * lda;
+  const unsigned a_dst = sA + a_r0 * (BK * 2) + ((a_c ^ (a_r0 & 7)) << 4);
+  unsigned a_rows = 0;
+#pragma unroll
+  for (int l = 0; l < NA; ++l) a_rows |= (m0 + a_r0 + l * A_STEP < M ? 1u : 0u) << l;
+  const int b_r0 = tid / B_CH, b_c = tid % B_CH;
+  const T* b_src = B_KMAJOR ? b + (long long)(n0 + b_r0) * ldb + b_c * 8 : b + (long long)b_r0 * ldb + n0 + b_c * 8;
+  const long long b_step = (long long)B_STEP * ldb;
+  const unsigned b_dst = sB + b_r0 * B_ROW + ((b_c ^ (b_r0 & 7)) << 4);
+  unsigned b_rows = 0;  // K-major: rows (n) inside N; N-major: the column chunk inside N (bit 0)
+  if constexpr (B_KMAJOR) {
+#pragma unroll
+    for (int l = 0; l < NB; ++l) b_rows |= (n0 + b_r0 + l * B_STEP < N ? 1u : 0u) << l;
+  } else {
+    b_rows = n0 + b_c * 8 < N ? 1u : 0u;
+  }
+  // Load l of k-tile kt into ring slot `slot` (l < NA: A, else B).
+  auto load = [&](int l, int kt, int slot) {
+    const int k0 = kt * BK;
+    if (l < NA) {
+      const bool ok = ((a_rows >> l) & 1u) && k0 + a_c * 8 < K;
+      cp_async16_s(a_dst + slot * A_STAGE + l * A_STEP * (BK * 2), ok ? a_src + l * a_step + k0 : a, ok);
+    } else {
+      const int lb = l - NA;
+      if constexpr (B_KMAJOR) {
+        const bool ok = ((b_rows >> lb) & 1u) && k0 + b_c * 8 < K;
+        cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_src + lb * b_step + k0 : b, ok);
+      } else {
+        const bool ok = b_rows && k0 + b_r0 + lb * B_STEP < K;
+        cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_src + lb * b_step + k0 * ldb : b, ok);
+      }
+    }
+  };
+
+  // -- ldmatrix addresses: base of slot 0, k-step 0; the k-step (and the N-major column pair) is an XOR ------
+  // A: lane reads row (lane & 15), chunk 2 ks + (lane >> 4) of each 16-row block.
+  const unsigned a_lds = sA + (wm * WTM + (lane & 15)) * (BK * 2);
+  const unsigned a_x = ((lane >> 4) ^ (lane & 7)) << 4;
+  // K-major B: row (lane & 7) + 8 (lane >> 4), chunk 2 ks + ((lane >> 3) & 1) of each 16-row block.
+  // N-major B: row 16 ks + (lane & 7) + 8 ((lane >> 3) & 1), chunk WTN / 8 wn + 2 np + (lane >> 4).
+  const unsigned b_lds = B_KMAJOR ? sB + (wn * WTN + (lane & 7) + ((lane >> 4) << 3)) * B_ROW
+                                  : sB + ((lane & 7) + (((lane >> 3) & 1) << 3)) * B_ROW;
+  const unsigned b_x = B_KMAJOR ? (((lane >> 3) & 1) ^ (lane & 7)) << 4
+                                : ((wn * (WTN / 8)) ^ (lane >> 4) ^ (lane & 7)) << 4;
+
+  unsigned af[2][MT][4], bf[2][NT8][2];
+  auto load_frags = [&](int buf, int slot, int ks) {
+    const unsigned a_base = a_lds + slot * A_STAGE + (a_x ^ (ks * 32));
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ldsm_x4(af[buf][mt], a_base + mt * 16 * (BK * 2));
+#pragma unroll
+    for (int np = 0; np < NT8 / 2; ++np) {
+      unsigned r[4];
+      if constexpr (B_KMAJOR) {
+        ldsm_x4(r, b_lds + slot * B_STAGE + (b_x ^ (ks * 32)) + np * 16 * B_ROW);
+      } else {
+        ldsm_x4_trans(r, b_lds + slot * B_STAGE + (b_x ^ (np * 32)) + ks * 16 * B_ROW);
+      }
+      bf[buf][2 * np][0] = r[0];
+      bf[buf][2 * np][1] = r[1];
+      bf[buf][2 * np + 1][0] = r[2];
+      bf[buf][2 * np + 1][1] = r[3];
+    }
+  };
+
+  float acc[MT][NT8][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  const int KT = (K + BK - 1) / BK;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < KT) {
+#pragma unroll
+      for (int l = 0; l < NLOAD; ++l) load(l, s, s);
+    }
+    sc::cp_async_commit();
+  }
+  sc::cp_async_wait<STAGES - 2>();
+  __syncthreads();
+  load_frags(0, 0, 0);
+
+  int read_slot = 0, write_slot = STAGES - 1;
+  for (int kt = 0; kt < KT; ++kt) {
+    const bool load_next = kt + STAGES - 1 < KT;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      // Fragments of the next k-step (the next k-tile's first at the last step; its slot passed the barrier).
+      if (ks < KSTEPS - 1 || kt + 1 < KT) load_frags((ks + 1) & 1, read_slot, (ks + 1) % KSTEPS);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT8; ++nt) sc::mma_16816<T>(acc[mt][nt], af[ks & 1][mt], bf[ks & 1][nt]);
+      // The slot of k-tile kt + STAGES - 1 was last read at k-tile kt - 1 (before its barrier).
+      if (ks < KSTEPS - 1 && load_next) {
+#pragma unroll
+        for (int l = ks * LOADS_PER_STEP; l < (ks + 1) * LOADS_PER_STEP && l < NLOAD; ++l)
+          load(l, kt + STAGES - 1, write_slot);
+      }
+      if (ks == KSTEPS - 2) {
+        // After this barrier k-tile kt + 1 has landed and is visible to every warp, and every warp has read
+        // all of k-tile kt's fragments (the last k-step's just above), so k-tile kt + 1's loop may refill its
+        // slot.  The mma.syncs issued before it keep the Tensor Cores busy across the wait.
+        sc::cp_async_commit();
+        sc::cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        read_slot = read_slot + 1 == STAGES ? 0 : read_slot + 1;
+      }
+    }
+    write_slot = write_slot + 1 == STAGES ? 0 : write_slot + 1;
+  }
+
+  const int g = lane >> 2, t = lane & 3;
+  sc::store_fragments<T, MT, NT8>(out, ldo, bias, act, M, N, m0 + wm * WTM + g, 16, n0 + wn * WTN + 2 * t,
+                                  m0 + BM <= M && n0 + BN <= N,
+                                  [&](int mt, int nt, int e) { return acc[mt][nt][e]; });
+}
 
 template <typename T, int BM, int BN, int BK, int WM, int WN, int WK, int STAGES, bool B_KMAJOR>
 __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(

@@ -7,9 +7,10 @@ Three paths, picked by :func:`gemm_path`, a pure function of the problem and the
   epilogue goes out through a swizzled staging buffer by asynchronous TMA stores, so the next tile's wgmmas
   start while the last tile's writes drain.  B may be K-major (a Linear weight (N, K)) or N-major (a row-major
   (K, N) matrix, read transposed by wgmma).
-* ``"ampere"`` (sm_80+): mma.sync + ldmatrix from a cp.async ring of swizzled tiles.
-* ``"skinny"`` (decode: M <= 64, or M <= 32 on sm_90): the same mma.sync kernel with narrow N tiles, deep K
-  tiles and warps splitting K, so the weight streams once at HBM bandwidth.
+* ``"ampere"`` (sm_80+): mma.sync + ldmatrix from a cp.async ring of swizzled tiles, 64 x 64 warp tiles whose
+  fragments are double-buffered in registers (gemm_mma_tile_kernel).
+* ``"skinny"`` (decode: M <= 64, or M <= 32 on sm_90): an mma.sync kernel with narrow N tiles, deep K tiles and
+  warps splitting K (gemm_mma_kernel), so the weight streams once at HBM bandwidth.
 """
 from __future__ import annotations
 
@@ -57,10 +58,15 @@ class MmaConfig:
         return max(ring, reduce)
 
 
-# Large tiles for big problems (warp tiles 64x64 and 64x32: NVRTC 13.0 spills a 64x64 warp tile with 4 warps
-# per CTA), a 64-row tile for M in the low hundreds.
-MMA_LARGE = (MmaConfig(128, 256, 64, 2, 4, 1, 3), MmaConfig(128, 128, 64, 2, 4, 1, 4),
-             MmaConfig(64, 128, 64, 2, 2, 1, 4))
+# Large tiles for big problems (gemm_mma_tile_kernel: 64 x 64 warp tiles with double-buffered fragments), a
+# 128 x 128 tile with 64 x 32 warp tiles and a 64-row tile for M in the low hundreds.  Same-run H200 A/Bs (forced
+# Ampere path, 8192^3 bf16, two calls; cuBLAS itself moved 704-799 TFLOP/s between rows): linear 256 x 128
+# 406-418 TFLOP/s with 3 or 4 stages, 128 x 256 400-409; matmul (N-major B) 128 x 256 / 3 stages 422-431 against
+# 388-398 for 256 x 128; 128 x 128 / 6 stages 326-367.  Three stages (144 KB) also fit an A100; tiles whose ring
+# does not fit the SM (sm_86 / sm_89: 100 KB) are skipped.  The old kernel (no fragment double buffering, index
+# math per load) reached 272-309.
+MMA_LARGE = (MmaConfig(256, 128, 64, 4, 2, 1, 3), MmaConfig(128, 256, 64, 2, 4, 1, 3),
+             MmaConfig(128, 128, 64, 2, 4, 1, 4), MmaConfig(64, 128, 64, 2, 2, 1, 4))
 # Skinny: one row tile covers all of M; 32 columns per CTA so that N = 4096 already gives ~one CTA per SM;
 # 8 warps split each stage's K slice.
 MMA_SKINNY = {16: MmaConfig(16, 32, 256, 1, 1, 8, 4), 32: MmaConfig(32, 32, 256, 1, 1, 8, 4),
@@ -69,11 +75,15 @@ MMA_SKINNY = {16: MmaConfig(16, 32, 256, 1, 1, 8, 4), 32: MmaConfig(32, 32, 256,
 # the H200: M = 64, N = 28672 streamed at 1.9 TB/s against 4.0 TB/s for M = 16).  When N is wide enough to
 # give every SM a CTA with 64 columns, these halve that traffic.
 MMA_SKINNY_WIDE = {32: MmaConfig(32, 64, 128, 1, 2, 4, 4), 64: MmaConfig(64, 64, 128, 1, 2, 4, 4)}
-_MMA_EFFICIENCY = {MMA_LARGE[0]: 1.0, MMA_LARGE[1]: 0.9, MMA_LARGE[2]: 0.75}
-# Deeper rings of the same tiles where shared memory allows (H100/H200: 227 KB per block).  With 3 stages
-# only one k-tile load is in flight behind the one being computed, which on the H200 left the 128x256
-# kernel load-latency bound (231 TFLOP/s at 8192^3).
-MMA_DEEP = {MMA_LARGE[0]: MmaConfig(128, 256, 64, 2, 4, 1, 4), MMA_LARGE[1]: MmaConfig(128, 128, 64, 2, 4, 1, 6)}
+# M <= 16 with at most one CTA per SM (N <= 32 x SMs): nothing else hides a CTA's load latency, so a deeper
+# ring of shallower k-tiles (7 in flight).  H200, 16 x 4096 x 4096: 2.52 TB/s against 2.39 (M = 1: 2.53 / 2.39).
+MMA_SKINNY_DEEP = MmaConfig(16, 32, 128, 1, 1, 8, 8)
+# M <= 16 with an N-major B (matmul): a 32-column tile reads 64-byte pieces of each B row; 64 columns read whole
+# 128-byte lines.  H200, matmul 16 x 14336 x 4096: 3.55 TB/s (0.97x cuBLAS) against 3.03 (0.83x).
+MMA_SKINNY_NMAJOR = MmaConfig(16, 64, 128, 1, 2, 4, 8)
+_MMA_EFFICIENCY = {MMA_LARGE[0]: 1.0, MMA_LARGE[1]: 1.0, MMA_LARGE[2]: 0.85, MMA_LARGE[3]: 0.75}
+# Deeper rings of the same tiles where shared memory allows (H100/H200: 227 KB per block).
+MMA_DEEP = {MMA_LARGE[2]: MmaConfig(128, 128, 64, 2, 4, 1, 6)}
 
 
 @dataclass(frozen=True)
@@ -145,16 +155,25 @@ def gemm_path(m: int, n: int, k: int, dtype: str, cc: tuple, b_kmajor: bool) -> 
 
 
 @lru_cache(maxsize=4096)
-def mma_config(m: int, n: int, k: int, sms: int, smem_per_sm: int, skinny: bool) -> MmaConfig:
+def mma_config(m: int, n: int, k: int, sms: int, smem_per_sm: int, skinny: bool, b_kmajor: bool = True) -> MmaConfig:
     """The mma.sync tile: for skinny M the smallest row tile covering M; otherwise the tile that minimizes
-    (waves x tile area / efficiency), where a wave is one CTA on every SM (or two, when two fit)."""
+    (waves x tile area / efficiency), where a wave is one CTA on every SM (or two, when two fit), among the tiles
+    whose ring fits the SM's shared memory."""
     if skinny:
         bm = next((b for b in MMA_SKINNY if m <= b), 64)
+        if bm == 16:
+            if not b_kmajor and _ceil(n, 64) >= 0.9 * sms and MMA_SKINNY_NMAJOR.smem + 1024 <= smem_per_sm:
+                return MMA_SKINNY_NMAJOR
+            if _ceil(n, 32) <= sms:
+                return MMA_SKINNY_DEEP
         if bm in MMA_SKINNY_WIDE and _ceil(n, 64) >= 0.9 * sms:
             return MMA_SKINNY_WIDE[bm]
         return MMA_SKINNY[bm]
+    # ties go to the earlier tile: 256 x 128 for a K-major B, 128 x 256 for an N-major one (measured faster)
+    order = MMA_LARGE if b_kmajor else (MMA_LARGE[1], MMA_LARGE[0]) + MMA_LARGE[2:]
+    fits = [c for c in order if c.smem + 1024 <= smem_per_sm] or [MMA_LARGE[-1]]
     best, best_cost = None, None
-    for cfg in MMA_LARGE:
+    for cfg in fits:
         per_sm = max(1, min(2, smem_per_sm // (cfg.smem + 1024)))
         tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
         # a wave runs per_sm CTAs on each SM, sharing its Tensor Cores
@@ -203,8 +222,13 @@ _OPTIONS = ("-default-device",)
 
 @lru_cache(maxsize=None)
 def _mma_kernel(dtype: str, cfg: MmaConfig, b_kmajor: bool) -> Kernel:
+    kmajor = 'true' if b_kmajor else 'false'
+    if cfg.wk == 1:  # large tiles: the fragment-double-buffered kernel (BK = 64)
+        assert cfg.bk == 64, cfg
+        return Kernel(SOURCE, f"gemm_mma_tile_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.wm}, {cfg.wn}, "
+                              f"{cfg.stages}, {kmajor}>", _OPTIONS)
     return Kernel(SOURCE, f"gemm_mma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.bk}, {cfg.wm}, {cfg.wn}, "
-                          f"{cfg.wk}, {cfg.stages}, {'true' if b_kmajor else 'false'}>", _OPTIONS)
+                          f"{cfg.wk}, {cfg.stages}, {kmajor}>", _OPTIONS)
 
 
 @lru_cache(maxsize=None)
@@ -223,7 +247,7 @@ def all_kernels() -> list:
     for dtype in A.HALF_DTYPES:
         for kmajor in (True, False):
             for cfg in (MMA_LARGE + tuple(MMA_DEEP.values()) + tuple(MMA_SKINNY.values())
-                        + tuple(MMA_SKINNY_WIDE.values())):
+                        + tuple(MMA_SKINNY_WIDE.values()) + (MMA_SKINNY_DEEP, MMA_SKINNY_NMAJOR)):
                 out.append(_mma_kernel(dtype, cfg, kmajor))
         for kmajor in (True, False):
             for bm, bn in wgmma_tiles(kmajor) + wgmma_tiles(kmajor, decode=True):
@@ -300,7 +324,7 @@ def _plan(path: str, dtype: str, m: int, n: int, k: int, b_kmajor: bool, sms: in
         cfg = wgmma_config(m, n, k, sms, smem_per_block, b_kmajor)
         grid = min(_ceil(m, cfg.bm) * _ceil(n, cfg.bn), sms)  # persistent: at most one CTA per SM
         return cfg, _wgmma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
-    cfg = mma_config(m, n, k, sms, smem_per_sm, path == "skinny")
+    cfg = mma_config(m, n, k, sms, smem_per_sm, path == "skinny", b_kmajor)
     grid = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
     return cfg, _mma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
 

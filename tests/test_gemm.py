@@ -29,7 +29,7 @@ def test_dispatch_is_pure_and_sensible():
 def test_skinny_config_covers_m(m):
     for n in (4096, 28672):
         cfg = gemm.mma_config(m, n, 4096, 132, 233472, True)
-        assert cfg in list(gemm.MMA_SKINNY.values()) + list(gemm.MMA_SKINNY_WIDE.values())
+        assert cfg in list(gemm.MMA_SKINNY.values()) + list(gemm.MMA_SKINNY_WIDE.values()) + [gemm.MMA_SKINNY_DEEP]
         assert cfg.smem <= 232448
         if m <= 64:
             assert cfg.bm >= m and (cfg.bm == 16 or cfg.bm // 2 < m)
@@ -45,8 +45,23 @@ def test_mma_config_fits(mnk):
 
 
 def test_mma_config_large_problem_uses_largest_tile():
-    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False) == gemm.MMA_DEEP[gemm.MMA_LARGE[0]]
+    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False) == gemm.MMA_LARGE[0]
+    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False, False) == gemm.MMA_LARGE[1]
     assert gemm.mma_config(8192, 8192, 8192, 108, 167936, False) == gemm.MMA_LARGE[0]
+    # sm_86 / sm_89: 100 KB of shared memory per SM, only the 64 x 128 ring fits
+    cfg = gemm.mma_config(8192, 8192, 8192, 84, 102400, False)
+    assert cfg.smem + 1024 <= 102400 and cfg in gemm.MMA_LARGE
+
+
+def test_skinny_config_m16_rules():
+    # one CTA per SM: the deep ring; more: the default; an N-major B with N >= ~0.9 x 64 x SMs: 64 columns
+    assert gemm.mma_config(16, 4096, 4096, 132, 233472, True) == gemm.MMA_SKINNY_DEEP
+    assert gemm.mma_config(1, 4096, 4096, 132, 233472, True, False) == gemm.MMA_SKINNY_DEEP
+    assert gemm.mma_config(16, 8192, 8192, 132, 233472, True) == gemm.MMA_SKINNY[16]
+    assert gemm.mma_config(16, 14336, 4096, 132, 233472, True, False) == gemm.MMA_SKINNY_NMAJOR
+    assert gemm.mma_config(16, 14336, 4096, 132, 233472, True, True) == gemm.MMA_SKINNY[16]
+    assert gemm.mma_config(17, 14336, 4096, 132, 233472, True, False) == gemm.MMA_SKINNY_WIDE[32]
+    assert gemm.mma_config(16, 14336, 4096, 84, 102400, True, False) == gemm.MMA_SKINNY[16]  # 100 KB SMs
 
 
 @pytest.mark.parametrize("kmajor", [True, False])
@@ -261,6 +276,34 @@ def test_hopper_every_tile(tile, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("cfg", sorted(set(gemm.MMA_LARGE + tuple(gemm.MMA_DEEP.values())), key=str),
+                         ids=lambda c: f"{c.bm}x{c.bn}w{c.wm}{c.wn}s{c.stages}")
+def test_ampere_every_tile(cfg, dtype, monkeypatch):
+    """Each large mma.sync tile (forced), both B layouts: partial tiles in M, N and K (K not a multiple of 64,
+    fewer k-tiles than stages), bias + activation, a strided out view."""
+    torch = _torch()
+    import speedcore
+
+    monkeypatch.setattr(gemm, "mma_config", lambda *a, **kw: cfg)
+    monkeypatch.setattr(gemm, "_plan", gemm._plan.__wrapped__)
+    dt = getattr(torch, dtype)
+    torch.manual_seed(cfg.bm + cfg.bn + cfg.stages)
+    for m, n, k in [(2 * cfg.bm + 3, 2 * cfg.bn + 72, 1000), (cfg.bm - 1, cfg.bn - 8, 72), (5, 24, 8)]:
+        x = torch.randn(m, k, device="cuda", dtype=dt)
+        w = torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)
+        bias = torch.randn(n, device="cuda", dtype=dt)
+        out_big = torch.full((m, n + 8), float("nan"), device="cuda", dtype=dt)
+        out = out_big[:, :n]
+        speedcore.linear(x, w, bias, activation="silu", out=out, _path="ampere")
+        _assert_close(out, _ref(torch, x, w, bias, "silu"), f"{cfg} linear {m}x{n}x{k}")
+        assert out_big[:, n:].isnan().all(), "wrote outside the out view"
+        b = torch.randn(k, n, device="cuda", dtype=dt) / math.sqrt(k)
+        _assert_close(speedcore.matmul(x, b, _path="ampere"), x.float() @ b.float(), f"{cfg} matmul {m}x{n}x{k}")
+        _assert_close(speedcore.matmul(x, w.t(), _path="ampere"), x.float() @ w.float().t(), f"{cfg} nk {m}x{n}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_default_dispatch_many_tiles(dtype):
     """Default path on big-ish problems: more tiles than SMs (persistent loop, ring phases wrap)."""
     torch = _torch()
@@ -269,7 +312,7 @@ def test_default_dispatch_many_tiles(dtype):
     dt = getattr(torch, dtype)
     torch.manual_seed(3)
     for m, n, k in [(1999, 4104, 136), (1024, 1024, 1024), (16, 4096, 4096), (3, 11008, 512), (40, 8448, 264),
-                    (20, 8448, 136)]:
+                    (20, 8448, 136), (9, 8448, 200)]:
         x = torch.randn(m, k, device="cuda", dtype=dt)
         w = torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)
         _assert_close(speedcore.linear(x, w, activation="silu"), _ref(torch, x, w, None, "silu"), f"{m}x{n}x{k}")
