@@ -4,14 +4,19 @@ torch's int4 tinygemm (torch.ops.aten._weight_int4pack_mm, group 128, bfloat16 o
 M in {1, 4, 16, 64, 256, 2048} x (N, K) in {(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096)} for AWQ
 (bf16 and fp16); GPTQ and INT8 on a subset.  M <= 64 is recorded in TB/s of the bytes our op must move
 (packed weights + scales + zeros + x + y; peers converted with the same byte count, so ratio = time ratio)
-against the copy ceiling; larger M in TFLOP/s.  Weights are random packed words (all nibble values).
-The main records use the prepacked (tile-major) weights; "[as stored]" records call with the checkpoint
-tensors directly.
+against the copy ceiling; larger M in TFLOP/s.  At M = 1 also a cuBLAS GEMV of the same weight bytes (SAME_BYTES).
+Weights are random packed words (all nibble values).
+The main records use the prepacked layers (prepack_*: one-time tile-major and fragment-major copies, made
+outside the timed region as Marlin does); "[as stored]" records call with the checkpoint tensors directly.
 """
 import speedcore
 from speedcore import quant as Q
 
 NK = [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096)]
+# At M = 1, a cuBLAS GEMV that reads as many weight bytes as ours (N/4 rows of bf16/fp16 for INT4, N/2 for INT8):
+# what the same read costs cuBLAS, launch and ramp included (on the H200 a 33.6 MB GEMV takes ~15 us, so the
+# ratio to the full-size F.linear cannot approach the 4x byte ratio on an 8192x8192 layer).
+SAME_BYTES = "cuBLAS GEMV, same bytes"
 MS = [1, 4, 16, 64, 256, 2048]
 GROUP = 128
 
@@ -103,6 +108,8 @@ def _int4(b, fmt, n, k, dtype, ms):
         nbytes = k * n // 2 + (k // g) * n * 2 + (k // g) * n // 2 + 2 * m * (k + n)
         ours = b.time_ms(lambda: call(x))
         peers = {"F.linear (cuBLAS)": b.time_ms(lambda: F.linear(x, w))}
+        if m == 1:
+            peers[SAME_BYTES] = b.time_ms(lambda: F.linear(x, w[:n // 4]))
         if tg is not None:
             packed_tg, sz = tg
             peers["tinygemm int4 (torch)"] = b.time_ms(
@@ -126,6 +133,8 @@ def _int8(b, n, k, dtype, ms):
         nbytes = k * n + 2 * n + 2 * m * (k + n)
         ours = b.time_ms(lambda: speedcore.int8_linear(x, packed))
         peers = {"F.linear (cuBLAS)": b.time_ms(lambda: F.linear(x, w))}
+        if m == 1:
+            peers[SAME_BYTES] = b.time_ms(lambda: F.linear(x, w[:n // 2]))
         _record(b, "int8_linear", m, n, k, dtype, nbytes, ours, peers)
         if m <= 256:
             _record(b, "int8_linear[as stored]", m, n, k, dtype, nbytes,
