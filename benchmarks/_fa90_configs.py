@@ -13,9 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speedcore import attention as att  # noqa: E402
 
 # (d, causal, seqlen, dtype, alternatives)
-D64S = [(128, 4, 2, False), (64, 6, 2, False), (64, 4, 2, False), (64, 8, 2, False), (64, 6, 3, False)]
-CASES = [(64, True, 512, "float16", D64S), (64, True, 512, "bfloat16", D64S), (64, True, 1024, "bfloat16", D64S),
-         (64, False, 512, "bfloat16", [(128, 4, 3, False), (64, 6, 3, False), (64, 6, 2, False)])]
+D256 = [(32, 4, 2, False), (32, 4, 2, True), (32, 5, 2, False), (64, 2, 2, True)]
+CASES = [(256, False, 2048, "bfloat16", D256), (256, False, 8192, "bfloat16", D256),
+         (256, True, 2048, "bfloat16", D256), (256, False, 2048, "float16", D256[:3])]
 
 
 def _compile(k):
