@@ -10,7 +10,9 @@ so clocks drift alike.  Prints one table (TFLOP/s or TB/s; ratio to cuBLAS in br
 The previous kernels (those of 869ced9) are made beside the current ones with
     git show 869ced9:kernels/gemm_sm90.cu | sed 's/gemm_wgmma_kernel(/gemm_wgmma_prev_kernel(/' > kernels/gemm_sm90_prev.cu
     git show 869ced9:kernels/gemm.cu | sed 's/gemm_mma_kernel(/gemm_mma_prev_kernel(/' > kernels/gemm_prev.cu
-(untracked; without them the "old" columns are left out).
+(untracked; without them the "old" columns are left out).  The ampere section's "prev" column needs only
+    git show <commit>:kernels/gemm.cu | sed 's/gemm_mma_tile_kernel(/gemm_mma_tile_prev_kernel(/; s/gemm_mma_kernel(/gemm_mma_prev_kernel(/' > kernels/gemm_prev.cu
+with a commit that has gemm_mma_tile_kernel (563fe1d or later).
 """
 import math
 import sys
@@ -151,6 +153,11 @@ def precompile_all():
         kern.add(gemm._mma_kernel("bfloat16", c, True))
     for c in AMPERE_CFGS[:3]:
         kern.add(gemm._mma_kernel("bfloat16", c, False))
+    if HAVE_PREV_TILE:
+        for kmajor in (True, False):
+            c = gemm.mma_config(8192, 8192, 8192, SMS, 233472, False, kmajor)
+            kern.add(Kernel("gemm_prev.cu", f"gemm_mma_tile_prev_kernel<{CT}, {c.bm}, {c.bn}, {c.wm}, {c.wn}, "
+                                            f"{c.stages}, {'true' if kmajor else 'false'}>", OPT))
     for c in SKINNY_CFGS.values():
         kern.add(gemm._mma_kernel("bfloat16", c, True))
         kern.add(gemm._mma_kernel("bfloat16", c, False))
@@ -226,30 +233,49 @@ def small_section():
         report(f"linear {m}x{n}x{k}", m, n, k, t)
 
 
+def prev_tile_fn(x, w, out, c, kmajor):
+    """The large-tile kernel of kernels/gemm_prev.cu (renamed gemm_mma_tile_prev_kernel), launched as _gemm does."""
+    m, k = x.shape
+    n = w.shape[0] if kmajor else w.shape[1]
+    kern = Kernel("gemm_prev.cu", f"gemm_mma_tile_prev_kernel<{CT}, {c.bm}, {c.bn}, {c.wm}, {c.wn}, {c.stages}, "
+                                  f"{'true' if kmajor else 'false'}>", OPT)
+    cfg = LaunchConfig((math.ceil(m / c.bm) * math.ceil(n / c.bn),), (c.threads,), c.smem)
+    args = (out.data_ptr(), x.data_ptr(), w.data_ptr(), 0, np.int32(m), np.int32(n), np.int32(k), np.int64(k),
+            np.int64(k if kmajor else n), np.int64(n), np.int32(0), np.int32(8))
+    stream = A.stream_of(A.wrap(x, "x"))
+    return lambda: launch(kern, cfg, args, device=0, stream=stream)
+
+
+HAVE_PREV_TILE = os.path.exists(os.path.join(os.path.dirname(__file__), "..", "kernels", "gemm_prev.cu"))
+
+
 def ampere_section():
+    """Forced Ampere path at 8192^3 against cuBLAS, timed ABBA (cuBLAS, new, prev | prev, new, cuBLAS) so a
+    drift of the clocks hits every column alike; each column is the faster of its two medians."""
     s = 8192
     x = torch.randn(s, s, dtype=DT, device="cuda")
     w = torch.randn(s, s, dtype=DT, device="cuda") / s ** 0.5
     out = torch.empty(s, s, dtype=DT, device="cuda")
     b_kn = w.t().contiguous()
-    for rep in range(2):
-        t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)),
-             "default": b.time_ms(lambda: speedcore.linear(x, w, out=out, _path="ampere"))}
-        for c in AMPERE_CFGS:
-            t[f"{c.bm}x{c.bn}s{c.stages}"] = time_forced(lambda: speedcore.linear(x, w, out=out, _path="ampere"), mma=c)
-        report(f"ampere linear 8192^3 #{rep}", s, s, s, t)
-    t = {"cublas": b.time_ms(lambda: torch.matmul(x, b_kn)),
-         "default": b.time_ms(lambda: speedcore.matmul(x, b_kn, out=out, _path="ampere"))}
-    for c in AMPERE_CFGS[:3]:
-        t[f"{c.bm}x{c.bn}s{c.stages}"] = time_forced(lambda: speedcore.matmul(x, b_kn, out=out, _path="ampere"), mma=c)
-    report("ampere matmul 8192^3", s, s, s, t)
-    t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w))}
-    saved = gemm._GROUP_ARG
-    for g in (4, 8, 16, 32):
-        gemm._GROUP_ARG = np.int32(g)
-        t[f"group{g}"] = b.time_ms(lambda: speedcore.linear(x, w, out=out, _path="ampere"))
-    gemm._GROUP_ARG = saved
-    report("ampere linear 8192^3 group_m", s, s, s, t)
+    for op in ("linear", "matmul"):
+        if op == "linear":
+            fns = {"cublas": lambda: torch.nn.functional.linear(x, w),
+                   "new": lambda: speedcore.linear(x, w, out=out, _path="ampere")}
+            c = gemm.mma_config(s, s, s, SMS, dev.smem_per_sm, False, True)
+            if HAVE_PREV_TILE:
+                fns["prev"] = prev_tile_fn(x, w, out, c, True)
+        else:
+            fns = {"cublas": lambda: torch.matmul(x, b_kn),
+                   "new": lambda: speedcore.matmul(x, b_kn, out=out, _path="ampere")}
+            c = gemm.mma_config(s, s, s, SMS, dev.smem_per_sm, False, False)
+            if HAVE_PREV_TILE:
+                fns["prev"] = prev_tile_fn(x, b_kn, out, c, False)
+        for rep in range(2):
+            order = list(fns) + list(reversed(list(fns)))
+            best = {}
+            for name in order:
+                best[name] = min(best.get(name, 1e9), b.time_ms(fns[name]))
+            report(f"ampere {op} {c.bm}x{c.bn}s{c.stages} #{rep}", s, s, s, best)
     for m, n, k in [(4096, 4096, 4096), (2048, 14336, 4096)]:
         x2 = torch.randn(m, k, dtype=DT, device="cuda")
         w2 = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
