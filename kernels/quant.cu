@@ -1158,7 +1158,8 @@ __global__ void __launch_bounds__(256) gemv_pack_int8_kernel(unsigned* __restric
 // partial blocks go through fp32 atomics; this kernel keeps the bytes in registers:
 // * each warp streams a contiguous run of its block's steps in chunks of 4 steps (128 k, 4 KB): eight 16-byte
 //   loads per lane straight into the mma A fragments, plus the lane's x words and the chunk's group record
-//   (a chunk never straddles a group: G % 128 == 0), all issued before any of them is used;
+//   (a chunk never straddles a group: G % 128 == 0), all issued before any of them is used; at M <= 8 each piece's
+//   registers are reloaded with the next chunk's piece as soon as the math has read them (register pipeline);
 // * the next chunk(s) are prefetched into L2 (one 128-byte line per lane), so a warp's effective bytes in flight
 //   are 4 KB in registers plus 4 KB per prefetch distance, without registers;
 // * a CTA is one 64-channel block (32 for INT8) and W warps that split its K, so the reduction is one pass
@@ -1200,70 +1201,106 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 
 // The math of one chunk (4 steps x 16 k x 2 halves) of gemv_stream_kernel / gemv_bulk_kernel: wf(u, h) gives the
 // lane's 16 weight bytes of step u, half h; xf(u, h, mt) its 8 bytes of x (rows 8 mt + g); sv / zv the lane's
-// scales / zero points of the chunk's group (INT4); dep a zero that every dequant constant depends on.
-template <typename T, int KIND, int MT, typename WF, typename XF>
+// scales / zero points of the chunk's group (INT4); dep a zero that every dequant constant depends on; after(u, h)
+// runs once the piece (u, h) has been read (gemv_stream_kernel refills its registers with the next chunk there).
+//
+// INT4 (XSUM): the weights go to the mma as the raw magic-number words, (magic + q) (bf16: 128 + q; fp16: 1024 + q
+// for channel g, 1024 + 16 q for channel g + 8), one lop3 per pair and no per-weight zero point or scale; the
+// chunk (128 k, one group) is summed in fp32 per channel, and magic + zero point come off once per chunk through
+// sum_k x (one mma per 16 k and 8 rows with an all-ones A): acc += s (sum_k (magic + q) x - (magic + z) sum_k x).
+// The scale is applied once per channel and chunk, to an fp32 sum (no rounding of (q - z) s to T per weight).
+// Used at M <= 8 only.  At M > 8 (two 8-row x tiles) it measured slower on the H200 than the per-weight
+// (q - z) s path below (same run, bf16, with the register pipeline: 8192^2 23.2 vs 22.8 us, 28672x8192 67.4 vs
+// 60.4 us): the extra sum_k x mmas and the second accumulator set (166 registers) cost more than the per-weight
+// fma pairs, which are not what limits M = 16 (its x words are as many bytes as the weights: each 64-channel
+// CTA reads all of x from L2).  -DSC_QUANT_XSUM_MT2 turns it on at M > 8 (for A/B measurements).
+#ifdef SC_QUANT_XSUM_MT2
+#define SC_QUANT_XSUM_MT 2
+#else
+#define SC_QUANT_XSUM_MT 1
+#endif
+template <typename T, int KIND, int MT, typename WF, typename XF, typename AF>
 __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_INT4 ? 4 : 2][4], WF wf, XF xf,
-                                                  uint4 sv, uint2 zv, unsigned dep) {
+                                                  uint4 sv, uint2 zv, unsigned dep, AF after) {
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, U = kStreamChunkSteps;
-  constexpr bool XSUM = INT4 && MT == 1;
-  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+  constexpr bool XSUM = INT4 && MT <= SC_QUANT_XSUM_MT;
+  constexpr bool HALF = is_half<T>::value;
+  constexpr unsigned MAGIC = HALF ? 0x64006400u : 0x43004300u;
   const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u;
   const unsigned magic = MAGIC | dep;
   if constexpr (XSUM) {
-    float accg[NT][4], xs[2] = {0.f, 0.f};
+    float accg[MT][NT][4], xs[MT][2];
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
+    for (int mt = 0; mt < MT; ++mt) {
+      xs[mt][0] = xs[mt][1] = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) accg[t][j] = 0.f;
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) accg[mt][t][j] = 0.f;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint4 wu = wf(u, h);
-        const uint2 xw = xf(u, h, 0);
-        const unsigned bx[2] = {xw.x, xw.y};
-        {
+        unsigned bx[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint2 xw = xf(u, h, mt);
+          bx[mt][0] = xw.x;
+          bx[mt][1] = xw.y;
           const unsigned ones[4] = {Bits<T>::ONE | dep, Bits<T>::ONE, Bits<T>::ONE, Bits<T>::ONE};
-          float d[4] = {xs[0], xs[1], 0.f, 0.f};
-          sc::mma_16816<T>(d, ones, bx);
-          xs[0] = d[0];
-          xs[1] = d[1];
+          float d[4] = {xs[mt][0], xs[mt][1], 0.f, 0.f};
+          sc::mma_16816<T>(d, ones, bx[mt]);
+          xs[mt][0] = d[0];
+          xs[mt][1] = d[1];
         }
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           const unsigned wd = sc::word(wu, t);
           unsigned a[4];
-          if constexpr (is_half<T>::value) {
+          if constexpr (HALF) {
             const unsigned w8 = wd >> 8;
             a[0] = and_or(wd, mask_lo, magic);
-            a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, 0x63806380u);  // + 960
+            a[1] = and_or(wd, mask_hi, magic);  // 1024 + 16 q: the flush divides channel g + 8 by 16
             a[2] = and_or(w8, mask_lo, magic);
-            a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, 0x63806380u);
+            a[3] = and_or(w8, mask_hi, magic);
           } else {
             a[0] = and_or(wd, mask_lo, magic);
             a[1] = and_or(wd >> 4, mask_lo, magic);
             a[2] = and_or(wd >> 8, mask_lo, magic);
             a[3] = and_or(wd >> 12, mask_lo, magic);
           }
-          sc::mma_16816<T>(accg[t], a, bx);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) sc::mma_16816<T>(accg[mt][t], a, bx[mt]);
         }
+        after(u, h);
       }
-    // acc += s (sum (magic + q) x - (magic + z) sum x), per channel o = 2 t + h of this lane.
+    // acc += s (sum (magic + q) x - (magic + z) sum x), per channel o = 2 t + hh of this lane; fp16 channel g + 8
+    // (hh = 1) summed (1024 + 16 q) x: s / 16 and 1024 + 16 z (exact powers of two apart).
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int o = 2 * t + hh;
         const float2 sp = sc::unpack2<T>(sc::word(sv, o / 2));
-        const float s = (o & 1) ? sp.y : sp.x;
+        float s = (o & 1) ? sp.y : sp.x;
         const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
-        const float zf = (float)z + (is_half<T>::value ? 1024.f : 128.f);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = 2 * hh + e;
-          acc[0][t][j] = fmaf(s, fmaf(-zf, xs[e], accg[t][j]), acc[0][t][j]);
+        float zf;
+        if constexpr (HALF) {
+          zf = hh ? fmaf(16.f, (float)z, 1024.f) : (float)z + 1024.f;
+          if (hh) s *= 0.0625f;
+        } else {
+          zf = (float)z + 128.f;
         }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 2 * hh + e;
+            acc[mt][t][j] = fmaf(s, fmaf(-zf, xs[mt][e], accg[mt][t][j]), acc[mt][t][j]);
+          }
       }
   } else if constexpr (INT4) {
     unsigned scl[8], zc[8];
@@ -1283,6 +1320,9 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint4 wu = wf(u, h);
+        uint2 xw[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) xw[mt] = xf(u, h, mt);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           const unsigned wd = sc::word(wu, t);
@@ -1304,11 +1344,11 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
           for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[2 * t + (i & 1)], Bits<T>::NEG_ZERO);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            const uint2 xw = xf(u, h, mt);
-            const unsigned bx[2] = {xw.x, xw.y};
+            const unsigned bx[2] = {xw[mt].x, xw[mt].y};
             sc::mma_16816<T>(acc[mt][t], a, bx);
           }
         }
+        after(u, h);
       }
   } else {
 #pragma unroll
@@ -1316,6 +1356,9 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint4 wu = wf(u, h);
+        uint2 xw[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) xw[mt] = xf(u, h, mt);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           const unsigned u0w = sc::word(wu, 2 * t) ^ dep, u1w = sc::word(wu, 2 * t + 1) ^ dep;
@@ -1323,11 +1366,11 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
                                  int8_pair<T, 0x4140u>(u1w), int8_pair<T, 0x4342u>(u1w)};
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            const uint2 xw = xf(u, h, mt);
-            const unsigned bx[2] = {xw.x, xw.y};
+            const unsigned bx[2] = {xw[mt].x, xw[mt].y};
             sc::mma_16816<T>(acc[mt][t], a, bx);
           }
         }
+        after(u, h);
       }
   }
 }
@@ -1425,9 +1468,6 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
     int order, unsigned zero, long long ldx) {
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
-  // M <= 8 INT4: (magic + q) goes to the mma as is; magic + zero point come off once per chunk through
-  // sum_k x.  M <= 16: per-weight (q - z) * s (no registers for a second accumulator set).
-  constexpr bool XSUM = INT4 && MT == 1;
   extern __shared__ __align__(16) float red[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int W = blockDim.x >> 5;
@@ -1455,35 +1495,47 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
       prefetch_l2(reinterpret_cast<const unsigned char*>(wb + (long long)U * chunk(i) * 64) + 128 * lane);
   };
   for (int d = 1; d < prefetch; ++d) prefetch_chunk(d);
+  auto load_w = [&](int cc, int u, int h) { return ldg_stream(wb + (long long)U * cc * 64 + lane + u * 64 + h * 32); };
+  auto load_x = [&](int cc, int u, int h, int mt) { return ldg8_nc(xr[mt] + (U * cc + u) * 32 + 16 * h); };
+  auto group_rec = [&](int cc) { return gb + (long long)((U * cc) / SPG) * 192; };
 
+  // The register pipeline below at M <= 8 (H200, same run, bf16: INT8 8192^2 22.4 vs 24.3 us, 28672x8192 67.8 vs
+  // 72.6 us; INT4 M = 4 16.0 vs 16.8 us); at M > 8 (166 registers) it was slower (INT8 M = 16 29.4 vs 28.2 us),
+  // so there the chunk's loads come first, then its math.  -DSC_QUANT_PIPELINE_MT2 / -DSC_QUANT_STREAM_UNPIPELINED
+  // force either schedule (for A/B measurements).
+#if defined(SC_QUANT_STREAM_UNPIPELINED)
+  constexpr bool PIPELINED = false;
+#elif defined(SC_QUANT_PIPELINE_MT2)
+  constexpr bool PIPELINED = true;
+#else
+  constexpr bool PIPELINED = MT == 1;
+#endif
+  if constexpr (!PIPELINED) {
+  // All loads of a chunk, then its math.
 #pragma unroll 1
   for (int i = 0; i < chunk.n; ++i) {
     const int cc = chunk(i);
-    const uint4* wp = wb + (long long)U * cc * 64 + lane;
     uint4 wv[U][2];
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) wv[u][h] = ldg_stream(wp + u * 64 + h * 32);
+      for (int h = 0; h < 2; ++h) wv[u][h] = load_w(cc, u, h);
     uint2 xv[U][2][MT];
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          xv[u][h][mt] = ldg8_nc(xr[mt] + (U * cc + u) * 32 + 16 * h);
+        for (int mt = 0; mt < MT; ++mt) xv[u][h][mt] = load_x(cc, u, h, mt);
     uint4 sv = make_uint4(0u, 0u, 0u, 0u);
     uint2 zv = make_uint2(0u, 0u);
     if constexpr (INT4) {
-      const unsigned char* gr = gb + (long long)((U * cc) / SPG) * 192;
-      sv = ldg16_nc(gr + 16 * g);
-      zv = ldg8_nc(gr + 128 + 8 * g);
+      sv = ldg16_nc(group_rec(cc) + 16 * g);
+      zv = ldg8_nc(group_rec(cc) + 128 + 8 * g);
     }
     if (prefetch > 0) prefetch_chunk(i + prefetch);
-    // All loads of the chunk in flight at once: left alone, ptxas sinks some loads next to their first use,
-    // behind math that waits on the earlier ones (a second memory round trip per chunk).  Every dequant
-    // constant below depends on an XOR of all loaded words, masked by a zero the compiler cannot see.
+    // Every dequant constant depends on an XOR of all loaded words, masked by a zero the compiler cannot see:
+    // all loads of the chunk stay ahead of its math.
     unsigned dep = sv.x ^ sv.y ^ sv.z ^ sv.w ^ zv.x ^ zv.y;
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -1494,9 +1546,53 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
         for (int mt = 0; mt < MT; ++mt) dep ^= xv[u][h][mt].x ^ xv[u][h][mt].y;
       }
     dep &= zero;
-
-    stream_chunk_math<T, KIND, MT>(acc, [&](int u, int h) { return wv[u][h]; },
-                                   [&](int u, int h, int mt) { return xv[u][h][mt]; }, sv, zv, dep);
+    stream_chunk_math<T, KIND, MT>(
+        acc, [&](int u, int h) { return wv[u][h]; }, [&](int u, int h, int mt) { return xv[u][h][mt]; }, sv, zv,
+        dep, [](int, int) {});
+  }
+  } else {
+  // Register pipeline: the chunk's 4 KB of weights and its x words sit in registers; as soon as the math has
+  // read piece (u, h) of chunk i, that piece's registers are reloaded with piece (u, h) of chunk i + 1.  So a
+  // warp keeps ~4 KB in flight during its math too (the unpipelined schedule had none in flight between its
+  // last load's arrival and the next chunk's first load), with no more registers.
+  uint4 wv[U][2];
+  uint2 xv[U][2][MT];
+  uint4 sv = make_uint4(0u, 0u, 0u, 0u);
+  uint2 zv = make_uint2(0u, 0u);
+  if (chunk.n > 0) {
+    const int cc = chunk(0);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wv[u][h] = load_w(cc, u, h);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) xv[u][h][mt] = load_x(cc, u, h, mt);
+      }
+    if constexpr (INT4) {
+      sv = ldg16_nc(group_rec(cc) + 16 * g);
+      zv = ldg8_nc(group_rec(cc) + 128 + 8 * g);
+    }
+  }
+#pragma unroll 1
+  for (int i = 0; i < chunk.n; ++i) {
+    const bool more = i + 1 < chunk.n;
+    const int cn = more ? chunk(i + 1) : 0;
+    if (prefetch > 0) prefetch_chunk(i + prefetch);
+    stream_chunk_math<T, KIND, MT>(
+        acc, [&](int u, int h) { return wv[u][h]; }, [&](int u, int h, int mt) { return xv[u][h][mt]; }, sv, zv,
+        0u, [&](int u, int h) {
+          if (more) {
+            wv[u][h] = load_w(cn, u, h);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xv[u][h][mt] = load_x(cn, u, h, mt);
+          }
+        });
+    if (INT4 && more) {
+      sv = ldg16_nc(group_rec(cn) + 16 * g);
+      zv = ldg8_nc(group_rec(cn) + 128 + 8 * g);
+    }
+  }
   }
 
   stream_epilogue<T, KIND, MT>(acc, red, y, ws, tickets, scales, bias, M, N, b, splits);
@@ -1606,7 +1702,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
     stream_chunk_math<T, KIND, MT>(
         acc, [&](int u, int h) { return *reinterpret_cast<const uint4*>(st + u * 1024 + h * 512 + 16 * lane); },
         [&](int u, int h, int mt) { return *reinterpret_cast<const uint2*>(xrow[mt] + 64 * u + 32 * h); }, sv, zv,
-        0u);
+        0u, [](int, int) {});
     if (++slot == stages) {
       slot = 0;
       phase ^= 1u;

@@ -662,14 +662,21 @@ def _gemv_kernel(dtype: str, kind: int, mt: int) -> Kernel:
     return Kernel(SOURCE, f"quant::gemv_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>")
 
 
-@lru_cache(maxsize=None)
-def _stream_kernel(dtype: str, kind: int, mt: int) -> Kernel:
-    return Kernel(SOURCE, f"quant::gemv_stream_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>")
+# Extra -D options for the streaming kernels, for same-run A/B measurements (never set by the library; see
+# kernels/quant.cu): -DSC_QUANT_XSUM_MT2 (INT4 at M > 8 also takes magic + zero point off per chunk through sum_k x
+# and scales the chunk's fp32 sums), -DSC_QUANT_PIPELINE_MT2 (gemv_stream_kernel's register pipeline at M > 8 too),
+# -DSC_QUANT_STREAM_UNPIPELINED (no register pipeline at any M: the schedule before it).
+_STREAM_DEFINES: tuple = ()
 
 
 @lru_cache(maxsize=None)
-def _bulk_kernel(dtype: str, kind: int, mt: int) -> Kernel:
-    return Kernel(SOURCE, f"quant::gemv_bulk_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>")
+def _stream_kernel(dtype: str, kind: int, mt: int, defines: tuple = ()) -> Kernel:
+    return Kernel(SOURCE, f"quant::gemv_stream_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>", options=defines)
+
+
+@lru_cache(maxsize=None)
+def _bulk_kernel(dtype: str, kind: int, mt: int, defines: tuple = ()) -> Kernel:
+    return Kernel(SOURCE, f"quant::gemv_bulk_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>", options=defines)
 
 
 def all_kernels() -> list:
@@ -984,17 +991,20 @@ def _launch_gemv(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
 
 
 @lru_cache(maxsize=8192)
-def _stream_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple):
+def _stream_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple,
+                 defines: tuple = ()):
     cfg = stream_config(rows, n, k, kind, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(cfg.steps), np.int32(spg), np.int32(ng), np.int32(cfg.blocks),
                np.int32(cfg.splits), np.int32(cfg.prefetch), np.int32(cfg.order), np.uint32(0))
-    return cfg, _stream_kernel(dtype, kind, cfg.mt), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem), scalars
+    return (cfg, _stream_kernel(dtype, kind, cfg.mt, defines), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem),
+            scalars)
 
 
 def _launch_stream(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
     y, y_ptr = _alloc_out(xa, rows, n)
     cfg, kernel, lcfg, scalars = _stream_plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng,
-                                              device_info(xa.device).sms, tuple(sorted(_STREAM_OVERRIDE.items())))
+                                              device_info(xa.device).sms, tuple(sorted(_STREAM_OVERRIDE.items())),
+                                              _STREAM_DEFINES)
     stream = A.stream_of(xa)
     ws_ptr = tickets_ptr = 0
     if cfg.splits > 1:
@@ -1006,17 +1016,20 @@ def _launch_stream(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
 
 
 @lru_cache(maxsize=8192)
-def _bulk_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple):
+def _bulk_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple,
+               defines: tuple = ()):
     cfg = bulk_config(rows, n, k, kind, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(cfg.steps), np.int32(spg), np.int32(ng), np.int32(cfg.blocks),
                np.int32(cfg.splits), np.int32(cfg.stages), np.int32(cfg.order))
-    return cfg, _bulk_kernel(dtype, kind, cfg.mt), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem), scalars
+    return (cfg, _bulk_kernel(dtype, kind, cfg.mt, defines), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem),
+            scalars)
 
 
 def _launch_bulk(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
     y, y_ptr = _alloc_out(xa, rows, n)
     cfg, kernel, lcfg, scalars = _bulk_plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng,
-                                            device_info(xa.device).sms, tuple(sorted(_BULK_OVERRIDE.items())))
+                                            device_info(xa.device).sms, tuple(sorted(_BULK_OVERRIDE.items())),
+                                            _STREAM_DEFINES)
     stream = A.stream_of(xa)
     ws_ptr = tickets_ptr = 0
     if cfg.splits > 1:

@@ -685,6 +685,70 @@ def test_stream_exact_rows_small(override, bulk):
                     assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8])
+@pytest.mark.parametrize("m,n,k,g,override", [
+    (9, 256, 128, 128, {}), (11, 128, 384, 128, {"warps": 5}), (13, 192, 1024, 256, {"warps": 3, "splits": 2}),
+    (15, 512, 2048, -1, {"order": 1}), (16, 64, 512, 128, {"warps": 6, "order": 2}), (2, 128, 640, 128, {}),
+    (7, 320, 256, 128, {"warps": 4, "splits": 3})])
+@pytest.mark.parametrize("bulk", ["off", "on"])
+def test_stream_rows_offset_x_poisoned_small(dtype, fmt, m, n, k, g, override, bulk):
+    """The per-chunk zero point and scale (INT4 at M <= 8: magic + zero point off through sum_k x, the scale on the
+    chunk's fp32 sums), the per-weight path (M > 8) and the register pipeline of gemv_stream_kernel: odd M 2..16, one-chunk K (warps
+    with no chunk), groups of one, two and all chunks, split-K, warps with uneven runs; x with a large common
+    offset (the subtraction of (magic + z) sum x must not cancel away the result); every row within 1e-2 of
+    float64; the output memory poisoned with NaN before each call (the caching allocator hands the block back)."""
+    torch = _torch()
+    if bulk == "on" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("gemv_bulk_kernel needs sm_90")
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 41 + n + k + fmt)
+    with _stream("on", bulk, **override):
+        layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
+        assert layer.gemv is not None
+        for offset in (0.0, 4.0):
+            x = torch.randn(m, k, device="cuda", dtype=td) + offset
+            ref = _ref(x, w_kn)
+            for _ in range(2):
+                poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+                del poison
+                y = _linear(fmt, x, layer)
+                yf = y.float().cpu().numpy().astype(np.float64)
+                assert np.isfinite(yf).all()
+                row_err = np.linalg.norm(yf - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
+                assert row_err.max() < 1e-2, (offset, row_err.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bulk", ["off", "on"])
+def test_stream_previous_schedules_small(bulk):
+    """The -D variants kept for same-run A/B measurements (per-chunk zero point / scale and the register pipeline
+    at M > 8, no pipeline at any M) still compute the same values (benchmarks/_quant_stream_probe.py times them)."""
+    torch = _torch()
+    if bulk == "on" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("gemv_bulk_kernel needs sm_90")
+    rng = np.random.default_rng(77)
+    old = Q._STREAM_DEFINES
+    try:
+        with _stream("on", bulk):
+            for fmt in (Q.FMT_AWQ, Q.FMT_INT8):
+                for td in (torch.bfloat16, torch.float16):
+                    layer, w_kn, _ = _gemv_layer(torch, fmt, 256, 1024, 128, td, rng)
+                    for m in (1, 12):
+                        x = torch.randn(m, 1024, device="cuda", dtype=td)
+                        outs = []
+                        for defines in (("-DSC_QUANT_XSUM_MT2", "-DSC_QUANT_PIPELINE_MT2"),
+                                        ("-DSC_QUANT_STREAM_UNPIPELINED",), ()):
+                            Q._STREAM_DEFINES = defines
+                            outs.append(_linear(fmt, x, layer))
+                        for out in outs:
+                            err, finite = _rel_err(out, _ref(x, w_kn))
+                            assert finite and err < 1e-2, (fmt, td, m, err)
+    finally:
+        Q._STREAM_DEFINES = old
+
+
 def _check_gemv_exact_rows():
     torch = _torch()
     Q._STREAM_MODE = "off"  # G = 32: gemv_kernel (restored by the callers' contexts)
