@@ -66,7 +66,7 @@ struct FastDiv {
   }
   __device__ __forceinline__ int div(int n) const { return (int)((__umulhi((unsigned)n, mul) + (unsigned)n) >> shift); }
 };
-// The producer's choice: its 24 registers cannot hold the multipliers, and its divisions are off the critical path.
+// The producer's choice: its 32 registers cannot hold the multipliers, and its divisions are off the critical path.
 struct PlainDiv {
   int d;
   __device__ __forceinline__ int div(int n) const { return n / d; }
@@ -295,11 +295,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   }
 
   sc::setmaxnreg_inc<CONSUMER_REGS>();
-#ifdef FA90_PLAIN_DIV
-  const fa90::PlainDiv group_div{num_m << head_group_log2}, nheads_div{nheads};  // A/B switch
-#else
   const fa90::FastDiv group_div(num_m << head_group_log2), nheads_div(nheads);
-#endif
   const int cw = wg - 1;  // consumer index: rows 64 cw .. 64 cw + 63 of the tile
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, q4 = lane % 4;
@@ -323,11 +319,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     FA90_MARK(titer, 1);
     // Three consumers have 160 registers each: the descriptor's fields held in registers cost them a spill
     // (derived from the index they live in uniform registers), so they derive it again.
-#ifdef FA90_TILE_BY_INDEX
-    constexpr bool DERIVE = true;  // A/B switch
-#else
     constexpr bool DERIVE = NC > 2;
-#endif
     fa90::Tile t;
     if constexpr (DERIVE)
       t.index = __shfl_sync(0xffffffffu, reinterpret_cast<const volatile int*>(tile_ring + 3 * tslot)[10], 0);
