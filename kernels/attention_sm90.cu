@@ -76,7 +76,8 @@ struct PlainDiv {
 // The producer derives it once and hands it to the consumers through shared memory: derived again on the
 // consumers' path it cost about 0.5 us per tile (two integer divisions and a long dependent chain of uniform-
 // datapath arithmetic, measured with -DFA90_TRACE), all of it between one tile's epilogue and the next tile's
-// first GEMM.  `index` is the tile's number (num_tiles or more: no more tiles); 12 ints, three 16-byte words in shared memory.
+// first GEMM.  `index` is the tile's number (num_tiles or more: no more tiles); 12 ints, three 16-byte words in
+// shared memory.
 struct Tile {
   int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end, index;
 };
@@ -219,9 +220,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
   FA90_MARK_V(FA90_TRACE_ITERS - 2, 1, (long long)sc::globaltimer_ns());
 
   // (a macro, not a generic lambda: NVRTC 13.0 rejects those)
-#define FA90_TILE_INFO(tile, group_div, nheads_div)                                                                 \
-  fa90::tile_info(tile, group_div, head_group_log2, num_m, nheads_div, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, total_q, \
-                  total_k, window_left, window_right, BM, BN)
+#define FA90_TILE_INFO(tile, group_div, nheads_div)                                                             \
+  fa90::tile_info(tile, group_div, head_group_log2, num_m, nheads_div, reverse_m, seqlen_q, seqlen_k, cu_seqlens_q, \
+                  cu_seqlens_k, total_q, total_k, window_left, window_right, BM, BN)
 
   const bool varlen = cu_seqlens_q != nullptr;
 

@@ -136,8 +136,8 @@ def sm90_head_dim(head_dim: int) -> int:
 
 def smem_bytes_sm90(d: int, bn: int, stages: int, nc: int = 2) -> int:
     """Q, the K and V stages, O's staging buffer for its TMA store where they fit in 200 KB (else O is staged in
-    Q's buffer: kernels/attention_sm90.cu, o_has_own_buffer), the mbarriers, the two-slot ring of tile descriptors (48 bytes each), and 1 KB to align the tiles to the
-    128-byte swizzle's period."""
+    Q's buffer: kernels/attention_sm90.cu, o_has_own_buffer), the mbarriers, the two-slot ring of tile descriptors
+    (48 bytes each), and 1 KB to align the tiles to the 128-byte swizzle's period."""
     q, ring = 64 * nc * d * 2, 2 * stages * bn * d * 2
     o = q if 2 * q + ring <= 200 * 1024 else 0
     return q + ring + o + (2 + 4 * stages + 4) * 8 + 2 * 48 + 1024
