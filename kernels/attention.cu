@@ -38,26 +38,6 @@ __device__ __forceinline__ int opaque(int x) {
   return y;
 }
 
-// 16-byte cp.async to a shared-memory address given as a 32-bit offset (so that per-chunk offsets fold into
-// the instruction's immediate instead of holding one register each), zero-filled when pred is false.
-__device__ __forceinline__ void cp_async16_to(unsigned saddr, const void* gmem, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(pred ? 16 : 0)
-               : "memory");
-}
-
-// ldmatrix from 32-bit shared addresses: constant offsets from one base register fold into the
-// instruction's immediate (generic pointers would cost an address computation per ldmatrix).
-__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned saddr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(saddr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned saddr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(saddr));
-}
-
 // Copy ROWS x D elements (rows of `row_stride` elements in global memory; ROWS * row_stride < 2^31) to the
 // shared rows of PITCH elements at `saddr` with 16-byte cp.async.  Rows at or past `rows_valid` and 16-byte
 // chunks at or past `chunks_valid` are zero-filled, so partial tiles and padded head dims read as zeros.
@@ -87,7 +67,7 @@ __device__ __forceinline__ void load_tile_async(unsigned saddr, const T* gmem, i
       if (TOTAL % NUM_THREADS == 0 || r < ROWS) {
         const bool row_ok = FULL || r < rows_valid;
         const char* src = base + (row_ok ? off0 + i * step : 0u);
-        cp_async16_to(dst0 + i * RSTEP * PITCH * (int)sizeof(T), src, row_ok && ch_ok);
+        sc::cp_async16_s(dst0 + i * RSTEP * PITCH * (int)sizeof(T), src, row_ok && ch_ok);
       }
     }
   } else {
@@ -98,7 +78,7 @@ __device__ __forceinline__ void load_tile_async(unsigned saddr, const T* gmem, i
         const int r = c / CHUNKS, ch = c % CHUNKS;
         const bool ok = (FULL || r < rows_valid) && ch < chunks_valid;
         const T* src = gmem + (ok ? r * stride + ch * 8 : 0);
-        cp_async16_to(saddr + (unsigned)(r * PITCH + ch * 8) * (unsigned)sizeof(T), src, ok);
+        sc::cp_async16_s(saddr + (unsigned)(r * PITCH + ch * 8) * (unsigned)sizeof(T), src, ok);
       }
     }
   }
@@ -241,7 +221,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int ks = 0; ks < Q_KS; ++ks)
-        ldsm_x4(q_frag[mt][ks], q_addr + ((mt * 16) * PITCH + ks * 16) * ES);
+        sc::ldmatrix_x4_s(q_frag[mt][ks], q_addr + ((mt * 16) * PITCH + ks * 16) * ES);
   }
 
   float o_acc[MT][NDT][4];
@@ -300,13 +280,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks < Q_KS ? ks : 0][e];
         } else {
-          ldsm_x4(a[mt], q_addr + ((mt * 16) * PITCH + ks * 16) * ES);
+          sc::ldmatrix_x4_s(a[mt], q_addr + ((mt * 16) * PITCH + ks * 16) * ES);
         }
       }
 #pragma unroll
       for (int np = 0; np < NNT / 2; ++np) {
         unsigned b[4];
-        ldsm_x4(b, k_addr + (np * 16 * PITCH + ks * 16) * ES);
+        sc::ldmatrix_x4_s(b, k_addr + (np * 16 * PITCH + ks * 16) * ES);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           sc::mma_16816<T>(s[mt][2 * np], a[mt], b);
@@ -422,7 +402,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) flash_fwd_kernel(
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         unsigned b[4];
-        ldsm_x4_trans(b, v_addr + (kk * 16 * PITCH + dp * 16) * ES);
+        sc::ldmatrix_x4_trans_s(b, v_addr + (kk * 16 * PITCH + dp * 16) * ES);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           sc::mma_16816<T>(o_acc[mt][2 * dp], p[mt][kk], b);

@@ -72,12 +72,12 @@ struct PlainDiv {
   __device__ __forceinline__ int div(int n) const { return n / d; }
 };
 
-// Everything about one tile that both the producer and the consumers derive from its index.
-// The producer derives it once and hands it to the consumers through shared memory: derived again on the
+// Everything about one tile, derived from its index.  The producer derives it and hands it to two consumers
+// through shared memory (three consumers, short of registers, derive it again from `index`): derived on the
 // consumers' path it cost about 0.5 us per tile (two integer divisions and a long dependent chain of uniform-
 // datapath arithmetic, measured with -DFA90_TRACE), all of it between one tile's epilogue and the next tile's
-// first GEMM.  `index` is the tile's number (num_tiles or more: no more tiles); 12 ints, three 16-byte words in
-// shared memory.
+// first GEMM.  `index` is the tile's number (num_tiles or more: no more tiles).  In shared memory: three 16-byte
+// words (k_off, which the consumers do not use, is not read back).
 struct Tile {
   int m0, head, batch, q_off, k_off, sq, sk, rows_q, n_begin, n_end, index;
 };
@@ -127,13 +127,9 @@ __device__ __forceinline__ Tile tile_info(int tile, const Div& group, int group_
   // is the lightest, the last the heaviest.  The first tile still computes bm rows; those past r are the next
   // block's and are not stored.
   t.m0 = m_block * bm;
-#ifndef FA90_TOP_ALIGN
   if (reverse_m && m_block > 0) t.m0 -= (t.sq + bm - 1) / bm * bm - t.sq;
-#endif
   t.rows_q = min(bm, t.sq - t.m0);
-#ifndef FA90_TOP_ALIGN
   if (reverse_m && m_block == 0 && t.sq > 0) t.rows_q = t.sq - ((t.sq + bm - 1) / bm - 1) * bm;
-#endif
   // key j is visible to query i iff lo(i) <= j < hi(i) (see kernels/attention.cu)
   const int diag = t.sk - t.sq;
   const int lo_first = max(0, t.m0 + diag - window_left);

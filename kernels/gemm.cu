@@ -31,23 +31,6 @@ template <int CHUNKS> __device__ __forceinline__ int swizzle(int r, int c) {
   else return r * 16 + ((c ^ ((r >> 2) & 1)) << 3);
 }
 
-// Shared-address forms of cp.async / ldmatrix (the large-tile kernel keeps 32-bit shared addresses, so a
-// stage's or a fragment's address is one add or XOR away from a per-thread base).
-__device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
 // Grouped raster: GROUP_M row tiles sweep the column tiles together, so their B tiles stay in L2.
 __device__ __forceinline__ void grouped_tile(int pid, int m_tiles, int n_tiles, int group_m, int& tile_m,
                                              int& tile_n) {
@@ -113,15 +96,15 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
     const int k0 = kt * BK;
     if (l < NA) {
       const bool ok = ((a_rows >> l) & 1u) && k0 + a_c * 8 < K;
-      cp_async16_s(a_dst + slot * A_STAGE + l * A_STEP * (BK * 2), ok ? a_src + l * a_step + k0 : a, ok);
+      sc::cp_async16_s(a_dst + slot * A_STAGE + l * A_STEP * (BK * 2), ok ? a_src + l * a_step + k0 : a, ok);
     } else {
       const int lb = l - NA;
       if constexpr (B_KMAJOR) {
         const bool ok = ((b_rows >> lb) & 1u) && k0 + b_c * 8 < K;
-        cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_src + lb * b_step + k0 : b, ok);
+        sc::cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_src + lb * b_step + k0 : b, ok);
       } else {
         const bool ok = b_rows && k0 + b_r0 + lb * B_STEP < K;
-        cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_src + lb * b_step + k0 * ldb : b, ok);
+        sc::cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_src + lb * b_step + k0 * ldb : b, ok);
       }
     }
   };
@@ -141,14 +124,14 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
   auto load_frags = [&](int buf, int slot, int ks) {
     const unsigned a_base = a_lds + slot * A_STAGE + (a_x ^ (ks * 32));
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) ldsm_x4(af[buf][mt], a_base + mt * 16 * (BK * 2));
+    for (int mt = 0; mt < MT; ++mt) sc::ldmatrix_x4_s(af[buf][mt], a_base + mt * 16 * (BK * 2));
 #pragma unroll
     for (int np = 0; np < NT8 / 2; ++np) {
       unsigned r[4];
       if constexpr (B_KMAJOR) {
-        ldsm_x4(r, b_lds + slot * B_STAGE + (b_x ^ (ks * 32)) + np * 16 * B_ROW);
+        sc::ldmatrix_x4_s(r, b_lds + slot * B_STAGE + (b_x ^ (ks * 32)) + np * 16 * B_ROW);
       } else {
-        ldsm_x4_trans(r, b_lds + slot * B_STAGE + (b_x ^ (np * 32)) + ks * 16 * B_ROW);
+        sc::ldmatrix_x4_trans_s(r, b_lds + slot * B_STAGE + (b_x ^ (np * 32)) + ks * 16 * B_ROW);
       }
       bf[buf][2 * np][0] = r[0];
       bf[buf][2 * np][1] = r[1];

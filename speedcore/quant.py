@@ -888,9 +888,9 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     fragment-major copy (``gemv``) for x's dtype; returns y (the caller's library)."""
     if gemv is not None and 0 < rows <= GEMV_MAX_M and (gemv.dtype is None or gemv.dtype == xa.dtype):
         if use_bulk(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K, device_info(xa.device).cc):
-            return _launch_bulk(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
+            return _launch_chunks(True, gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
         if use_stream(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K):
-            return _launch_stream(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
+            return _launch_chunks(False, gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
         if _GEMV_MODE == "on" or (_GEMV_MODE == "auto" and use_gemv(gemv.kind, rows, n, k)):
             return _launch_gemv(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
     y, y_ptr = _alloc_out(xa, rows, n)
@@ -1000,11 +1000,12 @@ def _stream_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng:
             scalars)
 
 
-def _launch_stream(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
+def _launch_chunks(bulk: bool, gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
+    """gemv_bulk_kernel (bulk) or gemv_stream_kernel: the same arguments, each with its own plan."""
     y, y_ptr = _alloc_out(xa, rows, n)
-    cfg, kernel, lcfg, scalars = _stream_plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng,
-                                              device_info(xa.device).sms, tuple(sorted(_STREAM_OVERRIDE.items())),
-                                              _STREAM_DEFINES)
+    plan, override = (_bulk_plan, _BULK_OVERRIDE) if bulk else (_stream_plan, _STREAM_OVERRIDE)
+    cfg, kernel, lcfg, scalars = plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng, device_info(xa.device).sms,
+                                      tuple(sorted(override.items())), _STREAM_DEFINES)
     stream = A.stream_of(xa)
     ws_ptr = tickets_ptr = 0
     if cfg.splits > 1:
@@ -1023,21 +1024,6 @@ def _bulk_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: i
                np.int32(cfg.splits), np.int32(cfg.stages), np.int32(cfg.order))
     return (cfg, _bulk_kernel(dtype, kind, cfg.mt, defines), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem),
             scalars)
-
-
-def _launch_bulk(gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):
-    y, y_ptr = _alloc_out(xa, rows, n)
-    cfg, kernel, lcfg, scalars = _bulk_plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng,
-                                            device_info(xa.device).sms, tuple(sorted(_BULK_OVERRIDE.items())),
-                                            _STREAM_DEFINES)
-    stream = A.stream_of(xa)
-    ws_ptr = tickets_ptr = 0
-    if cfg.splits > 1:
-        ws_ptr, tickets_ptr = _gemv_scratch(xa, stream, rows * n, cfg.blocks)
-    args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, gl.w_ptr, gl.g_ptr,
-            scales_ptr if gl.kind == KIND_INT8 else 0, bias_ptr) + scalars + (np.int64(ldx),)
-    launch(kernel, lcfg, args, device=xa.device, stream=stream)
-    return y
 
 
 def _gemv_pack(fmt, qa, za, sa, k, n, group):

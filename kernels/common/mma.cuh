@@ -21,6 +21,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
                "r"(pred ? 16 : 0)
                : "memory");
 }
+// The same copy to a shared address given as a 32-bit offset: a stage's or a chunk's address is then one add or
+// XOR away from a per-thread base, and constant offsets fold into the instruction's immediate.
+__device__ __forceinline__ void cp_async16_s(unsigned saddr, const void* gmem, bool pred = true) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(pred ? 16 : 0)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Wait until at most N committed groups are still in flight.
 template <int N> __device__ __forceinline__ void cp_async_wait() {
@@ -39,6 +45,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, un
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(smem_addr(p)));
+}
+// ldmatrix from 32-bit shared addresses (constant offsets from one base register fold into the immediate).
+__device__ __forceinline__ void ldmatrix_x4_s(unsigned* r, unsigned saddr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(saddr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans_s(unsigned* r, unsigned saddr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(saddr));
 }
 __device__ __forceinline__ void ldmatrix_x2(unsigned& r0, unsigned& r1, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
