@@ -1715,4 +1715,255 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
 }
 
 
+
+// ============================================================================================================
+// Tensor-core kernel for 17 <= M <= 128 on the fragment-major layout (quant_marlin_kernel).
+//
+// Why: at M = 64 the op still reads little (N K / 2 bytes of weights, 34 MB for 8192^2, ~9 us at HBM rate) but does
+// 2 M N K flops; the streaming kernels read x per warp from L2 (as many bytes as the weights at M = 16, 4x at 64),
+// and quant_mma_kernel re-dequantizes per 8-row x tile.  Here a CTA owns 256 output channels (4 blocks of the
+// fragment-major layout, one per warp column) and a contiguous run of 128-k chunks (split-K over CTAs), so:
+// * x (the mma B operand, 8 MT rows) is staged in shared memory once per chunk and shared by the CTA's 8 warps
+//   (x traffic from L2 = (N / 256) M K 2 bytes: the weights' size at M = 64);
+// * each warp's weights of a 16-k half-step are one 16-byte shared load per lane, already the A fragments of its
+//   4 mma tiles (the layout gemv_stream_kernel streams), dequantized in registers once (lop3 into the magic
+//   number, one fma2 for magic + zero point, one for the scale: (q - z) s rounded once to T) and used for MT
+//   mmas, one per 8 rows of x;
+// * weights, group records and x go through a kMarlinStages-deep cp.async ring (one barrier per chunk);
+// * the 8 warps are 4 channel blocks x 2 halves of each chunk (steps 0-1 and 2-3): all 64 rows per warp keep the
+//   dequantization amortized over MT mmas, and the two halves are summed once through shared memory at the end.
+// x rows are read as 8-byte words at k = 4c..4c+3 (the layout maps the lane's mma k slots there), so the staged
+// rows use a 288-byte pitch (256 + 32: each half-warp's 8-byte reads cover 32 distinct banks).  Rows >= M are
+// zero-filled.  Split-K: every split CTA stores its fp32 partial tile (plain stores), the last one by ticket sums
+// all splits in split order (deterministic), adds the bias, writes y and re-zeroes the ticket.  (Summing in
+// fragment order from registers needed more than 255 registers at mt = 8 on sm_80.)
+// One CTA per SM (up to 255 registers: the 8 MT x 4 accumulators, and the fragments of a chunk's 4 half-steps that
+// the compiler hoists; at 128 registers, for two CTAs per SM, mt = 4 spilled).
+// Requires K % 128 == 0, G % 128 == 0 (a chunk is inside one group), N % 64 == 0, x rows 16-byte aligned.
+constexpr int kMarlinBlocks = 4;    // 64-channel blocks per CTA
+constexpr int kMarlinWarps = 8;     // kMarlinBlocks x 2 halves of a chunk
+constexpr int kMarlinStages = 4;
+constexpr int kMarlinXPitch = 288;  // bytes per staged row of x (128 k)
+
+template <int MT> struct Marlin {
+  static constexpr int W_BYTES = kMarlinBlocks * 4096;
+  static constexpr int G_BYTES = kMarlinBlocks * 192;
+  static constexpr int X_BYTES = 8 * MT * kMarlinXPitch;
+  static constexpr int STAGE = W_BYTES + G_BYTES + X_BYTES;
+  static constexpr int SMEM = kMarlinStages * STAGE;
+  static constexpr int RED_BYTES = kMarlinBlocks * MT * 16 * 32 * 4;  // the second half's accumulators
+  static_assert(RED_BYTES <= SMEM, "the reduction reuses the ring");
+  static_assert(STAGE % 16 == 0, "stages stay 16-byte aligned");
+};
+
+// The lane's scale / (magic + zero point) constants of one group record (as stream_chunk_math's INT4 path).
+template <typename T>
+__device__ __forceinline__ void int4_group_consts(uint4 sv, uint2 zv, unsigned (&scl)[8], unsigned (&zc)[8]) {
+#pragma unroll
+  for (int o = 0; o < 8; ++o) {
+    scl[o] = __byte_perm(sc::word(sv, o / 2), 0u, (o & 1) ? 0x3232u : 0x1010u);
+    const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
+    if constexpr (is_half<T>::value) {
+      zc[o] = ((o & 1) ? (0xd400u + (z << 4)) : (0xe400u | z)) * 0x10001u;
+    } else {
+      zc[o] = (0xc300u | z) * 0x10001u;
+    }
+  }
+}
+
+// The A fragment of mma tile t from the lane's word wd: (q - z) s in T, rounded once.
+template <typename T>
+__device__ __forceinline__ void int4_fragment(unsigned (&a)[4], unsigned wd, const unsigned (&scl)[8],
+                                              const unsigned (&zc)[8], int t, unsigned magic) {
+  const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u;
+  if constexpr (is_half<T>::value) {
+    const unsigned w8 = wd >> 8;
+    a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+    a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
+    a[2] = fma2<T>(and_or(w8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+    a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
+  } else {
+    a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+    a[1] = fma2<T>(and_or(wd >> 4, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
+    a[2] = fma2<T>(and_or(wd >> 8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
+    a[3] = fma2<T>(and_or(wd >> 12, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[2 * t + (i & 1)], Bits<T>::NEG_ZERO);
+}
+
+// y (M, N) = x (M, K; row stride ldx) @ W for the fragment-major INT4 layer (wpk, grec: gemv_pack_*_kernel).
+// Grid: m_chunks x n_tiles x splits CTAs (m chunk fastest: CTAs that read the same weights run side by side);
+// split s covers chunks [s cps, min(KC, (s + 1) cps)).  ws: splits x M x N fp32 (split-K only); tickets:
+// m_chunks x n_tiles zeroed int32 (left zeroed).
+template <typename T, int MT>
+__global__ void __launch_bounds__(kMarlinWarps * 32, 1) quant_marlin_kernel(
+    T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
+    const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
+    int N, int KS, int SPG, int NG, int n_tiles, int m_chunks, int splits, int cps, long long ldx) {
+  static_assert(MT % 2 == 0, "x is staged in pieces of two 8-row tiles per thread");
+  using L = Marlin<MT>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int s_last;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int wn = warp & (kMarlinBlocks - 1), wk = warp / kMarlinBlocks;
+  const int mc = blockIdx.x % m_chunks, rest = blockIdx.x / m_chunks;
+  const int tile = rest % n_tiles, split = rest / n_tiles;
+  const int KC = KS / kStreamChunkSteps;
+  const int c0 = split * cps, nchunks = min(KC, c0 + cps) - c0;
+  const int blocks_here = min(kMarlinBlocks, N / 64 - tile * kMarlinBlocks);
+  const bool active = wn < blocks_here;  // warp-uniform: the last tile may hold fewer blocks
+  const int m0 = mc * 8 * MT;
+  const int b0 = tile * kMarlinBlocks;
+
+  auto load = [&](int slot, int ch) {
+    unsigned char* st = smem + slot * L::STAGE;
+#pragma unroll
+    for (int i = 0; i < kMarlinBlocks * 256 / (kMarlinWarps * 32); ++i) {
+      const int idx = i * kMarlinWarps * 32 + tid, j = idx >> 8, off = idx & 255;
+      if (j < blocks_here)
+        sc::cp_async16(st + j * 4096 + off * 16,
+                       wpk + ((long long)(b0 + j) * KS + kStreamChunkSteps * ch) * 64 + off);
+    }
+    if (tid < kMarlinBlocks * 12) {
+      const int j = tid / 12, piece = tid % 12;
+      const int grp = (kStreamChunkSteps * ch) / SPG;
+      if (j < blocks_here)
+        sc::cp_async16(st + L::W_BYTES + j * 192 + piece * 16,
+                       grec + ((long long)(b0 + j) * NG + grp) * 192 + piece * 16);
+    }
+#pragma unroll
+    for (int i = 0; i < MT / 2; ++i) {
+      const int idx = i * kMarlinWarps * 32 + tid, r = idx >> 4, p = idx & 15;
+      const int row = m0 + r;
+      const bool ok = row < M;
+      sc::cp_async16(st + L::W_BYTES + L::G_BYTES + r * kMarlinXPitch + p * 16,
+                     x + (long long)(ok ? row : 0) * ldx + 128 * ch + 8 * p, ok);
+    }
+  };
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kMarlinStages - 1; ++s) {
+    if (s < nchunks) load(s, c0 + s);
+    sc::cp_async_commit();
+  }
+  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+  unsigned magic = MAGIC;
+  asm volatile("" : "+r"(magic));  // kept in a register: lop3 takes it as an operand (see and_or)
+#pragma unroll 1
+  for (int i = 0; i < nchunks; ++i) {
+    sc::cp_async_wait<kMarlinStages - 2>();
+    __syncthreads();
+    {
+      const int nx = i + kMarlinStages - 1;
+      if (nx < nchunks) load(nx % kMarlinStages, c0 + nx);
+      sc::cp_async_commit();
+    }
+    if (active) {
+      const unsigned char* st = smem + (i % kMarlinStages) * L::STAGE;
+      const unsigned char* wb = st + wn * 4096 + wk * 2048 + lane * 16;
+      const unsigned char* gb = st + L::W_BYTES + wn * 192;
+      const unsigned char* xb = st + L::W_BYTES + L::G_BYTES + g * kMarlinXPitch + wk * 128 + c * 8;
+      unsigned scl[8], zc[8];
+      int4_group_consts<T>(lds128(gb + 16 * g), lds64(gb + 128 + 8 * g), scl, zc);
+#pragma unroll
+      for (int up = 0; up < 2; ++up)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint4 wu = lds128(wb + up * 1024 + h * 512);
+          unsigned a[4][4];
+#pragma unroll
+          for (int t = 0; t < 4; ++t) int4_fragment<T>(a[t], sc::word(wu, t), scl, zc, t, magic);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint2 xw = lds64(xb + mt * 8 * kMarlinXPitch + up * 64 + h * 32);
+            const unsigned bx[2] = {xw.x, xw.y};
+#pragma unroll
+            for (int t = 0; t < 4; ++t) sc::mma_16816<T>(acc[mt][t], a[t], bx);
+          }
+        }
+    }
+  }
+  sc::cp_async_wait<0>();
+  __syncthreads();
+  // The second half of every chunk (wk = 1) into the first: one pass through the drained ring.
+  float* red = reinterpret_cast<float*>(smem);
+  if (active && wk == 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) red[((wn * MT * 16) + (mt * 4 + t) * 4 + j) * 32 + lane] = acc[mt][t][j];
+  }
+  __syncthreads();
+  const bool owner = active && wk == 0;
+  if (owner) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mt][t][j] += red[((wn * MT * 16) + (mt * 4 + t) * 4 + j) * 32 + lane];
+  }
+  // acc[mt][t][j]: channel n0 + 16 t + g + 8 (j / 2), row m0 + 8 mt + 2 c + (j % 2).
+  const int n0 = (b0 + wn) * 64;
+  auto store_y = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = m0 + 8 * mt + 2 * c + (j & 1), n = n0 + 16 * t + g + 8 * (j >> 1);
+          if (row < M) {
+            float v = acc[mt][t][j];
+            if (bias != nullptr) v += sc::to_float(bias[n]);
+            y[(long long)row * N + n] = sc::from_float<T>(v);
+          }
+        }
+  };
+  if (splits == 1) {
+    if (owner) store_y();
+    return;
+  }
+  if (owner) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = m0 + 8 * mt + 2 * c + (j & 1), n = n0 + 16 * t + g + 8 * (j >> 1);
+          if (row < M) __stcg(ws + ((long long)split * M + row) * N + n, acc[mt][t][j]);
+        }
+  }
+  __threadfence();  // this thread's partials are visible before the ticket counts them
+  __syncthreads();
+  const int ticket = mc * n_tiles + tile;
+  if (tid == 0) s_last = atomicAdd(tickets + ticket, 1) == splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // Every split's partial in split order (own included), so the sum does not depend on which CTA came last; in
+  // row-major items (coalesced), after the accumulators are dead.
+  const int rows_here = min(M - m0, 8 * MT), cols = blocks_here * 64;
+  for (int item = tid; item < rows_here * cols; item += kMarlinWarps * 32) {
+    const int row = m0 + item / cols, n = b0 * 64 + item % cols;
+    float v = 0.f;
+    for (int s = 0; s < splits; ++s) v += __ldcg(ws + ((long long)s * M + row) * N + n);
+    if (bias != nullptr) v += sc::to_float(bias[n]);
+    y[(long long)row * N + n] = sc::from_float<T>(v);
+  }
+  if (tid == 0) tickets[ticket] = 0;
+}
+
 }  // namespace quant

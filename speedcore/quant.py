@@ -29,6 +29,7 @@ NumPy reference dequantizers, a safetensors reader, and GPU dequantizers.  NumPy
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -71,6 +72,12 @@ BULK_MAX_WARPS = 16
 BULK_X_PITCH = 288          # bytes per staged row of x (256 + 32: conflict-free 8-byte reads)
 BULK_SMEM_PER_SM = 233472   # 228 KB per SM (Hopper), 1 KB of it reserved per CTA
 BULK_SMEM_PER_CTA = 232448  # 227 KB
+# quant_marlin_kernel (17 <= M <= 128, INT4 on the fragment-major layout); must match kernels/quant.cu.
+MARLIN_BLOCKS = 4           # 64-channel blocks per CTA (256 channels), one per warp column
+MARLIN_WARPS = 8            # MARLIN_BLOCKS x 2 halves of each 128-k chunk
+MARLIN_STAGES = 4           # cp.async ring depth (chunks)
+MARLIN_X_PITCH = 288        # bytes per staged row of x (128 k + 32: conflict-free 8-byte reads)
+MARLIN_MT_CHOICES = (4, 8)  # 8-row x tiles per CTA: M <= 32, M <= 64 per m-chunk
 
 
 def _block_k(fmt: int) -> int:
@@ -530,6 +537,63 @@ def bulk_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, spl
     return BulkConfig(mt, nb, ks, w, sp, s, bulk_smem_bytes(kind, m, w, s), 1 if order < 0 else order)
 
 
+def marlin_smem_bytes(mt: int) -> int:
+    """Dynamic shared memory of quant_marlin_kernel<T, mt>: MARLIN_STAGES ring stages, each the weights of the
+    CTA's blocks for one 128-k chunk (4 KB each), their group records (192 bytes each) and 8 mt rows of x."""
+    return MARLIN_STAGES * (MARLIN_BLOCKS * (4096 + GEMV_GROUP_BYTES) + 8 * mt * MARLIN_X_PITCH)
+
+
+def marlin_supported(k: int, n: int, group: int) -> bool:
+    """Shapes quant_marlin_kernel covers: those of gemv_stream_kernel for INT4 (N % 64 == 0, K % 128 == 0,
+    G % 128 == 0; a chunk never straddles a group)."""
+    return stream_supported(KIND_INT4, k, n, group)
+
+
+@dataclass(frozen=True)
+class MarlinConfig:
+    mt: int        # 8-row x tiles per CTA (M <= 32: 4, else 8)
+    m_chunks: int  # CTAs along M (8 mt rows each; each re-reads its weights, from L2 when they run together)
+    n_tiles: int   # CTAs along N (256 channels each; the last may hold fewer blocks)
+    splits: int    # CTAs along K (fp32 partials, the last CTA of a tile by ticket sums them in order)
+    cps: int       # 128-k chunks per split (the last split may get fewer, never none)
+    smem: int      # dynamic shared memory per CTA
+
+    @property
+    def grid(self) -> int:
+        return self.m_chunks * self.n_tiles * self.splits
+
+
+@lru_cache(maxsize=8192)
+def marlin_config(m: int, n: int, k: int, sms: int, splits: int = 0) -> MarlinConfig:
+    """Launch shape of quant_marlin_kernel (a pure function of the problem and the device; ``splits`` overrides
+    the split-K choice, for measurements).
+
+    Split-K by a small cost model, in units of one chunk streamed by every resident CTA at once (each CTA reads
+    16 KB of weights per chunk): waves x (chunks per split + 1) plus the fp32 partials (written, then read by the
+    last CTA: s M N 8 bytes through L2, counted at half the weight bytes' weight).  One CTA per SM (its launch
+    bounds).  Not tuned on a GPU yet."""
+    if m <= 0 or n <= 0 or k <= 0:
+        raise ValueError(f"marlin_config: m, n, k must be positive, got {m}, {n}, {k}")
+    mt = 4 if m <= 32 else 8
+    m_chunks = -(-m // (8 * mt))
+    n_tiles = -(-(n // 64) // MARLIN_BLOCKS)
+    kc = k // STREAM_CHUNK_K
+    smem = marlin_smem_bytes(mt)
+    slots = sms
+    base = m_chunks * n_tiles
+    best = None
+    for s in ([splits] if splits else range(1, min(kc, 64) + 1)):
+        cps = -(-kc // s)
+        s_eff = -(-kc // cps)
+        waves = -(-(base * s_eff) // slots)
+        partial = 0.0 if s_eff == 1 else 0.5 * s_eff * m * n * 8 / (MARLIN_BLOCKS * 4096 * slots)
+        cost = waves * (cps + 1) + partial
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, s_eff, cps)
+    _, s_eff, cps = best
+    return MarlinConfig(mt, m_chunks, n_tiles, s_eff, cps, smem)
+
+
 def chunk_order(order: int, kc: int, wpb: int, gw: int, b: int) -> list:
     """The chunks warp gw of a block's wpb warps streams, in order (mirrors ChunkOrder in kernels/quant.cu; for
     tests): 0 its contiguous run, 1 every wpb-th chunk from gw, 2 its run started at a per-warp rotation."""
@@ -679,6 +743,11 @@ def _bulk_kernel(dtype: str, kind: int, mt: int, defines: tuple = ()) -> Kernel:
     return Kernel(SOURCE, f"quant::gemv_bulk_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>", options=defines)
 
 
+@lru_cache(maxsize=None)
+def _marlin_kernel(dtype: str, mt: int) -> Kernel:
+    return Kernel(SOURCE, f"quant::quant_marlin_kernel<{A.CTYPE[dtype]}, {mt}>")
+
+
 def all_kernels() -> list:
     """Every variant this module can launch (for ``python -m speedcore compile``)."""
     out = []
@@ -694,6 +763,8 @@ def all_kernels() -> list:
                 out.append(_gemv_kernel(dtype, kind, mt))
                 out.append(_stream_kernel(dtype, kind, mt))
                 out.append(_bulk_kernel(dtype, kind, mt))
+        for mt in MARLIN_MT_CHOICES:
+            out.append(_marlin_kernel(dtype, mt))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
@@ -886,6 +957,9 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
                 packed: bool, gemv=None):
     """Allocate y (rows, N) and run quant_mma_kernel, or gemv_kernel for M <= 16 when the layer has the
     fragment-major copy (``gemv``) for x's dtype; returns y (the caller's library)."""
+    if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
+            and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K)):
+        return _launch_marlin(gemv, xa, rows, k, ldx, bias_ptr, n)
     if gemv is not None and 0 < rows <= GEMV_MAX_M and (gemv.dtype is None or gemv.dtype == xa.dtype):
         if use_bulk(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K, device_info(xa.device).cc):
             return _launch_chunks(True, gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
@@ -920,6 +994,20 @@ _STREAM_OVERRIDE: dict = {}
 # "off": never.  _BULK_OVERRIDE: keyword overrides of bulk_config (warps, splits, stages, order), for measurements.
 _BULK_MODE = "auto"
 _BULK_OVERRIDE: dict = {}
+# quant_marlin_kernel for prepacked INT4 layers at M in _MARLIN_M_RANGE (inclusive), where the shape fits
+# (marlin_supported), before every other choice.  "on" / "off"; OFF by default until it is measured on the GPU.
+# Turn it on with the environment variable SPEEDCORE_QUANT_MARLIN=1 (read at import) or
+# ``speedcore.quant._MARLIN_MODE = "on"``.  _MARLIN_OVERRIDE: keyword overrides of marlin_config (splits).
+_MARLIN_MODE = "on" if os.environ.get("SPEEDCORE_QUANT_MARLIN", "0").lower() in ("1", "on", "true") else "off"
+_MARLIN_M_RANGE = (17, 128)
+_MARLIN_OVERRIDE: dict = {}
+
+
+def use_marlin(m: int, n: int, k: int, group: int) -> bool:
+    """Dispatch for prepacked INT4 layers (a pure function but for the _MARLIN_MODE / _MARLIN_M_RANGE switches):
+    quant_marlin_kernel for M in _MARLIN_M_RANGE where its shape constraints hold (marlin_supported)."""
+    lo, hi = _MARLIN_M_RANGE
+    return _MARLIN_MODE == "on" and lo <= m <= hi and marlin_supported(k, n, group)
 
 
 def use_stream(kind: int, m: int, n: int, k: int, group: int = 0) -> bool:
@@ -1024,6 +1112,28 @@ def _bulk_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: i
                np.int32(cfg.splits), np.int32(cfg.stages), np.int32(cfg.order))
     return (cfg, _bulk_kernel(dtype, kind, cfg.mt, defines), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem),
             scalars)
+
+
+@lru_cache(maxsize=8192)
+def _marlin_plan(dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple):
+    cfg = marlin_config(rows, n, k, sms, **dict(override))
+    scalars = (np.int32(rows), np.int32(n), np.int32(k // GEMV_STEP_K), np.int32(spg), np.int32(ng),
+               np.int32(cfg.n_tiles), np.int32(cfg.m_chunks), np.int32(cfg.splits), np.int32(cfg.cps))
+    return cfg, _marlin_kernel(dtype, cfg.mt), LaunchConfig((cfg.grid,), (MARLIN_WARPS * 32,), cfg.smem), scalars
+
+
+def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):
+    y, y_ptr = _alloc_out(xa, rows, n)
+    cfg, kernel, lcfg, scalars = _marlin_plan(xa.dtype, rows, n, k, gl.spg, gl.ng, device_info(xa.device).sms,
+                                              tuple(sorted(_MARLIN_OVERRIDE.items())))
+    stream = A.stream_of(xa)
+    ws_ptr = tickets_ptr = 0
+    if cfg.splits > 1:
+        ws_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
+        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_chunks * cfg.n_tiles).ptr
+    args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, gl.w_ptr, gl.g_ptr, bias_ptr) + scalars + (np.int64(ldx),)
+    launch(kernel, lcfg, args, device=xa.device, stream=stream)
+    return y
 
 
 def _gemv_pack(fmt, qa, za, sa, k, n, group):

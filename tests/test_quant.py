@@ -201,7 +201,8 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 63
+    assert len(names) == len(set(names)) == 67
+    assert "quant::quant_marlin_kernel<__half, 4>" in names and "quant::quant_marlin_kernel<__nv_bfloat16, 8>" in names
     assert "quant::gemv_stream_kernel<__half, 1, 2>" in names and "quant::gemv_bulk_kernel<__half, 0, 1>" in names
     assert "quant::gemv_kernel<__nv_bfloat16, 0, 1>" in names
     assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
@@ -1075,3 +1076,228 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     # a dtype mismatch leaves the fast path (the checked path converts or raises)
     with pytest.raises(TypeError, match="bias"):
         Q.awq_linear(x, pw, bias=_FakeTensor((n,), "float16"))
+
+
+# ------------------------------------------------------------------------------------ quant_marlin_kernel (CPU)
+
+@contextlib.contextmanager
+def _marlin(mode="on", m_range=None, **override):
+    """Force quant_marlin_kernel on ("on") or off for prepacked INT4 layers, its M range and launch overrides."""
+    old = (Q._MARLIN_MODE, Q._MARLIN_M_RANGE, dict(Q._MARLIN_OVERRIDE))
+    Q._MARLIN_MODE = mode
+    if m_range is not None:
+        Q._MARLIN_M_RANGE = m_range
+    Q._MARLIN_OVERRIDE.clear()
+    Q._MARLIN_OVERRIDE.update(override)
+    try:
+        yield
+    finally:
+        Q._MARLIN_MODE, Q._MARLIN_M_RANGE = old[0], old[1]
+        Q._MARLIN_OVERRIDE.clear()
+        Q._MARLIN_OVERRIDE.update(old[2])
+
+
+@pytest.mark.parametrize("m", [17, 32, 33, 64, 65, 100, 128])
+@pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (320, 512), (64, 128)])
+def test_marlin_config(m, n, k):
+    cfg = Q.marlin_config(m, n, k, 132)
+    kc = k // 128
+    assert cfg.mt == (4 if m <= 32 else 8)
+    assert cfg.m_chunks * 8 * cfg.mt >= m > (cfg.m_chunks - 1) * 8 * cfg.mt
+    assert cfg.n_tiles * Q.MARLIN_BLOCKS * 64 >= n > (cfg.n_tiles - 1) * Q.MARLIN_BLOCKS * 64
+    # every split has at least one chunk, and the splits cover K exactly
+    assert cfg.splits * cfg.cps >= kc > (cfg.splits - 1) * cfg.cps
+    assert cfg.smem == Q.marlin_smem_bytes(cfg.mt) <= 227 * 1024
+    if (n, k) in ((8192, 8192), (8192, 28672)):
+        assert 64 <= cfg.grid <= 2 * 132, cfg  # at least half the SMs, at most two waves
+    assert Q.marlin_config(m, n, k, 132, splits=3).splits == min(3, -(-kc // -(-kc // 3)))
+
+
+def test_marlin_smem_matches_the_kernel_layout():
+    # Marlin<MT>::SMEM in kernels/quant.cu: stages x (4 x 4 KB weights + 4 x 192-byte records + 8 MT rows of 288 B)
+    assert Q.marlin_smem_bytes(8) == 4 * (16384 + 768 + 64 * 288) == 142336
+    assert Q.marlin_smem_bytes(4) == 4 * (16384 + 768 + 32 * 288) == 105472
+    # the second half-chunk's accumulators (4 blocks x MT x 16 floats x 32 lanes) fit the drained ring
+    for mt in Q.MARLIN_MT_CHOICES:
+        assert 4 * mt * 16 * 32 * 4 <= Q.marlin_smem_bytes(mt)
+
+
+def test_use_marlin_switch_and_shapes():
+    with _marlin("off"):
+        assert not Q.use_marlin(64, 8192, 8192, 128)
+    with _marlin("on"):
+        assert Q.use_marlin(64, 8192, 8192, 128) and Q.use_marlin(17, 8192, 8192, 128)
+        assert Q.use_marlin(128, 28672, 8192, 256)
+        assert not Q.use_marlin(16, 8192, 8192, 128) and not Q.use_marlin(129, 8192, 8192, 128)
+        assert not Q.use_marlin(64, 8192, 8192, 64)      # a chunk would straddle groups
+        assert not Q.use_marlin(64, 8192, 8160, 128)     # K % 128
+        assert not Q.use_marlin(64, 8200, 8192, 128)     # N % 64
+    with _marlin("on", m_range=(1, 256)):
+        assert Q.use_marlin(1, 8192, 8192, 128) and Q.use_marlin(256, 8192, 8192, 128)
+
+
+@pytest.mark.parametrize("m", [17, 64, 100])
+def test_marlin_dispatch_launch_arguments(fake_gpu, m):
+    """With the switch on, a prepacked AWQ / GPTQ layer at M in range launches quant_marlin_kernel with the
+    fragment-major pointers, the problem scalars and the configured grid; off, the previous kernel."""
+    import dataclasses
+
+    calls = fake_gpu
+    k, n, g = 1024, 1536, 128
+    x = _FakeTensor((m, k), "bfloat16")
+    bias = _FakeTensor((n,), "bfloat16")
+    pw = Q.prepack_awq(_FakeTensor((k, n // 8), "int32"), _FakeTensor((k // g, n // 8), "int32"),
+                       _FakeTensor((k // g, n), "bfloat16"), group_size=g)
+    with _marlin("on"):
+        Q.awq_linear(x, pw, bias=bias)
+        Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
+        pg = Q.prepack_gptq(_FakeTensor((k // 8, n), "int32"), _FakeTensor((k // g, n // 8), "int32"),
+                            _FakeTensor((k // g, n), "bfloat16"), group_size=g)
+        Q.gptq_linear(x, pg)
+        # fp16 x with bf16 scales records: not this kernel (the checked path converts the scales)
+    with _marlin("off"):
+        Q.awq_linear(x, pw, bias=bias)
+    cfg = Q.marlin_config(m, n, k, 132)
+    for kernel, lcfg, args in calls[:3]:
+        assert kernel.name == f"quant::quant_marlin_kernel<__nv_bfloat16, {cfg.mt}>"
+        assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (256,) and lcfg.smem == cfg.smem
+        assert len(args) == 17
+        assert [int(a) for a in args[7:16]] == [m, n, k // 32, g // 32, k // g, cfg.n_tiles, cfg.m_chunks,
+                                                cfg.splits, cfg.cps]
+        assert int(args[16]) == k and type(args[16]) is np.int64
+        assert all(type(a) is np.int32 for a in args[7:16])
+        assert (args[1] != 0) == (cfg.splits > 1) and (args[2] != 0) == (cfg.splits > 1)
+    assert calls[0][2][4] == pw.gemv.w_ptr and calls[0][2][5] == pw.gemv.g_ptr and calls[0][2][6] == bias.ptr
+    assert calls[2][2][4] == pg.gemv.w_ptr and calls[2][2][6] == 0
+    for u, v in zip(calls[0][2], calls[1][2]):
+        assert type(u) is type(v) and u == v
+    assert "quant_marlin_kernel" not in calls[3][0].name
+
+
+def _marlin_mirror(x16, words, recs, m, n, k, g, cfg, bias=None):
+    """The data flow of quant_marlin_kernel in NumPy, index for index: the ring stages' bytes as the cp.async
+    copies place them, each warp's 16-byte weight reads and 8-byte x reads, the m16n8k16 fragment semantics
+    (A: a0 (g, 2c..2c+1), a1 (g + 8, 2c..), a2 (g, 2c + 8..), a3 (g + 8, 2c + 8..); B: b0 rows 2c..2c+1, b1 rows
+    2c + 8..2c + 9, column g; D: d_j at (g + 8 (j // 2), 2 c + j % 2)), the half-chunk reduction, the epilogue's
+    (row, channel) of every accumulator and the split-K sum.  Dequantized weights and sums in float64.
+    Returns y (M, N) float64 and how many times each element was written."""
+    ks, spg, ng, kc = k // 32, g // 32, k // g, k // 128
+    wbytes = np.ascontiguousarray(words, np.uint32).view(np.uint8)
+    xbytes = np.ascontiguousarray(x16).view(np.uint8).reshape(m, 2 * k)
+    W, G = 4 * 4096, 4 * 192
+    stage_bytes = W + G + 8 * cfg.mt * 288
+    y = np.zeros((m, n))
+    written = np.zeros((m, n), np.int64)
+    ws = np.full((cfg.splits, m, n), np.nan)
+    tickets = {}
+    lanes = np.arange(32)
+    gl, cl = lanes >> 2, lanes & 3
+    for bid in range(cfg.grid):
+        mc, rest = bid % cfg.m_chunks, bid // cfg.m_chunks
+        tile, split = rest % cfg.n_tiles, rest // cfg.n_tiles
+        c0 = split * cfg.cps
+        nch = min(kc, c0 + cfg.cps) - c0
+        blocks_here = min(4, n // 64 - tile * 4)
+        m0, b0 = mc * 8 * cfg.mt, tile * 4
+        acc = np.zeros((8, cfg.mt, 4, 4, 32))
+        for i in range(nch):
+            ch = c0 + i
+            st = np.full(stage_bytes, 0xFF, np.uint8)  # unloaded bytes are garbage (NaN patterns)
+            for idx in range(1024):
+                j, off = idx >> 8, idx & 255
+                if j < blocks_here:
+                    src = ((b0 + j) * ks + 4 * ch) * 1024 + off * 16
+                    st[j * 4096 + off * 16:j * 4096 + off * 16 + 16] = wbytes[src:src + 16]
+            for tid in range(48):
+                j, piece = tid // 12, tid % 12
+                grp = (4 * ch) // spg
+                if j < blocks_here:
+                    src = ((b0 + j) * ng + grp) * 192 + piece * 16
+                    st[W + j * 192 + piece * 16:W + j * 192 + piece * 16 + 16] = recs[src:src + 16]
+            for idx in range(128 * cfg.mt):
+                r, p = idx >> 4, idx & 15
+                row = m0 + r
+                dst = W + G + r * 288 + p * 16
+                if row < m:
+                    st[dst:dst + 16] = xbytes[row, 2 * (128 * ch + 8 * p):2 * (128 * ch + 8 * p) + 16]
+                else:
+                    st[dst:dst + 16] = 0
+            for warp in range(8):
+                wn, wk = warp & 3, warp >> 2
+                if wn >= blocks_here:
+                    continue
+                gb = W + wn * 192
+                sv = np.stack([st[gb + 16 * gg:gb + 16 * gg + 16].view(np.float16) for gg in gl]).astype(np.float64)
+                zv = np.stack([st[gb + 128 + 8 * gg:gb + 136 + 8 * gg] for gg in gl]).astype(np.float64)
+                for up in range(2):
+                    for h in range(2):
+                        base = wn * 4096 + wk * 2048 + up * 1024 + h * 512
+                        wu = np.stack([st[base + 16 * ln:base + 16 * ln + 16].view(np.uint32) for ln in lanes])
+                        amat = np.zeros((4, 16, 16))
+                        for t in range(4):
+                            for ai in range(4):
+                                o = 2 * t + (ai & 1)
+                                for half in range(2):
+                                    q = (wu[:, t] >> np.uint32(4 * (ai + 4 * half))) & np.uint32(15)
+                                    val = (q.astype(np.float64) - zv[lanes, o]) * sv[lanes, o]
+                                    amat[t, gl + 8 * (ai & 1), 2 * cl + 8 * (ai >> 1) + half] = val
+                        for mt in range(cfg.mt):
+                            xo = (8 * mt + gl) * 288 + wk * 128 + cl * 8 + up * 64 + h * 32
+                            xw = np.stack([st[W + G + a:W + G + a + 8].view(np.float16) for a in xo]).astype(np.float64)
+                            bmat = np.zeros((16, 8))
+                            for e in range(4):
+                                bmat[2 * cl + 8 * (e >> 1) + (e & 1), gl] = xw[:, e]
+                            for t in range(4):
+                                d = amat[t] @ bmat
+                                for j in range(4):
+                                    acc[warp, mt, t, j] += d[gl + 8 * (j >> 1), 2 * cl + (j & 1)]
+        for wn in range(blocks_here):
+            acc[wn] += acc[wn + 4]
+            n0 = (b0 + wn) * 64
+            for mt in range(cfg.mt):
+                for t in range(4):
+                    for j in range(4):
+                        rows = m0 + 8 * mt + 2 * cl + (j & 1)
+                        ns = n0 + 16 * t + gl + 8 * (j >> 1)
+                        ok = rows < m
+                        if cfg.splits == 1:
+                            v = acc[wn, mt, t, j][ok] + (bias[ns[ok]] if bias is not None else 0.0)
+                            y[rows[ok], ns[ok]] = v
+                            written[rows[ok], ns[ok]] += 1
+                        else:
+                            ws[split, rows[ok], ns[ok]] = acc[wn, mt, t, j][ok]
+        if cfg.splits > 1:
+            key = mc * cfg.n_tiles + tile
+            tickets[key] = tickets.get(key, 0) + 1
+            if tickets[key] == cfg.splits:
+                rows_here, cols = min(m - m0, 8 * cfg.mt), blocks_here * 64
+                for item in range(rows_here * cols):
+                    row, nn = m0 + item // cols, b0 * 64 + item % cols
+                    v = sum(ws[s, row, nn] for s in range(cfg.splits))
+                    y[row, nn] = v + (bias[nn] if bias is not None else 0.0)
+                    written[row, nn] += 1
+    return y, written
+
+
+@pytest.mark.parametrize("m,n,k,g,splits", [(17, 320, 512, 128, 0), (40, 256, 384, 128, 2), (70, 192, 768, 256, 3),
+                                            (33, 64, 128, 128, 0)])
+def test_marlin_mirror_matches_x_at_w(m, n, k, g, splits):
+    """The kernel's index math, mirrored in NumPy on the fragment-major words and group records made by the
+    reference packers, gives x @ W (AWQ) with every output written exactly once: odd M (zero-filled rows, two
+    m-chunks), a partial last channel tile, groups of one and two chunks, split-K."""
+    rng = np.random.default_rng(m + n + k)
+    q = rng.integers(0, 16, (k, n))
+    z = rng.integers(0, 16, (k // g, n))
+    s = (rng.random((k // g, n)) * 0.02 + 0.001).astype(np.float16)
+    w_kn = Q.dequantize_awq_reference(Q.pack_awq(q), Q.pack_awq(z), s.astype(np.float32), g).astype(np.float64)
+    words = Q.gemv_pack_int4_reference(q)
+    recs = Q.gemv_pack_groups_reference(z, s.view(np.uint16))
+    x16 = rng.standard_normal((m, k)).astype(np.float16)
+    bias = rng.standard_normal(n)
+    cfg = Q.marlin_config(m, n, k, 132, splits=splits)
+    if splits:
+        assert cfg.splits == splits
+    y, written = _marlin_mirror(x16, words, recs, m, n, k, g, cfg, bias)
+    assert (written == 1).all()
+    ref = x16.astype(np.float64) @ w_kn + bias
+    np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9)
