@@ -958,7 +958,7 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     """Allocate y (rows, N) and run quant_mma_kernel, or gemv_kernel for M <= 16 when the layer has the
     fragment-major copy (``gemv``) for x's dtype; returns y (the caller's library)."""
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
-            and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K)):
+            and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
         return _launch_marlin(gemv, xa, rows, k, ldx, bias_ptr, n)
     if gemv is not None and 0 < rows <= GEMV_MAX_M and (gemv.dtype is None or gemv.dtype == xa.dtype):
         if use_bulk(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K, device_info(xa.device).cc):
@@ -1120,6 +1120,12 @@ def _marlin_plan(dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: 
     scalars = (np.int32(rows), np.int32(n), np.int32(k // GEMV_STEP_K), np.int32(spg), np.int32(ng),
                np.int32(cfg.n_tiles), np.int32(cfg.m_chunks), np.int32(cfg.splits), np.int32(cfg.cps))
     return cfg, _marlin_kernel(dtype, cfg.mt), LaunchConfig((cfg.grid,), (MARLIN_WARPS * 32,), cfg.smem), scalars
+
+
+def _marlin_fits(device: int, rows: int) -> bool:
+    """Whether the device's per-block shared memory holds quant_marlin_kernel's ring (not on 99 KB parts)."""
+    mt = 4 if rows <= 32 else 8
+    return marlin_smem_bytes(mt) <= getattr(device_info(device), "smem_per_block_optin", BULK_SMEM_PER_CTA)
 
 
 def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):

@@ -432,8 +432,9 @@ def test_awq_linear_small(dtype, m, n, k, g):
     assert torch.equal(y, y2)
     packed = Q.prepack_awq(torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g)
     assert packed.packed is not None
-    if packed.gemv is not None and m <= Q.GEMV_MAX_M:
-        # M <= 16 takes gemv_kernel on the fragment-major copy (split-K order differs: compare values)
+    if packed.gemv is not None and (m <= Q.GEMV_MAX_M or Q.use_marlin(m, n, k, g)):
+        # M <= 16 takes gemv_kernel on the fragment-major copy, 17 <= M <= 128 quant_marlin_kernel when it is on
+        # (split-K order differs: compare values)
         err, finite = _rel_err(Q.awq_linear(x, packed, bias=bias), _ref(x, ref_w, bias))
         assert finite and err < 1e-2, err
     else:
@@ -470,7 +471,7 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
     if not act_order:
         y3 = Q.gptq_linear(x, *args[:3], group_size=g)
         assert torch.equal(y, y3)
-        if packed.gemv is None or m > Q.GEMV_MAX_M:
+        if (packed.gemv is None or m > Q.GEMV_MAX_M) and not Q.use_marlin(m, n, k, g):
             assert torch.equal(y, y2)
 
 
@@ -1270,12 +1271,13 @@ def _marlin_mirror(x16, words, recs, m, n, k, g, cfg, bias=None):
             key = mc * cfg.n_tiles + tile
             tickets[key] = tickets.get(key, 0) + 1
             if tickets[key] == cfg.splits:
-                rows_here, cols = min(m - m0, 8 * cfg.mt), blocks_here * 64
-                for item in range(rows_here * cols):
-                    row, nn = m0 + item // cols, b0 * 64 + item % cols
-                    v = sum(ws[s, row, nn] for s in range(cfg.splits))
-                    y[row, nn] = v + (bias[nn] if bias is not None else 0.0)
-                    written[row, nn] += 1
+                rows_here, cols4 = min(m - m0, 8 * cfg.mt), blocks_here * 16
+                for item in range(rows_here * cols4):
+                    row, n4 = m0 + item // cols4, b0 * 64 + 4 * (item % cols4)
+                    for e in range(4):
+                        v = sum(ws[s, row, n4 + e] for s in range(cfg.splits))
+                        y[row, n4 + e] = v + (bias[n4 + e] if bias is not None else 0.0)
+                        written[row, n4 + e] += 1
     return y, written
 
 
@@ -1301,3 +1303,116 @@ def test_marlin_mirror_matches_x_at_w(m, n, k, g, splits):
     assert (written == 1).all()
     ref = x16.astype(np.float64) @ w_kn + bias
     np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9)
+
+
+# ------------------------------------------------------------------------------------ quant_marlin_kernel (GPU)
+
+@contextlib.contextmanager
+def _launched():
+    """The kernel names launched inside the block (Q.launch wrapped)."""
+    names = []
+    real = Q.launch
+
+    def spy(kernel, cfg, args, **kw):
+        names.append(kernel.name)
+        return real(kernel, cfg, args, **kw)
+
+    Q.launch = spy
+    try:
+        yield names
+    finally:
+        Q.launch = real
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
+@pytest.mark.parametrize("m,n,k,g,override", [
+    (17, 512, 1024, 128, {}), (33, 320, 2048, 256, {"splits": 3}), (64, 1024, 4096, 128, {}),
+    (100, 192, 640, 128, {"splits": 2}), (128, 4096, 1024, 128, {}), (64, 256, 128, 128, {}),
+    (40, 8192, 1024, -1, {})])
+def test_marlin_small(dtype, fmt, m, n, k, g, override):
+    """quant_marlin_kernel (forced on) on prepacked AWQ / GPTQ layers: odd M (rows past M zero-filled, two m-chunks
+    at M > 64), a partial last 256-channel tile, groups of one, two and all chunks, split-K (forced and chosen),
+    one-chunk K; against float64 x @ W (rel err 1e-2 per row), outputs poisoned with NaN before each call, three
+    calls (tickets left zeroed), a strided 3-D view of x with bias, and the same layer through quant_mma_kernel."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 53 + n + k + fmt)
+    layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
+    assert layer.gemv is not None
+    with _marlin("on", **override):
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        ref = _ref(x, w_kn)
+        for _ in range(3):
+            poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+            del poison
+            with _launched() as names:
+                y = _linear(fmt, x, layer)
+            assert any("quant_marlin_kernel" in nm for nm in names), names
+            yf = y.float().cpu().numpy().astype(np.float64)
+            assert np.isfinite(yf).all()
+            row_err = np.linalg.norm(yf - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
+            assert row_err.max() < 1e-2, row_err.max()
+        xb = torch.randn(m, k + 64, device="cuda", dtype=td)[:, 32:32 + k]
+        bias = torch.randn(n, device="cuda", dtype=td)
+        y3 = _linear(fmt, xb.reshape(1, m, k), layer, bias)
+        assert y3.shape == (1, m, n)
+        err, finite = _rel_err(y3.reshape(m, n), _ref(xb, w_kn, bias))
+        assert finite and err < 1e-2, err
+    with _marlin("off"), _gemv_mode("off"), _stream("off"):
+        y_mma = _linear(fmt, x, layer)
+    assert (y.float() - y_mma.float()).abs().max().item() <= 2e-2 * y_mma.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("override", [{}, {"splits": 2}])
+def test_marlin_exact_rows_small(override):
+    """x = one-hot rows (M = 17 and 64) pick rows of W exactly through quant_marlin_kernel: every nibble, zero
+    point (GPTQ's 16 included) and power-of-two scale position, bf16 and fp16, with and without split-K."""
+    torch = _torch()
+    rng = np.random.default_rng(29)
+    with _marlin("on", **override):
+        for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ):
+            for td in (torch.float16, torch.bfloat16):
+                k, n, g = 1024, 512, 128
+                layer, _, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
+                s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
+                qw, qz = (layer.qweight, layer.qzeros)
+                layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
+                ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
+                args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
+                w_kn = ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
+                for rows in (slice(0, 17), slice(960, 1024), slice(101, 165)):
+                    eye = torch.eye(k, device="cuda", dtype=td)[rows]
+                    with _launched() as names:
+                        y = _linear(fmt, eye, layer)
+                    assert any("quant_marlin_kernel" in nm for nm in names), names
+                    expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
+                    assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m", [17, 64])
+def test_marlin_gptq_act_order_small(dtype, m):
+    """Act-order GPTQ through prepack_gptq (rows repacked in group order, x gathered per call) and
+    quant_marlin_kernel: against float64 x @ W with the checkpoint's g_idx."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    n, k, g = 512, 1024, 128
+    rng = np.random.default_rng(m + 5)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=rng.permutation(k), sym=False)
+    s_t = torch.from_numpy((s.astype(np.float32) * 0.05).astype(np.float16)).cuda().to(td)
+    ref_w = Q.dequantize_gptq_reference(qw, qz, s_t.float().cpu().numpy(), g_idx, g)
+    args = (torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, torch.from_numpy(g_idx).cuda())
+    with _marlin("on"):
+        packed = Q.prepack_gptq(*args, group_size=g)
+        assert packed.perm is not None and packed.gemv is not None
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        with _launched() as names:
+            y = Q.gptq_linear(x, packed)
+        assert any("quant_marlin_kernel" in nm for nm in names), names
+    err, finite = _rel_err(y, _ref(x, ref_w))
+    assert finite and err < 1e-2, err
