@@ -1729,7 +1729,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
 //   4 mma tiles (the layout gemv_stream_kernel streams), dequantized in registers once (lop3 into the magic
 //   number, one fma2 for magic + zero point, one for the scale: (q - z) s rounded once to T) and used for MT
 //   mmas, one per 8 rows of x;
-// * weights, group records and x go through a kMarlinStages-deep cp.async ring (one barrier per chunk);
+// * weights, group records and x go through a Marlin<MT>::STAGES-deep cp.async ring (one barrier per chunk);
 // * the 8 warps are 4 channel blocks x 2 halves of each chunk (steps 0-1 and 2-3): all 64 rows per warp keep the
 //   dequantization amortized over MT mmas, and the two halves are summed once through shared memory at the end.
 // x rows are read as 8-byte words at k = 4c..4c+3 (the layout maps the lane's mma k slots there), so the staged
@@ -1742,7 +1742,6 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
 // Requires K % 128 == 0, G % 128 == 0 (a chunk is inside one group), N % 64 == 0, x rows 16-byte aligned.
 constexpr int kMarlinBlocks = 4;    // 64-channel blocks per CTA
 constexpr int kMarlinWarps = 8;     // kMarlinBlocks x 2 halves of a chunk
-constexpr int kMarlinStages = 4;
 constexpr int kMarlinXPitch = 288;  // bytes per staged row of x (128 k)
 
 template <int MT> struct Marlin {
@@ -1750,7 +1749,10 @@ template <int MT> struct Marlin {
   static constexpr int G_BYTES = kMarlinBlocks * 192;
   static constexpr int X_BYTES = 8 * MT * kMarlinXPitch;
   static constexpr int STAGE = W_BYTES + G_BYTES + X_BYTES;
-  static constexpr int SMEM = kMarlinStages * STAGE;
+  // mt 4 (M <= 32) is bound by the weight stream: 6 stages (5 chunks, 80 KB of weights in flight per SM); mt 8 by
+  // the mma rate: 4 (and the ring stays within sm_80's 163 KB).
+  static constexpr int STAGES = MT <= 4 ? 6 : 4;
+  static constexpr int SMEM = STAGES * STAGE;
   static constexpr int RED_BYTES = kMarlinBlocks * MT * 16 * 32 * 4;  // the second half's accumulators
   static_assert(RED_BYTES <= SMEM, "the reduction reuses the ring");
   static_assert(STAGE % 16 == 0, "stages stay 16-byte aligned");
@@ -1851,7 +1853,7 @@ __global__ void __launch_bounds__(kMarlinWarps * 32, 1) quant_marlin_kernel(
       for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
 
 #pragma unroll
-  for (int s = 0; s < kMarlinStages - 1; ++s) {
+  for (int s = 0; s < L::STAGES - 1; ++s) {
     if (s < nchunks) load(s, c0 + s);
     sc::cp_async_commit();
   }
@@ -1860,15 +1862,15 @@ __global__ void __launch_bounds__(kMarlinWarps * 32, 1) quant_marlin_kernel(
   asm volatile("" : "+r"(magic));  // kept in a register: lop3 takes it as an operand (see and_or)
 #pragma unroll 1
   for (int i = 0; i < nchunks; ++i) {
-    sc::cp_async_wait<kMarlinStages - 2>();
+    sc::cp_async_wait<L::STAGES - 2>();
     __syncthreads();
     {
-      const int nx = i + kMarlinStages - 1;
-      if (nx < nchunks) load(nx % kMarlinStages, c0 + nx);
+      const int nx = i + L::STAGES - 1;
+      if (nx < nchunks) load(nx % L::STAGES, c0 + nx);
       sc::cp_async_commit();
     }
     if (active) {
-      const unsigned char* st = smem + (i % kMarlinStages) * L::STAGE;
+      const unsigned char* st = smem + (i % L::STAGES) * L::STAGE;
       const unsigned char* wb = st + wn * 4096 + wk * 2048 + lane * 16;
       const unsigned char* gb = st + L::W_BYTES + wn * 192;
       const unsigned char* xb = st + L::W_BYTES + L::G_BYTES + g * kMarlinXPitch + wk * 128 + c * 8;

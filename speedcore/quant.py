@@ -75,7 +75,6 @@ BULK_SMEM_PER_CTA = 232448  # 227 KB
 # quant_marlin_kernel (17 <= M <= 128, INT4 on the fragment-major layout); must match kernels/quant.cu.
 MARLIN_BLOCKS = 4           # 64-channel blocks per CTA (256 channels), one per warp column
 MARLIN_WARPS = 8            # MARLIN_BLOCKS x 2 halves of each 128-k chunk
-MARLIN_STAGES = 4           # cp.async ring depth (chunks)
 MARLIN_X_PITCH = 288        # bytes per staged row of x (128 k + 32: conflict-free 8-byte reads)
 MARLIN_MT_CHOICES = (4, 8)  # 8-row x tiles per CTA: M <= 32, M <= 64 per m-chunk
 
@@ -537,10 +536,16 @@ def bulk_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, spl
     return BulkConfig(mt, nb, ks, w, sp, s, bulk_smem_bytes(kind, m, w, s), 1 if order < 0 else order)
 
 
+def marlin_stages(mt: int) -> int:
+    """cp.async ring depth of quant_marlin_kernel<T, mt> (Marlin<MT>::STAGES): 6 for mt 4 (M <= 32, bound by the
+    weight stream), 4 for mt 8 (bound by the mma rate; within sm_80's 163 KB)."""
+    return 6 if mt <= 4 else 4
+
+
 def marlin_smem_bytes(mt: int) -> int:
-    """Dynamic shared memory of quant_marlin_kernel<T, mt>: MARLIN_STAGES ring stages, each the weights of the
+    """Dynamic shared memory of quant_marlin_kernel<T, mt>: marlin_stages(mt) ring stages, each the weights of the
     CTA's blocks for one 128-k chunk (4 KB each), their group records (192 bytes each) and 8 mt rows of x."""
-    return MARLIN_STAGES * (MARLIN_BLOCKS * (4096 + GEMV_GROUP_BYTES) + 8 * mt * MARLIN_X_PITCH)
+    return marlin_stages(mt) * (MARLIN_BLOCKS * (4096 + GEMV_GROUP_BYTES) + 8 * mt * MARLIN_X_PITCH)
 
 
 def marlin_supported(k: int, n: int, group: int) -> bool:
