@@ -115,6 +115,16 @@ def _int4(b, fmt, n, k, dtype, ms):
             peers["tinygemm int4 (torch)"] = b.time_ms(
                 lambda: torch.ops.aten._weight_int4pack_mm(x, packed_tg, g, sz))
         _record(b, op, m, n, k, dtype, nbytes, ours, peers)
+        lo, hi = Q._MARLIN_M_RANGE
+        if Q._MARLIN_MODE == "off" and lo <= m <= hi:
+            # quant_marlin_kernel while it is off by default (not yet measured): the same layer with it on
+            Q._MARLIN_MODE = "on"
+            try:
+                t_marlin = b.time_ms(lambda: call(x))
+            finally:
+                Q._MARLIN_MODE = "off"
+            _record(b, op + "[marlin]", m, n, k, dtype, nbytes, t_marlin,
+                    {"F.linear (cuBLAS)": peers["F.linear (cuBLAS)"]})
         if stored is not None and m <= 256:
             _record(b, op + "[as stored]", m, n, k, dtype, nbytes, b.time_ms(lambda: stored(x)),
                     {"F.linear (cuBLAS)": peers["F.linear (cuBLAS)"]})
