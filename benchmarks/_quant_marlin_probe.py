@@ -1,8 +1,8 @@
 """Same-run probe for quant_marlin_kernel (not a suite): on prepacked AWQ layers (random packed words, group 128),
 "marlin" (the kernel forced on, its heuristic launch shape), "current" (the dispatch with it off: quant_mma_kernel
 at M > 16) and cuBLAS (F.linear, same dtype), at M = 17, 32, 64, 128 on 8192x8192 and 28672x8192, bf16 and fp16;
-a split-K sweep at M = 17 and 64 (bf16); one GPTQ row.  Each variant's output is checked against the current
-dispatch (relative difference printed when above 1e-2).  One line per case, then the summary table last.
+a grid sweep (bf16: P = tiles x {1, 2, 4}, SMs, 2 SMs; "g<P> <us>") against the heuristic's P; one GPTQ row.
+Each variant's output is checked against the current dispatch (relative difference printed when above 1e-2).  One line per case, then the summary table last.
 
     PYTHONPATH=. python3 benchmarks/_quant_marlin_probe.py
 """
@@ -54,7 +54,7 @@ def rel(a, ref):
     return ((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def case(fmt, n, k, dt, ms, sweep=()):
+def case(fmt, n, k, dt, ms, sweep=False):
     call = layer_of(fmt, n, k, dt)
     w = torch.randn(n, k, device=b.device, dtype=dt) * 0.01
     sms = torch.cuda.get_device_properties(b.device).multi_processor_count
@@ -66,15 +66,16 @@ def case(fmt, n, k, dt, ms, sweep=()):
         e = rel(y, y_cur)
         flag = "" if e < 1e-2 else f"  !! marlin vs current: rel diff {e:.2e}"
         extra = []
-        for s in sweep:
-            if s == cfg.splits:
-                continue
-            t, ys = timed(call, x, "on", splits=s)
+        tms = cfg.n_tiles * cfg.m_chunks
+        units = tms * (k // 128)
+        grids = sorted({min(units, p) for p in (tms, 2 * tms, 4 * tms, sms, 2 * sms)} - {cfg.ctas}) if sweep else []
+        for p in grids:
+            t, ys = timed(call, x, "on", ctas=p)
             es = rel(ys, y_cur)
-            extra.append(f"s{s} {t * 1e3:5.1f}" + ("" if es < 1e-2 else f"(!! {es:.1e})"))
+            extra.append(f"g{p} {t * 1e3:5.1f}" + ("" if es < 1e-2 else f"(!! {es:.1e})"))
         cub = b.time_ms(lambda: F.linear(x, w))
         label = f"{fmt:4s} {str(dt)[6:]:8s} M={m:<3d} {n:>5d}x{k:<5d}"
-        print(f"{label} marlin {ours * 1e3:6.1f}us x{cub / ours:4.2f} (grid {cfg.grid} s{cfg.splits} mt{cfg.mt}) | "
+        print(f"{label} marlin {ours * 1e3:6.1f}us x{cub / ours:4.2f} (grid {cfg.grid}, {tms} tiles, mt{cfg.mt}) | "
               f"current {cur * 1e3:6.1f}us x{cub / cur:4.2f} | cuBLAS {cub * 1e3:6.1f}us"
               + (" | " + " ".join(extra) if extra else "") + flag, flush=True)
         summary.append((label, ours, cur, cub, e))
@@ -87,7 +88,7 @@ tiny = torch.ones(1, device=b.device)
 print(f"launch floor: tiny add_ {b.time_ms(lambda: tiny.add_(1.0)) * 1e3:.1f} us", flush=True)
 for dt in (bf, fp):
     for n, k in ((8192, 8192), (28672, 8192)):
-        sweep = (1, 2, 4, 8) if dt is bf else ()
+        sweep = dt is bf
         case("awq", n, k, dt, [17, 32, 64, 128], sweep)
 case("gptq", 8192, 8192, bf, [64])
 print(f"\nsummary ({time.time() - t0:.0f} s): time in us, speed-up over cuBLAS (F.linear) in the same run")

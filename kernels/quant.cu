@@ -1734,9 +1734,10 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
 //   dequantization amortized over MT mmas, and the two halves are summed once through shared memory at the end.
 // x rows are read as 8-byte words at k = 4c..4c+3 (the layout maps the lane's mma k slots there), so the staged
 // rows use a 288-byte pitch (256 + 32: each half-warp's 8-byte reads cover 32 distinct banks).  Rows >= M are
-// zero-filled.  Split-K: every split CTA stores its fp32 partial tile (plain stores), the last one by ticket sums
-// all splits in split order (deterministic), adds the bias, writes y and re-zeroes the ticket.  (Summing in
-// fragment order from registers needed more than 255 registers at mt = 8 on sm_80.)
+// zero-filled.  K is split by a stream-K schedule (below) so that every SM gets an equal share even where the
+// tiles do not divide into the SM count (28672 channels: 112 tiles on 132 SMs); partial tiles go through fp32
+// slots summed in a fixed order by the tile's last CTA (summing in fragment order from registers needed more than
+// 255 registers at mt = 8 on sm_80, so the sum reads the slots back in row-major items).
 // One CTA per SM (up to 255 registers: the 8 MT x 4 accumulators, and the fragments of a chunk's 4 half-steps that
 // the compiler hoists; at 128 registers, for two CTAs per SM, mt = 4 spilled).
 // Requires K % 128 == 0, G % 128 == 0 (a chunk is inside one group), N % 64 == 0, x rows 16-byte aligned.
@@ -1794,206 +1795,232 @@ __device__ __forceinline__ void int4_fragment(unsigned (&a)[4], unsigned wd, con
   for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[2 * t + (i & 1)], Bits<T>::NEG_ZERO);
 }
 
+// The first unit of CTA c's stream-K range: units [unit_begin(c), unit_begin(c + 1)) of U over P CTAs.
+__device__ __forceinline__ int marlin_unit_begin(int c, int U, int P) { return (int)((long long)c * U / P); }
+// The CTA whose range holds unit v.
+__device__ __forceinline__ int marlin_cta_of(int v, int U, int P) {
+  int c = (int)((long long)v * P / U);
+  while (c + 1 < P && marlin_unit_begin(c + 1, U, P) <= v) ++c;
+  while (c > 0 && marlin_unit_begin(c, U, P) > v) --c;
+  return c;
+}
+
 // y (M, N) = x (M, K; row stride ldx) @ W for the fragment-major INT4 layer (wpk, grec: gemv_pack_*_kernel).
-// Grid: m_chunks x n_tiles x splits CTAs (m chunk fastest: CTAs that read the same weights run side by side);
-// split s covers chunks [s cps, min(KC, (s + 1) cps)).  ws: splits x M x N fp32 (split-K only); tickets:
-// m_chunks x n_tiles zeroed int32 (left zeroed).
+// Stream-K schedule: the work is U = n_tiles x m_chunks x KC units (256-channel tile, 8 MT-row chunk of x, 128-k
+// chunk; k fastest, then m chunk, so CTAs that read the same weights run side by side), and CTA c of the P = grid
+// CTAs takes units [c U / P, (c + 1) U / P).  Its range is one or more segments (one tile and m chunk each): a
+// segment that covers all of K stores y directly; a partial one stores its fp32 partial in the CTA's slot (2 c for
+// the range's first segment, 2 c + 1 for its last; ws: 2 P slots of 8 MT x 256 floats) and adds its chunk count to
+// the tile's ticket; the CTA that completes K sums the slots of the tile's CTAs in CTA order (deterministic), adds
+// the bias, writes y and re-zeroes the ticket.  With P = tiles x s and s dividing KC this is plain split-K.  The
+// ring restarts at each segment (the drained ring holds the reduction of the two chunk halves).
+// tickets: n_tiles x m_chunks zeroed int32 (left zeroed).
 template <typename T, int MT>
 __global__ void __launch_bounds__(kMarlinWarps * 32, 1) quant_marlin_kernel(
     T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
     const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
-    int N, int KS, int SPG, int NG, int n_tiles, int m_chunks, int splits, int cps, long long ldx) {
+    int N, int KS, int SPG, int NG, int n_tiles, int m_chunks, long long ldx) {
   static_assert(MT % 2 == 0, "x is staged in pieces of two 8-row tiles per thread");
   using L = Marlin<MT>;
+  constexpr int kSlot = 8 * MT * 256;  // floats per partial slot
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_last;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int wn = warp & (kMarlinBlocks - 1), wk = warp / kMarlinBlocks;
-  const int mc = blockIdx.x % m_chunks, rest = blockIdx.x / m_chunks;
-  const int tile = rest % n_tiles, split = rest / n_tiles;
   const int KC = KS / kStreamChunkSteps;
-  const int c0 = split * cps, nchunks = min(KC, c0 + cps) - c0;
-  const int blocks_here = min(kMarlinBlocks, N / 64 - tile * kMarlinBlocks);
-  const bool active = wn < blocks_here;  // warp-uniform: the last tile may hold fewer blocks
-  const int m0 = mc * 8 * MT;
-  const int b0 = tile * kMarlinBlocks;
-
-  auto load = [&](int slot, int ch) {
-    unsigned char* st = smem + slot * L::STAGE;
-#pragma unroll
-    for (int i = 0; i < kMarlinBlocks * 256 / (kMarlinWarps * 32); ++i) {
-      const int idx = i * kMarlinWarps * 32 + tid, j = idx >> 8, off = idx & 255;
-      if (j < blocks_here)
-        sc::cp_async16(st + j * 4096 + off * 16,
-                       wpk + ((long long)(b0 + j) * KS + kStreamChunkSteps * ch) * 64 + off);
-    }
-    if (tid < kMarlinBlocks * 12) {
-      const int j = tid / 12, piece = tid % 12;
-      const int grp = (kStreamChunkSteps * ch) / SPG;
-      if (j < blocks_here)
-        sc::cp_async16(st + L::W_BYTES + j * 192 + piece * 16,
-                       grec + ((long long)(b0 + j) * NG + grp) * 192 + piece * 16);
-    }
-#pragma unroll
-    for (int i = 0; i < MT / 2; ++i) {
-      const int idx = i * kMarlinWarps * 32 + tid, r = idx >> 4, p = idx & 15;
-      const int row = m0 + r;
-      const bool ok = row < M;
-      sc::cp_async16(st + L::W_BYTES + L::G_BYTES + r * kMarlinXPitch + p * 16,
-                     x + (long long)(ok ? row : 0) * ldx + 128 * ch + 8 * p, ok);
-    }
-  };
-
-  float acc[MT][4][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
-
-#pragma unroll
-  for (int s = 0; s < L::STAGES - 1; ++s) {
-    if (s < nchunks) load(s, c0 + s);
-    sc::cp_async_commit();
-  }
+  const int U = n_tiles * m_chunks * KC, P = gridDim.x, cta = blockIdx.x;
+  const int u_begin = marlin_unit_begin(cta, U, P), u_end = marlin_unit_begin(cta + 1, U, P);
   constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
   unsigned magic = MAGIC;
   asm volatile("" : "+r"(magic));  // kept in a register: lop3 takes it as an operand (see and_or)
+
 #pragma unroll 1
-  for (int i = 0; i < nchunks; ++i) {
-    sc::cp_async_wait<L::STAGES - 2>();
-    __syncthreads();
-    {
-      const int nx = i + L::STAGES - 1;
-      if (nx < nchunks) load(nx % L::STAGES, c0 + nx);
+  for (int u = u_begin; u < u_end;) {
+    const int tm = u / KC, c0 = u - tm * KC;
+    const int nchunks = min(u_end, (tm + 1) * KC) - u;
+    const int tile = tm / m_chunks, mc = tm - tile * m_chunks;
+    const int blocks_here = min(kMarlinBlocks, N / 64 - tile * kMarlinBlocks);
+    const bool active = wn < blocks_here;  // warp-uniform: the last tile may hold fewer blocks
+    const int m0 = mc * 8 * MT;
+    const int b0 = tile * kMarlinBlocks;
+
+    auto load = [&](int slot, int ch) {
+      unsigned char* st = smem + slot * L::STAGE;
+#pragma unroll
+      for (int i = 0; i < kMarlinBlocks * 256 / (kMarlinWarps * 32); ++i) {
+        const int idx = i * kMarlinWarps * 32 + tid, j = idx >> 8, off = idx & 255;
+        if (j < blocks_here)
+          sc::cp_async16(st + j * 4096 + off * 16,
+                         wpk + ((long long)(b0 + j) * KS + kStreamChunkSteps * ch) * 64 + off);
+      }
+      if (tid < kMarlinBlocks * 12) {
+        const int j = tid / 12, piece = tid % 12;
+        const int grp = (kStreamChunkSteps * ch) / SPG;
+        if (j < blocks_here)
+          sc::cp_async16(st + L::W_BYTES + j * 192 + piece * 16,
+                         grec + ((long long)(b0 + j) * NG + grp) * 192 + piece * 16);
+      }
+#pragma unroll
+      for (int i = 0; i < MT / 2; ++i) {
+        const int idx = i * kMarlinWarps * 32 + tid, r = idx >> 4, p = idx & 15;
+        const int row = m0 + r;
+        const bool ok = row < M;
+        sc::cp_async16(st + L::W_BYTES + L::G_BYTES + r * kMarlinXPitch + p * 16,
+                       x + (long long)(ok ? row : 0) * ldx + 128 * ch + 8 * p, ok);
+      }
+    };
+
+    float acc[MT][4][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < L::STAGES - 1; ++s) {
+      if (s < nchunks) load(s, c0 + s);
       sc::cp_async_commit();
     }
-    if (active) {
-      const unsigned char* st = smem + (i % L::STAGES) * L::STAGE;
-      const unsigned char* wb = st + wn * 4096 + wk * 2048 + lane * 16;
-      const unsigned char* gb = st + L::W_BYTES + wn * 192;
-      const unsigned char* xb = st + L::W_BYTES + L::G_BYTES + g * kMarlinXPitch + wk * 128 + c * 8;
-      unsigned scl[8], zc[8];
-      int4_group_consts<T>(lds128(gb + 16 * g), lds64(gb + 128 + 8 * g), scl, zc);
+#pragma unroll 1
+    for (int i = 0; i < nchunks; ++i) {
+      sc::cp_async_wait<L::STAGES - 2>();
+      __syncthreads();
+      {
+        const int nx = i + L::STAGES - 1;
+        if (nx < nchunks) load(nx % L::STAGES, c0 + nx);
+        sc::cp_async_commit();
+      }
+      if (active) {
+        const unsigned char* st = smem + (i % L::STAGES) * L::STAGE;
+        const unsigned char* wb = st + wn * 4096 + wk * 2048 + lane * 16;
+        const unsigned char* gb = st + L::W_BYTES + wn * 192;
+        const unsigned char* xb = st + L::W_BYTES + L::G_BYTES + g * kMarlinXPitch + wk * 128 + c * 8;
+        unsigned scl[8], zc[8];
+        int4_group_consts<T>(lds128(gb + 16 * g), lds64(gb + 128 + 8 * g), scl, zc);
 #pragma unroll
-      for (int up = 0; up < 2; ++up)
+        for (int up = 0; up < 2; ++up)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint4 wu = lds128(wb + up * 1024 + h * 512);
-          unsigned a[4][4];
+          for (int h = 0; h < 2; ++h) {
+            const uint4 wu = lds128(wb + up * 1024 + h * 512);
+            unsigned a[4][4];
 #pragma unroll
-          for (int t = 0; t < 4; ++t) int4_fragment<T>(a[t], sc::word(wu, t), scl, zc, t, magic);
+            for (int t = 0; t < 4; ++t) int4_fragment<T>(a[t], sc::word(wu, t), scl, zc, t, magic);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const uint2 xw = lds64(xb + mt * 8 * kMarlinXPitch + up * 64 + h * 32);
-            const unsigned bx[2] = {xw.x, xw.y};
+            for (int mt = 0; mt < MT; ++mt) {
+              const uint2 xw = lds64(xb + mt * 8 * kMarlinXPitch + up * 64 + h * 32);
+              const unsigned bx[2] = {xw.x, xw.y};
 #pragma unroll
-            for (int t = 0; t < 4; ++t) sc::mma_16816<T>(acc[mt][t], a[t], bx);
+              for (int t = 0; t < 4; ++t) sc::mma_16816<T>(acc[mt][t], a[t], bx);
+            }
           }
-        }
-    }
-  }
-  sc::cp_async_wait<0>();
-  __syncthreads();
-  // The second half of every chunk (wk = 1) into the first: one pass through the drained ring.
-  float* red = reinterpret_cast<float*>(smem);
-  if (active && wk == 1) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) red[((wn * MT * 16) + (mt * 4 + t) * 4 + j) * 32 + lane] = acc[mt][t][j];
-  }
-  __syncthreads();
-  const bool owner = active && wk == 0;
-  if (owner) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[mt][t][j] += red[((wn * MT * 16) + (mt * 4 + t) * 4 + j) * 32 + lane];
-  }
-  // acc[mt][t][j]: channel n0 + 16 t + g + 8 (j / 2), row m0 + 8 mt + 2 c + (j % 2).
-  const int n0 = (b0 + wn) * 64;
-  auto store_y = [&]() {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int row = m0 + 8 * mt + 2 * c + (j & 1), n = n0 + 16 * t + g + 8 * (j >> 1);
-          if (row < M) {
-            float v = acc[mt][t][j];
-            if (bias != nullptr) v += sc::to_float(bias[n]);
-            y[(long long)row * N + n] = sc::from_float<T>(v);
-          }
-        }
-  };
-  if (splits == 1) {
-    if (owner) store_y();
-    return;
-  }
-  if (owner) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int row = m0 + 8 * mt + 2 * c + (j & 1), n = n0 + 16 * t + g + 8 * (j >> 1);
-          if (row < M) __stcg(ws + ((long long)split * M + row) * N + n, acc[mt][t][j]);
-        }
-  }
-  __threadfence();  // this thread's partials are visible before the ticket counts them
-  __syncthreads();
-  const int ticket = mc * n_tiles + tile;
-  if (tid == 0) s_last = atomicAdd(tickets + ticket, 1) == splits - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  // Every split's partial in split order (own included), so the sum does not depend on which CTA came last; in
-  // row-major items of 4 channels (16-byte loads, coalesced), after the accumulators are dead.  Four items per
-  // thread per pass keep 4 x splits loads in flight: this tail is one CTA reading splits x 64 KB (M = 64) alone.
-  const int rows_here = min(M - m0, 8 * MT), cols4 = blocks_here * 16, total = rows_here * cols4;
-  constexpr int kThreadsM = kMarlinWarps * 32, kUnroll = 4;
-  for (int base = tid; base < total; base += kThreadsM * kUnroll) {
-    float4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < splits; ++s) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int item = base + u * kThreadsM;
-        if (item < total) {
-          const int row = m0 + item / cols4, n = b0 * 64 + 4 * (item % cols4);
-          const float4 p = __ldcg(reinterpret_cast<const float4*>(ws + ((long long)s * M + row) * N + n));
-          v[u].x += p.x;
-          v[u].y += p.y;
-          v[u].z += p.z;
-          v[u].w += p.w;
-        }
       }
     }
+    sc::cp_async_wait<0>();
+    __syncthreads();
+    // The second half of every chunk (wk = 1) into the first: one pass through the drained ring.
+    float* red = reinterpret_cast<float*>(smem);
+    if (active && wk == 1) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int item = base + u * kThreadsM;
-      if (item < total) {
-        const int row = m0 + item / cols4, n = b0 * 64 + 4 * (item % cols4);
-        float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-        if (bias != nullptr) {  // element loads: a bias view need not be 8-byte aligned
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) f[e] += sc::to_float(bias[n + e]);
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) red[((wn * MT * 16) + (mt * 4 + t) * 4 + j) * 32 + lane] = acc[mt][t][j];
+    }
+    __syncthreads();
+    const bool owner = active && wk == 0;
+    if (owner) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[mt][t][j] += red[((wn * MT * 16) + (mt * 4 + t) * 4 + j) * 32 + lane];
+    }
+    // acc[mt][t][j]: channel 64 wn + 16 t + g + 8 (j / 2) of the tile, row 8 mt + 2 c + (j % 2) of the m chunk.
+    if (nchunks == KC) {
+      if (owner) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int row = m0 + 8 * mt + 2 * c + (j & 1), n = (b0 + wn) * 64 + 16 * t + g + 8 * (j >> 1);
+              if (row < M) {
+                float v = acc[mt][t][j];
+                if (bias != nullptr) v += sc::to_float(bias[n]);
+                y[(long long)row * N + n] = sc::from_float<T>(v);
+              }
+            }
+      }
+    } else {
+      float* slot = ws + (long long)(2 * cta + (u == u_begin ? 0 : 1)) * kSlot;
+      if (owner) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int r = 8 * mt + 2 * c + (j & 1);
+              if (m0 + r < M) __stcg(slot + r * 256 + wn * 64 + 16 * t + g + 8 * (j >> 1), acc[mt][t][j]);
+            }
+      }
+      __threadfence();  // this thread's partials are visible before the ticket counts them
+      __syncthreads();
+      if (tid == 0) s_last = atomicAdd(tickets + tm, nchunks) + nchunks == KC;
+      __syncthreads();
+      if (s_last) {
+        __threadfence();
+        // The slots of the tile's CTAs in CTA order (own included), so the sum does not depend on which CTA came
+        // last; row-major items of 4 channels (16-byte loads), 4 items x contributors loads in flight per thread.
+        const int c_lo = marlin_cta_of(tm * KC, U, P), c_hi = marlin_cta_of((tm + 1) * KC - 1, U, P);
+        const int rows_here = min(M - m0, 8 * MT), cols4 = blocks_here * 16, total = rows_here * cols4;
+        constexpr int kThreadsM = kMarlinWarps * 32, kUnroll = 4;
+        for (int base = tid; base < total; base += kThreadsM * kUnroll) {
+          float4 v[kUnroll];
+#pragma unroll
+          for (int q = 0; q < kUnroll; ++q) v[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int cc = c_lo; cc <= c_hi; ++cc) {
+            const int cb = marlin_unit_begin(cc, U, P);
+            if (cb == marlin_unit_begin(cc + 1, U, P)) continue;  // an empty range (P > U) wrote nothing
+            const float* src = ws + (long long)(2 * cc + (cb >= tm * KC ? 0 : 1)) * kSlot;
+#pragma unroll
+            for (int q = 0; q < kUnroll; ++q) {
+              const int item = base + q * kThreadsM;
+              if (item < total) {
+                const float4 p = __ldcg(reinterpret_cast<const float4*>(src + (item / cols4) * 256 + 4 * (item % cols4)));
+                v[q].x += p.x;
+                v[q].y += p.y;
+                v[q].z += p.z;
+                v[q].w += p.w;
+              }
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < kUnroll; ++q) {
+            const int item = base + q * kThreadsM;
+            if (item < total) {
+              const int row = m0 + item / cols4, n = b0 * 64 + 4 * (item % cols4);
+              float f[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+              if (bias != nullptr) {  // element loads: a bias view need not be 8-byte aligned
+#pragma unroll
+                for (int e = 0; e < 4; ++e) f[e] += sc::to_float(bias[n + e]);
+              }
+              *reinterpret_cast<uint2*>(y + (long long)row * N + n) = make_uint2(sc::pack2<T>(f[0], f[1]),
+                                                                                 sc::pack2<T>(f[2], f[3]));
+            }
+          }
         }
-        *reinterpret_cast<uint2*>(y + (long long)row * N + n) = make_uint2(sc::pack2<T>(f[0], f[1]),
-                                                                           sc::pack2<T>(f[2], f[3]));
+        if (tid == 0) tickets[tm] = 0;
       }
     }
+    __syncthreads();  // the next segment's ring overwrites the reduction area (and s_last)
+    u += nchunks;
   }
-  if (tid == 0) tickets[ticket] = 0;
 }
 
 }  // namespace quant

@@ -556,47 +556,80 @@ def marlin_supported(k: int, n: int, group: int) -> bool:
 
 @dataclass(frozen=True)
 class MarlinConfig:
-    mt: int        # 8-row x tiles per CTA (M <= 32: 4, else 8)
-    m_chunks: int  # CTAs along M (8 mt rows each; each re-reads its weights, from L2 when they run together)
-    n_tiles: int   # CTAs along N (256 channels each; the last may hold fewer blocks)
-    splits: int    # CTAs along K (fp32 partials, the last CTA of a tile by ticket sums them in order)
-    cps: int       # 128-k chunks per split (the last split may get fewer, never none)
+    mt: int        # 8-row x tiles per m chunk (M <= 32: 4, else 8)
+    m_chunks: int  # chunks of 8 mt rows of x (each re-reads its weights, from L2 when they run together)
+    n_tiles: int   # 256-channel tiles (the last may hold fewer blocks)
+    ctas: int      # P: the grid; CTA c takes work units [c U / P, (c + 1) U / P) of U = n_tiles m_chunks KC
     smem: int      # dynamic shared memory per CTA
 
     @property
     def grid(self) -> int:
-        return self.m_chunks * self.n_tiles * self.splits
+        return self.ctas
+
+
+def marlin_ranges(units: int, ctas: int) -> list:
+    """The stream-K ranges of quant_marlin_kernel (mirrors marlin_unit_begin): CTA c takes [c U / P, (c + 1) U / P)."""
+    return [(c * units // ctas, (c + 1) * units // ctas) for c in range(ctas)]
+
+
+def marlin_segments(lo: int, hi: int, kc: int) -> list:
+    """The segments (tile-and-m-chunk index, first chunk, chunk count) of a range of units, as the kernel walks it."""
+    out = []
+    u = lo
+    while u < hi:
+        tm, c0 = divmod(u, kc)
+        n = min(hi, (tm + 1) * kc) - u
+        out.append((tm, c0, n))
+        u += n
+    return out
+
+
+def _marlin_cost(tms: int, kc: int, p: int, slots: int, rows: int) -> float:
+    """Time of P CTAs in units of one chunk (16 KB of weights per CTA): the longest CTA (its chunks plus one ring
+    refill per extra segment) times the waves, plus the fp32 partial slots (written, then read by the tiles' last
+    CTAs: counted at half the weight bytes' weight, in chunk units over all slots).  Segment counts in closed
+    form (vectorized over the CTAs; marlin_segments walks them one by one)."""
+    c = np.arange(p, dtype=np.int64)
+    lo, hi = c * (tms * kc) // p, (c + 1) * (tms * kc) // p
+    nonempty = hi > lo
+    segs = np.where(nonempty, (np.maximum(hi, 1) - 1) // kc - lo // kc + 1, 0)
+    full = np.maximum(0, hi // kc - (lo + kc - 1) // kc)
+    worst = float(np.max(hi - lo + np.maximum(segs - 1, 0)))
+    partial = int(np.sum(segs - full))
+    waves = -(-p // slots)
+    partial_bytes = partial * rows * MARLIN_BLOCKS * 64 * 4 * 2
+    return waves * (worst + 1) + 0.5 * partial_bytes / (MARLIN_BLOCKS * 4096 * slots)
 
 
 @lru_cache(maxsize=8192)
-def marlin_config(m: int, n: int, k: int, sms: int, splits: int = 0) -> MarlinConfig:
-    """Launch shape of quant_marlin_kernel (a pure function of the problem and the device; ``splits`` overrides
-    the split-K choice, for measurements).
+def marlin_config(m: int, n: int, k: int, sms: int, ctas: int = 0) -> MarlinConfig:
+    """Launch shape of quant_marlin_kernel (a pure function of the problem and the SM count; ``ctas`` overrides
+    the grid, for measurements).
 
-    Split-K by a small cost model, in units of one chunk streamed by every resident CTA at once (each CTA reads
-    16 KB of weights per chunk): waves x (chunks per split + 1) plus the fp32 partials (written, then read by the
-    last CTA: s M N 8 bytes through L2, counted at half the weight bytes' weight).  One CTA per SM (its launch
-    bounds).  Not tuned on a GPU yet."""
+    The grid P is the cheapest (by _marlin_cost) of the split-K shapes tiles x s (s = 1..min(KC, 64), aligned
+    to tiles when s divides KC) and of one full wave of stream-K (P = SMs), e.g. M = 64: 8192^2 -> 32 tiles x 4
+    splits (128 CTAs), 28672x8192 -> 132 CTAs of 54-55 chunks each (against 112 tiles of 64).  One CTA per SM (its
+    launch bounds).  Not tuned on a GPU yet."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"marlin_config: m, n, k must be positive, got {m}, {n}, {k}")
     mt = 4 if m <= 32 else 8
     m_chunks = -(-m // (8 * mt))
     n_tiles = -(-(n // 64) // MARLIN_BLOCKS)
     kc = k // STREAM_CHUNK_K
-    smem = marlin_smem_bytes(mt)
-    slots = sms
-    base = m_chunks * n_tiles
-    best = None
-    for s in ([splits] if splits else range(1, min(kc, 64) + 1)):
-        cps = -(-kc // s)
-        s_eff = -(-kc // cps)
-        waves = -(-(base * s_eff) // slots)
-        partial = 0.0 if s_eff == 1 else 0.5 * s_eff * m * n * 8 / (MARLIN_BLOCKS * 4096 * slots)
-        cost = waves * (cps + 1) + partial
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, s_eff, cps)
-    _, s_eff, cps = best
-    return MarlinConfig(mt, m_chunks, n_tiles, s_eff, cps, smem)
+    units = n_tiles * m_chunks * kc
+    rows = min(m, 8 * mt)
+    if ctas:
+        p = max(1, min(ctas, units))
+    else:
+        tms = n_tiles * m_chunks
+        cands = sorted({tms * s for s in range(1, min(kc, 64) + 1)} | {min(sms, units)})
+        p = min(cands, key=lambda c: (_marlin_cost(tms, kc, c, sms, rows), c))
+    return MarlinConfig(mt, m_chunks, n_tiles, p, marlin_smem_bytes(mt))
+
+
+def marlin_workspace_floats(cfg: MarlinConfig) -> int:
+    """fp32 partial slots of quant_marlin_kernel: two per CTA (its range's first and last segment), 8 mt x 256."""
+    return 2 * cfg.ctas * 8 * cfg.mt * MARLIN_BLOCKS * 64
 
 
 def chunk_order(order: int, kc: int, wpb: int, gw: int, b: int) -> list:
@@ -1002,7 +1035,7 @@ _BULK_OVERRIDE: dict = {}
 # quant_marlin_kernel for prepacked INT4 layers at M in _MARLIN_M_RANGE (inclusive), where the shape fits
 # (marlin_supported), before every other choice.  "on" / "off"; OFF by default until it is measured on the GPU.
 # Turn it on with the environment variable SPEEDCORE_QUANT_MARLIN=1 (read at import) or
-# ``speedcore.quant._MARLIN_MODE = "on"``.  _MARLIN_OVERRIDE: keyword overrides of marlin_config (splits).
+# ``speedcore.quant._MARLIN_MODE = "on"``.  _MARLIN_OVERRIDE: keyword overrides of marlin_config (ctas).
 _MARLIN_MODE = "on" if os.environ.get("SPEEDCORE_QUANT_MARLIN", "0").lower() in ("1", "on", "true") else "off"
 _MARLIN_M_RANGE = (17, 128)
 _MARLIN_OVERRIDE: dict = {}
@@ -1123,7 +1156,7 @@ def _bulk_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: i
 def _marlin_plan(dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple):
     cfg = marlin_config(rows, n, k, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(k // GEMV_STEP_K), np.int32(spg), np.int32(ng),
-               np.int32(cfg.n_tiles), np.int32(cfg.m_chunks), np.int32(cfg.splits), np.int32(cfg.cps))
+               np.int32(cfg.n_tiles), np.int32(cfg.m_chunks))
     return cfg, _marlin_kernel(dtype, cfg.mt), LaunchConfig((cfg.grid,), (MARLIN_WARPS * 32,), cfg.smem), scalars
 
 
@@ -1139,8 +1172,8 @@ def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):
                                               tuple(sorted(_MARLIN_OVERRIDE.items())))
     stream = A.stream_of(xa)
     ws_ptr = tickets_ptr = 0
-    if cfg.splits > 1:
-        ws_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
+    if cfg.ctas != cfg.n_tiles * cfg.m_chunks:  # some tile is split over CTAs
+        ws_ptr = _workspace_ptr(xa, stream, marlin_workspace_floats(cfg) * 4)
         tickets_ptr = _ticket_buffer(xa, stream, cfg.m_chunks * cfg.n_tiles).ptr
     args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, gl.w_ptr, gl.g_ptr, bias_ptr) + scalars + (np.int64(ldx),)
     launch(kernel, lcfg, args, device=xa.device, stream=stream)

@@ -1106,12 +1106,44 @@ def test_marlin_config(m, n, k):
     assert cfg.mt == (4 if m <= 32 else 8)
     assert cfg.m_chunks * 8 * cfg.mt >= m > (cfg.m_chunks - 1) * 8 * cfg.mt
     assert cfg.n_tiles * Q.MARLIN_BLOCKS * 64 >= n > (cfg.n_tiles - 1) * Q.MARLIN_BLOCKS * 64
-    # every split has at least one chunk, and the splits cover K exactly
-    assert cfg.splits * cfg.cps >= kc > (cfg.splits - 1) * cfg.cps
+    units = cfg.n_tiles * cfg.m_chunks * kc
+    assert 1 <= cfg.ctas <= units and cfg.grid == cfg.ctas
     assert cfg.smem == Q.marlin_smem_bytes(cfg.mt) <= 227 * 1024
-    if (n, k) in ((8192, 8192), (8192, 28672)):
-        assert 64 <= cfg.grid <= 2 * 132, cfg  # at least half the SMs, at most two waves
-    assert Q.marlin_config(m, n, k, 132, splits=3).splits == min(3, -(-kc // -(-kc // 3)))
+    # the ranges cover every unit once, in order, none empty
+    ranges = Q.marlin_ranges(units, cfg.ctas)
+    assert ranges[0][0] == 0 and ranges[-1][1] == units
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(h > l for l, h in ranges)
+    if (n, k) in ((8192, 8192), (8192, 28672), (28672, 8192)):
+        assert 112 <= cfg.grid <= 132, cfg  # one full wave
+    assert Q.marlin_config(m, n, k, 132, ctas=7).ctas == min(7, units)
+
+
+def test_marlin_heuristic_choices():
+    # M = 64: 8192^2 as plain split-K (32 tiles x 4, aligned); 28672x8192 as one stream-K wave of 132 CTAs
+    assert Q.marlin_config(64, 8192, 8192, 132).ctas == 128
+    assert Q.marlin_config(64, 28672, 8192, 132).ctas == 132
+    assert Q.marlin_config(64, 28672, 8192, 114).ctas in (112, 114)
+
+
+@pytest.mark.parametrize("tms,kc,p", [(32, 64, 128), (112, 64, 132), (3, 5, 7), (1, 1, 1), (2, 3, 6), (5, 4, 3),
+                                      (64, 224, 132), (7, 2, 13)])
+def test_marlin_cost_segments_closed_form(tms, kc, p):
+    """_marlin_cost's closed-form segment counts agree with walking the ranges (marlin_segments)."""
+    ranges = Q.marlin_ranges(tms * kc, p)
+    covered = np.zeros(tms * kc, np.int64)
+    worst, partial = 0, 0
+    for lo, hi in ranges:
+        segs = Q.marlin_segments(lo, hi, kc)
+        assert sum(nn for _, _, nn in segs) == hi - lo
+        for tm, c0, nn in segs:
+            assert 0 <= c0 and c0 + nn <= kc
+            covered[tm * kc + c0:tm * kc + c0 + nn] += 1
+        worst = max(worst, (hi - lo) + max(len(segs) - 1, 0))
+        partial += sum(1 for _, _, nn in segs if nn < kc)
+    assert (covered == 1).all()
+    rows = 64
+    expect = -(-p // 132) * (worst + 1) + 0.5 * partial * rows * 256 * 8 / (16384 * 132)
+    assert Q._marlin_cost(tms, kc, p, 132, rows) == pytest.approx(expect)
 
 
 def test_marlin_smem_matches_the_kernel_layout():
@@ -1163,12 +1195,12 @@ def test_marlin_dispatch_launch_arguments(fake_gpu, m):
     for kernel, lcfg, args in calls[:3]:
         assert kernel.name == f"quant::quant_marlin_kernel<__nv_bfloat16, {cfg.mt}>"
         assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (256,) and lcfg.smem == cfg.smem
-        assert len(args) == 17
-        assert [int(a) for a in args[7:16]] == [m, n, k // 32, g // 32, k // g, cfg.n_tiles, cfg.m_chunks,
-                                                cfg.splits, cfg.cps]
-        assert int(args[16]) == k and type(args[16]) is np.int64
-        assert all(type(a) is np.int32 for a in args[7:16])
-        assert (args[1] != 0) == (cfg.splits > 1) and (args[2] != 0) == (cfg.splits > 1)
+        assert len(args) == 15
+        assert [int(a) for a in args[7:14]] == [m, n, k // 32, g // 32, k // g, cfg.n_tiles, cfg.m_chunks]
+        assert int(args[14]) == k and type(args[14]) is np.int64
+        assert all(type(a) is np.int32 for a in args[7:14])
+        split = cfg.ctas != cfg.n_tiles * cfg.m_chunks
+        assert (args[1] != 0) == split and (args[2] != 0) == split
     assert calls[0][2][4] == pw.gemv.w_ptr and calls[0][2][5] == pw.gemv.g_ptr and calls[0][2][6] == bias.ptr
     assert calls[2][2][4] == pg.gemv.w_ptr and calls[2][2][6] == 0
     for u, v in zip(calls[0][2], calls[1][2]):
@@ -1190,104 +1222,130 @@ def _marlin_mirror(x16, words, recs, m, n, k, g, cfg, bias=None):
     stage_bytes = W + G + 8 * cfg.mt * 288
     y = np.zeros((m, n))
     written = np.zeros((m, n), np.int64)
-    ws = np.full((cfg.splits, m, n), np.nan)
+    slot_floats = 8 * cfg.mt * 256
+    ws = np.full(2 * cfg.ctas * slot_floats, np.nan)
     tickets = {}
     lanes = np.arange(32)
     gl, cl = lanes >> 2, lanes & 3
-    for bid in range(cfg.grid):
-        mc, rest = bid % cfg.m_chunks, bid // cfg.m_chunks
-        tile, split = rest % cfg.n_tiles, rest // cfg.n_tiles
-        c0 = split * cfg.cps
-        nch = min(kc, c0 + cfg.cps) - c0
-        blocks_here = min(4, n // 64 - tile * 4)
-        m0, b0 = mc * 8 * cfg.mt, tile * 4
-        acc = np.zeros((8, cfg.mt, 4, 4, 32))
-        for i in range(nch):
-            ch = c0 + i
-            st = np.full(stage_bytes, 0xFF, np.uint8)  # unloaded bytes are garbage (NaN patterns)
-            for idx in range(1024):
-                j, off = idx >> 8, idx & 255
-                if j < blocks_here:
-                    src = ((b0 + j) * ks + 4 * ch) * 1024 + off * 16
-                    st[j * 4096 + off * 16:j * 4096 + off * 16 + 16] = wbytes[src:src + 16]
-            for tid in range(48):
-                j, piece = tid // 12, tid % 12
-                grp = (4 * ch) // spg
-                if j < blocks_here:
-                    src = ((b0 + j) * ng + grp) * 192 + piece * 16
-                    st[W + j * 192 + piece * 16:W + j * 192 + piece * 16 + 16] = recs[src:src + 16]
-            for idx in range(128 * cfg.mt):
-                r, p = idx >> 4, idx & 15
-                row = m0 + r
-                dst = W + G + r * 288 + p * 16
-                if row < m:
-                    st[dst:dst + 16] = xbytes[row, 2 * (128 * ch + 8 * p):2 * (128 * ch + 8 * p) + 16]
-                else:
-                    st[dst:dst + 16] = 0
-            for warp in range(8):
-                wn, wk = warp & 3, warp >> 2
-                if wn >= blocks_here:
-                    continue
-                gb = W + wn * 192
-                sv = np.stack([st[gb + 16 * gg:gb + 16 * gg + 16].view(np.float16) for gg in gl]).astype(np.float64)
-                zv = np.stack([st[gb + 128 + 8 * gg:gb + 136 + 8 * gg] for gg in gl]).astype(np.float64)
-                for up in range(2):
-                    for h in range(2):
-                        base = wn * 4096 + wk * 2048 + up * 1024 + h * 512
-                        wu = np.stack([st[base + 16 * ln:base + 16 * ln + 16].view(np.uint32) for ln in lanes])
-                        amat = np.zeros((4, 16, 16))
-                        for t in range(4):
-                            for ai in range(4):
-                                o = 2 * t + (ai & 1)
-                                for half in range(2):
-                                    q = (wu[:, t] >> np.uint32(4 * (ai + 4 * half))) & np.uint32(15)
-                                    val = (q.astype(np.float64) - zv[lanes, o]) * sv[lanes, o]
-                                    amat[t, gl + 8 * (ai & 1), 2 * cl + 8 * (ai >> 1) + half] = val
-                        for mt in range(cfg.mt):
-                            xo = (8 * mt + gl) * 288 + wk * 128 + cl * 8 + up * 64 + h * 32
-                            xw = np.stack([st[W + G + a:W + G + a + 8].view(np.float16) for a in xo]).astype(np.float64)
-                            bmat = np.zeros((16, 8))
-                            for e in range(4):
-                                bmat[2 * cl + 8 * (e >> 1) + (e & 1), gl] = xw[:, e]
+    units, p = cfg.n_tiles * cfg.m_chunks * kc, cfg.ctas
+    ubegin = lambda c: c * units // p  # noqa: E731
+
+    def cta_of(v):
+        c = v * p // units
+        while c + 1 < p and ubegin(c + 1) <= v:
+            c += 1
+        while c > 0 and ubegin(c) > v:
+            c -= 1
+        return c
+
+    for cta in range(p):
+        u_begin, u_end = ubegin(cta), ubegin(cta + 1)
+        u = u_begin
+        while u < u_end:
+            tm, c0 = divmod(u, kc)
+            nch = min(u_end, (tm + 1) * kc) - u
+            tile, mc = divmod(tm, cfg.m_chunks)
+            blocks_here = min(4, n // 64 - tile * 4)
+            m0, b0 = mc * 8 * cfg.mt, tile * 4
+            acc = np.zeros((8, cfg.mt, 4, 4, 32))
+            for i in range(nch):
+                ch = c0 + i
+                st = np.full(stage_bytes, 0xFF, np.uint8)  # unloaded bytes are garbage (NaN patterns)
+                for idx in range(1024):
+                    j, off = idx >> 8, idx & 255
+                    if j < blocks_here:
+                        src = ((b0 + j) * ks + 4 * ch) * 1024 + off * 16
+                        st[j * 4096 + off * 16:j * 4096 + off * 16 + 16] = wbytes[src:src + 16]
+                for tid in range(48):
+                    j, piece = tid // 12, tid % 12
+                    grp = (4 * ch) // spg
+                    if j < blocks_here:
+                        src = ((b0 + j) * ng + grp) * 192 + piece * 16
+                        st[W + j * 192 + piece * 16:W + j * 192 + piece * 16 + 16] = recs[src:src + 16]
+                for idx in range(128 * cfg.mt):
+                    r, pp = idx >> 4, idx & 15
+                    row = m0 + r
+                    dst = W + G + r * 288 + pp * 16
+                    if row < m:
+                        st[dst:dst + 16] = xbytes[row, 2 * (128 * ch + 8 * pp):2 * (128 * ch + 8 * pp) + 16]
+                    else:
+                        st[dst:dst + 16] = 0
+                for warp in range(8):
+                    wn, wk = warp & 3, warp >> 2
+                    if wn >= blocks_here:
+                        continue
+                    gb = W + wn * 192
+                    sv = np.stack([st[gb + 16 * gg:gb + 16 * gg + 16].view(np.float16) for gg in gl]).astype(float)
+                    zv = np.stack([st[gb + 128 + 8 * gg:gb + 136 + 8 * gg] for gg in gl]).astype(np.float64)
+                    for up in range(2):
+                        for h in range(2):
+                            base = wn * 4096 + wk * 2048 + up * 1024 + h * 512
+                            wu = np.stack([st[base + 16 * ln:base + 16 * ln + 16].view(np.uint32) for ln in lanes])
+                            amat = np.zeros((4, 16, 16))
                             for t in range(4):
-                                d = amat[t] @ bmat
-                                for j in range(4):
-                                    acc[warp, mt, t, j] += d[gl + 8 * (j >> 1), 2 * cl + (j & 1)]
-        for wn in range(blocks_here):
-            acc[wn] += acc[wn + 4]
-            n0 = (b0 + wn) * 64
-            for mt in range(cfg.mt):
-                for t in range(4):
-                    for j in range(4):
-                        rows = m0 + 8 * mt + 2 * cl + (j & 1)
-                        ns = n0 + 16 * t + gl + 8 * (j >> 1)
-                        ok = rows < m
-                        if cfg.splits == 1:
-                            v = acc[wn, mt, t, j][ok] + (bias[ns[ok]] if bias is not None else 0.0)
-                            y[rows[ok], ns[ok]] = v
-                            written[rows[ok], ns[ok]] += 1
-                        else:
-                            ws[split, rows[ok], ns[ok]] = acc[wn, mt, t, j][ok]
-        if cfg.splits > 1:
-            key = mc * cfg.n_tiles + tile
-            tickets[key] = tickets.get(key, 0) + 1
-            if tickets[key] == cfg.splits:
-                rows_here, cols4 = min(m - m0, 8 * cfg.mt), blocks_here * 16
-                for item in range(rows_here * cols4):
-                    row, n4 = m0 + item // cols4, b0 * 64 + 4 * (item % cols4)
-                    for e in range(4):
-                        v = sum(ws[s, row, n4 + e] for s in range(cfg.splits))
-                        y[row, n4 + e] = v + (bias[n4 + e] if bias is not None else 0.0)
-                        written[row, n4 + e] += 1
+                                for ai in range(4):
+                                    o = 2 * t + (ai & 1)
+                                    for half in range(2):
+                                        q = (wu[:, t] >> np.uint32(4 * (ai + 4 * half))) & np.uint32(15)
+                                        val = (q.astype(np.float64) - zv[lanes, o]) * sv[lanes, o]
+                                        amat[t, gl + 8 * (ai & 1), 2 * cl + 8 * (ai >> 1) + half] = val
+                            for mt in range(cfg.mt):
+                                xo = (8 * mt + gl) * 288 + wk * 128 + cl * 8 + up * 64 + h * 32
+                                xw = np.stack([st[W + G + a:W + G + a + 8].view(np.float16) for a in xo]).astype(float)
+                                bmat = np.zeros((16, 8))
+                                for e in range(4):
+                                    bmat[2 * cl + 8 * (e >> 1) + (e & 1), gl] = xw[:, e]
+                                for t in range(4):
+                                    d = amat[t] @ bmat
+                                    for j in range(4):
+                                        acc[warp, mt, t, j] += d[gl + 8 * (j >> 1), 2 * cl + (j & 1)]
+            slot = (2 * cta + (0 if u == u_begin else 1)) * slot_floats
+            for wn in range(blocks_here):
+                acc[wn] += acc[wn + 4]
+                for mt in range(cfg.mt):
+                    for t in range(4):
+                        for j in range(4):
+                            r = 8 * mt + 2 * cl + (j & 1)
+                            col = wn * 64 + 16 * t + gl + 8 * (j >> 1)
+                            ok = m0 + r < m
+                            if nch == kc:
+                                ns = b0 * 64 + col[ok]
+                                v = acc[wn, mt, t, j][ok] + (bias[ns] if bias is not None else 0.0)
+                                y[m0 + r[ok], ns] = v
+                                written[m0 + r[ok], ns] += 1
+                            else:
+                                ws[slot + r[ok] * 256 + col[ok]] = acc[wn, mt, t, j][ok]
+            if nch < kc:
+                tickets[tm] = tickets.get(tm, 0) + nch
+                assert tickets[tm] <= kc
+                if tickets[tm] == kc:
+                    c_lo, c_hi = cta_of(tm * kc), cta_of((tm + 1) * kc - 1)
+                    rows_here, cols4 = min(m - m0, 8 * cfg.mt), blocks_here * 16
+                    for item in range(rows_here * cols4):
+                        r, c4 = item // cols4, 4 * (item % cols4)
+                        for e in range(4):
+                            v = 0.0
+                            for cc in range(c_lo, c_hi + 1):
+                                cb = ubegin(cc)
+                                if cb == ubegin(cc + 1):
+                                    continue
+                                v += ws[(2 * cc + (0 if cb >= tm * kc else 1)) * slot_floats + r * 256 + c4 + e]
+                            nn = b0 * 64 + c4 + e
+                            y[m0 + r, nn] = v + (bias[nn] if bias is not None else 0.0)
+                            written[m0 + r, nn] += 1
+                    tickets[tm] = 0
+            u += nch
     return y, written
 
 
-@pytest.mark.parametrize("m,n,k,g,splits", [(17, 320, 512, 128, 0), (40, 256, 384, 128, 2), (70, 192, 768, 256, 3),
-                                            (33, 64, 128, 128, 0)])
-def test_marlin_mirror_matches_x_at_w(m, n, k, g, splits):
+@pytest.mark.parametrize("m,n,k,g,ctas", [(17, 320, 512, 128, 0), (40, 256, 384, 128, 2), (70, 192, 768, 256, 5),
+                                          (33, 64, 128, 128, 0), (20, 640, 640, 128, 4), (100, 320, 384, 128, 3),
+                                          (24, 128, 1024, 256, 3)])
+def test_marlin_mirror_matches_x_at_w(m, n, k, g, ctas):
     """The kernel's index math, mirrored in NumPy on the fragment-major words and group records made by the
     reference packers, gives x @ W (AWQ) with every output written exactly once: odd M (zero-filled rows, two
-    m-chunks), a partial last channel tile, groups of one and two chunks, split-K."""
+    m-chunks), a partial last channel tile, groups of one and two chunks, stream-K ranges that split tiles over
+    2-3 CTAs, cover several tiles, or one tile in pieces (first and last segment slots)."""
     rng = np.random.default_rng(m + n + k)
     q = rng.integers(0, 16, (k, n))
     z = rng.integers(0, 16, (k // g, n))
@@ -1297,9 +1355,9 @@ def test_marlin_mirror_matches_x_at_w(m, n, k, g, splits):
     recs = Q.gemv_pack_groups_reference(z, s.view(np.uint16))
     x16 = rng.standard_normal((m, k)).astype(np.float16)
     bias = rng.standard_normal(n)
-    cfg = Q.marlin_config(m, n, k, 132, splits=splits)
-    if splits:
-        assert cfg.splits == splits
+    cfg = Q.marlin_config(m, n, k, 132, ctas=ctas)
+    if ctas:
+        assert cfg.ctas == ctas
     y, written = _marlin_mirror(x16, words, recs, m, n, k, g, cfg, bias)
     assert (written == 1).all()
     ref = x16.astype(np.float64) @ w_kn + bias
@@ -1329,13 +1387,13 @@ def _launched():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
 @pytest.mark.parametrize("m,n,k,g,override", [
-    (17, 512, 1024, 128, {}), (33, 320, 2048, 256, {"splits": 3}), (64, 1024, 4096, 128, {}),
-    (100, 192, 640, 128, {"splits": 2}), (128, 4096, 1024, 128, {}), (64, 256, 128, 128, {}),
-    (40, 8192, 1024, -1, {})])
+    (17, 512, 1024, 128, {}), (33, 320, 2048, 256, {"ctas": 5}), (64, 1024, 4096, 128, {}),
+    (100, 192, 640, 128, {"ctas": 3}), (128, 4096, 1024, 128, {}), (64, 256, 128, 128, {}),
+    (40, 8192, 1024, -1, {}), (24, 4096, 2048, 128, {"ctas": 13})])
 def test_marlin_small(dtype, fmt, m, n, k, g, override):
     """quant_marlin_kernel (forced on) on prepacked AWQ / GPTQ layers: odd M (rows past M zero-filled, two m-chunks
     at M > 64), a partial last 256-channel tile, groups of one, two and all chunks, split-K (forced and chosen),
-    one-chunk K; against float64 x @ W (rel err 1e-2 per row), outputs poisoned with NaN before each call, three
+    one-chunk K, stream-K ranges (forced grids); against float64 x @ W (rel err 1e-2 per row), outputs poisoned with NaN before each call, three
     calls (tickets left zeroed), a strided 3-D view of x with bias, and the same layer through quant_mma_kernel."""
     torch = _torch()
     td = getattr(torch, dtype)
@@ -1367,7 +1425,7 @@ def test_marlin_small(dtype, fmt, m, n, k, g, override):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("override", [{}, {"splits": 2}])
+@pytest.mark.parametrize("override", [{}, {"ctas": 3}])
 def test_marlin_exact_rows_small(override):
     """x = one-hot rows (M = 17 and 64) pick rows of W exactly through quant_marlin_kernel: every nibble, zero
     point (GPTQ's 16 included) and power-of-two scale position, bf16 and fp16, with and without split-K."""
