@@ -19,9 +19,11 @@ fragment-major copy (same size as the weight; INT4 plus per-group scale/zero rec
 streaming kernels: ``gemv_stream_kernel`` (every warp streams 4 KB chunks straight into mma fragments) where
 K and G are multiples of 128 (``use_stream``), its cp.async.bulk twin ``gemv_bulk_kernel`` for INT4 at M = 1 on
 large layers on sm_90+ (``use_bulk``), else ``gemv_kernel`` or the tile-major kernel (``use_gemv``), all from
-H200 measurements.  Split-K launches use a per-stream scratch buffer and zeroed counters kept by this module;
-when capturing a CUDA graph, run the largest M once first so that the scratch does not grow (and move)
-afterwards.
+H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kernel`` at 17 <= M <= 128 (a
+tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``), switched OFF
+by default until measured: ``SPEEDCORE_QUANT_MARLIN=1`` or ``speedcore.quant._MARLIN_MODE = "on"``.  Split-K
+launches use a per-stream scratch buffer and zeroed counters kept by this module; when capturing a CUDA graph,
+run the largest M once first so that the scratch does not grow (and move) afterwards.
 
 This module also holds round-to-nearest quantizers producing exactly these formats from a float weight (N, K),
 NumPy reference dequantizers, a safetensors reader, and GPU dequantizers.  NumPy-only functions need no GPU.
@@ -993,8 +995,9 @@ def _alloc_out(xa, rows: int, n: int):
 
 def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds, bias_ptr, n, group,
                 packed: bool, gemv=None):
-    """Allocate y (rows, N) and run quant_mma_kernel, or gemv_kernel for M <= 16 when the layer has the
-    fragment-major copy (``gemv``) for x's dtype; returns y (the caller's library)."""
+    """Allocate y (rows, N) and run quant_mma_kernel, or, when the layer has the fragment-major copy (``gemv``)
+    for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128, while switched on) or a streaming
+    kernel for M <= 16; returns y (the caller's library)."""
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
             and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
         return _launch_marlin(gemv, xa, rows, k, ldx, bias_ptr, n)
@@ -1045,7 +1048,7 @@ def use_marlin(m: int, n: int, k: int, group: int) -> bool:
     """Dispatch for prepacked INT4 layers (a pure function but for the _MARLIN_MODE / _MARLIN_M_RANGE switches):
     quant_marlin_kernel for M in _MARLIN_M_RANGE where its shape constraints hold (marlin_supported)."""
     lo, hi = _MARLIN_M_RANGE
-    return _MARLIN_MODE == "on" and lo <= m <= hi and marlin_supported(k, n, group)
+    return _MARLIN_MODE == "on" and max(lo, 1) <= m <= hi and marlin_supported(k, n, group)
 
 
 def use_stream(kind: int, m: int, n: int, k: int, group: int = 0) -> bool:
@@ -1405,7 +1408,8 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     the per-call weight checks).  With a prepacked layer, M <= 16 takes a streaming kernel on the fragment-major
     copy instead: ``gemv_stream_kernel`` / ``gemv_bulk_kernel`` where K and G are multiples of 128
     (:func:`use_stream`, :func:`use_bulk`), else ``gemv_kernel`` (:func:`use_gemv`; K % 32 == 0 and
-    G % 32 == 0).  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernels need N % 64 == 0 and
+    G % 32 == 0).  With :func:`use_marlin` switched on (off by default), 17 <= M <= 128 on such a layer takes
+    ``quant_marlin_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernels need N % 64 == 0 and
     G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy float16).
     """
     if isinstance(qweight, AWQWeight) and qweight.fast is not None and qzeros is None and scales is None:
