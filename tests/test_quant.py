@@ -1031,8 +1031,8 @@ def _same_launch(a, b):
     ka, ca, aa = a
     kb, cb, ab = b
     assert ka == kb and ca == cb
-    assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name else 19 if "gemv_stream" in ka.name
-                                  else 18 if "gemv_bulk" in ka.name else 21)
+    assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name or "quant_marlin" in ka.name
+                                  else 19 if "gemv_stream" in ka.name else 18 if "gemv_bulk" in ka.name else 21)
     for u, v in zip(aa, ab):
         assert type(u) is type(v) and u == v, (aa, ab)
 
@@ -1052,7 +1052,10 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
     _same_launch(calls[0], calls[1])
     args = calls[0][2]
-    if Q.use_bulk(Q.KIND_INT4, m, n, k, g, (9, 0)):
+    if Q.use_marlin(m, n, k, g):
+        assert "quant_marlin_kernel" in calls[0][0].name
+        assert args[4] == pw.gemv.w_ptr and args[5] == pw.gemv.g_ptr and args[6] == bias.ptr and int(args[7]) == m
+    elif Q.use_bulk(Q.KIND_INT4, m, n, k, g, (9, 0)):
         assert "gemv_bulk_kernel" in calls[0][0].name
         assert args[4] == pw.gemv.w_ptr and args[5] == pw.gemv.g_ptr and int(args[-1]) == k
     elif Q.use_stream(Q.KIND_INT4, m, n, k, g):
@@ -1064,7 +1067,8 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
     else:
         assert "quant_mma_kernel" in calls[0][0].name
         assert args[4] == pw.fast.qw_ptr and int(args[-1]) == 1
-    assert args[7] == bias.ptr and int(args[8]) == m
+    if not Q.use_marlin(m, n, k, g):
+        assert args[7] == bias.ptr and int(args[8]) == m
     pg = Q.prepack_gptq(_FakeTensor((k // 8, n), "int32"), _FakeTensor((k // g, n // 8), "int32"),
                         _FakeTensor((k // g, n), "bfloat16"), group_size=g)
     Q.gptq_linear(x, pg)
