@@ -10,10 +10,12 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR=/tmp/scc
 O=${OUT:-/tmp/out}; mkdir -p $O; t0=$SECONDS
-for v in "__nv_bfloat16, 4" "__nv_bfloat16, 8" "__half, 4" "__half, 8"; do
+for v in "__nv_bfloat16, 4|" "__nv_bfloat16, 8|" "__half, 4|" "__half, 8|" "__nv_bfloat16, 4|-DSC_QUANT_MARLIN_L2_NORMAL" \
+         "__nv_bfloat16, 8|-DSC_QUANT_MARLIN_L2_NORMAL"; do
   timeout ${T_COMPILE:-90} python3 -c "
 from speedcore._compile import Kernel, compile_kernel
-c = compile_kernel(Kernel('quant.cu', 'quant::quant_marlin_kernel<$v>'), 'sm_90')
+name, opt = '$v'.split('|')
+c = compile_kernel(Kernel('quant.cu', 'quant::quant_marlin_kernel<' + name + '>', options=(opt,) if opt else ()), 'sm_90')
 print('$v', c.resources)" >> $O/compile.log 2>&1 &
 done
 wait; echo "marlin compile $((SECONDS-t0))s"; grep -E "registers|Error|error" $O/compile.log | cut -c1-200

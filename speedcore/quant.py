@@ -783,9 +783,14 @@ def _bulk_kernel(dtype: str, kind: int, mt: int, defines: tuple = ()) -> Kernel:
     return Kernel(SOURCE, f"quant::gemv_bulk_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>", options=defines)
 
 
+# Extra -D options for quant_marlin_kernel, for same-run A/B measurements (never set by the library):
+# -DSC_QUANT_MARLIN_L2_NORMAL (weight copies without the L2 evict-first policy).
+_MARLIN_DEFINES: tuple = ()
+
+
 @lru_cache(maxsize=None)
-def _marlin_kernel(dtype: str, mt: int) -> Kernel:
-    return Kernel(SOURCE, f"quant::quant_marlin_kernel<{A.CTYPE[dtype]}, {mt}>")
+def _marlin_kernel(dtype: str, mt: int, defines: tuple = ()) -> Kernel:
+    return Kernel(SOURCE, f"quant::quant_marlin_kernel<{A.CTYPE[dtype]}, {mt}>", options=defines)
 
 
 def all_kernels() -> list:
@@ -1156,11 +1161,13 @@ def _bulk_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: i
 
 
 @lru_cache(maxsize=8192)
-def _marlin_plan(dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple):
+def _marlin_plan(dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple,
+                 defines: tuple = ()):
     cfg = marlin_config(rows, n, k, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(k // GEMV_STEP_K), np.int32(spg), np.int32(ng),
                np.int32(cfg.n_tiles), np.int32(cfg.m_chunks))
-    return cfg, _marlin_kernel(dtype, cfg.mt), LaunchConfig((cfg.grid,), (MARLIN_WARPS * 32,), cfg.smem), scalars
+    return (cfg, _marlin_kernel(dtype, cfg.mt, defines), LaunchConfig((cfg.grid,), (MARLIN_WARPS * 32,), cfg.smem),
+            scalars)
 
 
 def _marlin_fits(device: int, rows: int) -> bool:
@@ -1172,7 +1179,7 @@ def _marlin_fits(device: int, rows: int) -> bool:
 def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):
     y, y_ptr = _alloc_out(xa, rows, n)
     cfg, kernel, lcfg, scalars = _marlin_plan(xa.dtype, rows, n, k, gl.spg, gl.ng, device_info(xa.device).sms,
-                                              tuple(sorted(_MARLIN_OVERRIDE.items())))
+                                              tuple(sorted(_MARLIN_OVERRIDE.items())), _MARLIN_DEFINES)
     stream = A.stream_of(xa)
     ws_ptr = tickets_ptr = 0
     if cfg.ctas != cfg.n_tiles * cfg.m_chunks:  # some tile is split over CTAs
