@@ -1,8 +1,7 @@
 """Same-run probe for quant_marlin_kernel (not a suite): on prepacked AWQ layers (random packed words, group 128),
 "marlin" (the kernel forced on, its heuristic launch shape), "current" (the dispatch with it off: quant_mma_kernel
 at M > 16) and cuBLAS (F.linear, same dtype), at M = 17, 32, 64, 128 on 8192x8192 and 28672x8192, bf16 and fp16;
-a grid sweep (bf16: P = tiles x {1, 2, 4}, SMs, 2 SMs; "g<P> <us>") against the heuristic's P, and the weight
-copies without the L2 evict-first policy ("l2normal <us>", -DSC_QUANT_MARLIN_L2_NORMAL); one GPTQ row.
+a grid sweep (bf16: P = tiles x {1, 2, 4}, SMs, 2 SMs; "g<P> <us>") against the heuristic's P; one GPTQ row.
 Each variant's output is checked against the current dispatch (relative difference printed when above 1e-2).  One line per case, then the summary table last.
 
     PYTHONPATH=. python3 benchmarks/_quant_marlin_probe.py
@@ -21,9 +20,6 @@ b = Bench(quick=True)
 t0 = time.time()
 G = 128
 summary = []
-
-
-L2_NORMAL = ("-DSC_QUANT_MARLIN_L2_NORMAL",)
 
 
 def timed(call, x, mode, defines=(), **override):
@@ -79,10 +75,6 @@ def case(fmt, n, k, dt, ms, sweep=False):
             t, ys = timed(call, x, "on", ctas=p)
             es = rel(ys, y_cur)
             extra.append(f"g{p} {t * 1e3:5.1f}" + ("" if es < 1e-2 else f"(!! {es:.1e})"))
-        if sweep:
-            t, ys = timed(call, x, "on", L2_NORMAL)
-            es = rel(ys, y_cur)
-            extra.append(f"l2normal {t * 1e3:5.1f}" + ("" if es < 1e-2 else f"(!! {es:.1e})"))
         cub = b.time_ms(lambda: F.linear(x, w))
         label = f"{fmt:4s} {str(dt)[6:]:8s} M={m:<3d} {n:>5d}x{k:<5d}"
         print(f"{label} marlin {ours * 1e3:6.1f}us x{cub / ours:4.2f} (grid {cfg.grid}, {tms} tiles, mt{cfg.mt}) | "

@@ -1759,27 +1759,6 @@ template <int MT> struct Marlin {
   static_assert(STAGE % 16 == 0, "stages stay 16-byte aligned");
 };
 
-// Weights are read once: by default their cp.async copies carry an L2 evict-first policy, so that x (re-read by
-// every tile's CTAs) and the stream-K partial slots (written mid-run, read at the tile's end) are not pushed out
-// of L2 by the weight stream (28672x8192: 117 MB through a 60 MB L2).  -DSC_QUANT_MARLIN_L2_NORMAL: plain
-// copies, for A/B measurements.
-__device__ __forceinline__ unsigned long long marlin_weight_policy() {
-  unsigned long long p = 0;
-#ifndef SC_QUANT_MARLIN_L2_NORMAL
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-#endif
-  return p;
-}
-__device__ __forceinline__ void marlin_cp_weights(void* smem, const void* gmem, unsigned long long policy) {
-#ifdef SC_QUANT_MARLIN_L2_NORMAL
-  sc::cp_async16(smem, gmem);
-#else
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(sc::smem_addr(smem)),
-               "l"(gmem), "l"(policy)
-               : "memory");
-#endif
-}
-
 // The lane's scale / (magic + zero point) constants of one group record (as stream_chunk_math's INT4 path).
 template <typename T>
 __device__ __forceinline__ void int4_group_consts(uint4 sv, uint2 zv, unsigned (&scl)[8], unsigned (&zc)[8]) {
@@ -1854,7 +1833,6 @@ __global__ void __launch_bounds__(kMarlinWarps * 32, 1) quant_marlin_kernel(
   constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
   unsigned magic = MAGIC;
   asm volatile("" : "+r"(magic));  // kept in a register: lop3 takes it as an operand (see and_or)
-  const unsigned long long wpolicy = marlin_weight_policy();
 
 #pragma unroll 1
   for (int u = u_begin; u < u_end;) {
@@ -1872,8 +1850,7 @@ __global__ void __launch_bounds__(kMarlinWarps * 32, 1) quant_marlin_kernel(
       for (int i = 0; i < kMarlinBlocks * 256 / (kMarlinWarps * 32); ++i) {
         const int idx = i * kMarlinWarps * 32 + tid, j = idx >> 8, off = idx & 255;
         if (j < blocks_here)
-          marlin_cp_weights(st + j * 4096 + off * 16,
-                            wpk + ((long long)(b0 + j) * KS + kStreamChunkSteps * ch) * 64 + off, wpolicy);
+          sc::cp_async16(st + j * 4096 + off * 16, wpk + ((long long)(b0 + j) * KS + kStreamChunkSteps * ch) * 64 + off);
       }
       if (tid < kMarlinBlocks * 12) {
         const int j = tid / 12, piece = tid % 12;

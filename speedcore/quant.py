@@ -783,8 +783,7 @@ def _bulk_kernel(dtype: str, kind: int, mt: int, defines: tuple = ()) -> Kernel:
     return Kernel(SOURCE, f"quant::gemv_bulk_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>", options=defines)
 
 
-# Extra -D options for quant_marlin_kernel, for same-run A/B measurements (never set by the library):
-# -DSC_QUANT_MARLIN_L2_NORMAL (weight copies without the L2 evict-first policy).
+# Extra -D options for quant_marlin_kernel, for same-run A/B measurements (never set by the library).
 _MARLIN_DEFINES: tuple = ()
 
 
