@@ -20,8 +20,8 @@ streaming kernels: ``gemv_stream_kernel`` (every warp streams 4 KB chunks straig
 K and G are multiples of 128 (``use_stream``), its cp.async.bulk twin ``gemv_bulk_kernel`` for INT4 at M = 1 on
 large layers on sm_90+ (``use_bulk``), else ``gemv_kernel`` or the tile-major kernel (``use_gemv``), all from
 H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kernel`` at 17 <= M <= 128 (a
-tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``), switched OFF
-by default until measured: ``SPEEDCORE_QUANT_MARLIN=1`` or ``speedcore.quant._MARLIN_MODE = "on"``.  Split-K
+tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
+measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  Split-K
 launches use a per-stream scratch buffer and zeroed counters kept by this module; when capturing a CUDA graph,
 run the largest M once first so that the scratch does not grow (and move) afterwards.
 
@@ -1000,7 +1000,7 @@ def _alloc_out(xa, rows: int, n: int):
 def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds, bias_ptr, n, group,
                 packed: bool, gemv=None):
     """Allocate y (rows, N) and run quant_mma_kernel, or, when the layer has the fragment-major copy (``gemv``)
-    for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128, while switched on) or a streaming
+    for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128) or a streaming
     kernel for M <= 16; returns y (the caller's library)."""
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
             and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
@@ -1040,19 +1040,25 @@ _STREAM_OVERRIDE: dict = {}
 _BULK_MODE = "auto"
 _BULK_OVERRIDE: dict = {}
 # quant_marlin_kernel for prepacked INT4 layers at M in _MARLIN_M_RANGE (inclusive), where the shape fits
-# (marlin_supported), before every other choice.  "on" / "off"; OFF by default until it is measured on the GPU.
-# Turn it on with the environment variable SPEEDCORE_QUANT_MARLIN=1 (read at import) or
-# ``speedcore.quant._MARLIN_MODE = "on"``.  _MARLIN_OVERRIDE: keyword overrides of marlin_config (ctas).
-_MARLIN_MODE = "on" if os.environ.get("SPEEDCORE_QUANT_MARLIN", "0").lower() in ("1", "on", "true") else "off"
+# (marlin_supported), before every other choice.  "auto" (default; see use_marlin), "on" or "off"; the environment
+# variable SPEEDCORE_QUANT_MARLIN=1 / 0 (read at import) forces it on / off.  _MARLIN_OVERRIDE: keyword overrides
+# of marlin_config (ctas).
+_MARLIN_MODE = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}.get(
+    os.environ.get("SPEEDCORE_QUANT_MARLIN", "auto").lower(), "auto")
 _MARLIN_M_RANGE = (17, 128)
 _MARLIN_OVERRIDE: dict = {}
 
 
 def use_marlin(m: int, n: int, k: int, group: int) -> bool:
     """Dispatch for prepacked INT4 layers (a pure function but for the _MARLIN_MODE / _MARLIN_M_RANGE switches):
-    quant_marlin_kernel for M in _MARLIN_M_RANGE where its shape constraints hold (marlin_supported)."""
+    quant_marlin_kernel for M in _MARLIN_M_RANGE where its shape constraints hold (marlin_supported).  In "auto"
+    mode it is left out at M < 32 on layers of at most 8192 x 8192, where quant_mma_kernel was ahead on the H200
+    (benchmarks/_quant_marlin_probe.py at 677bebe: 35.6 against 37.4 us at M = 17; elsewhere in 17-128 it was
+    ahead by 0-7%, or behind by 1.4% at bf16 M = 128 on 28672 x 8192)."""
     lo, hi = _MARLIN_M_RANGE
-    return _MARLIN_MODE == "on" and max(lo, 1) <= m <= hi and marlin_supported(k, n, group)
+    if _MARLIN_MODE == "off" or not (max(lo, 1) <= m <= hi and marlin_supported(k, n, group)):
+        return False
+    return _MARLIN_MODE == "on" or m >= 32 or n * k > 8192 * 8192
 
 
 def use_stream(kind: int, m: int, n: int, k: int, group: int = 0) -> bool:
@@ -1414,8 +1420,8 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     the per-call weight checks).  With a prepacked layer, M <= 16 takes a streaming kernel on the fragment-major
     copy instead: ``gemv_stream_kernel`` / ``gemv_bulk_kernel`` where K and G are multiples of 128
     (:func:`use_stream`, :func:`use_bulk`), else ``gemv_kernel`` (:func:`use_gemv`; K % 32 == 0 and
-    G % 32 == 0).  With :func:`use_marlin` switched on (off by default), 17 <= M <= 128 on such a layer takes
-    ``quant_marlin_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernels need N % 64 == 0 and
+    G % 32 == 0).  Where :func:`use_marlin` says so (INT4, 17 <= M <= 128), such a layer
+    takes ``quant_marlin_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernels need N % 64 == 0 and
     G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy float16).
     """
     if isinstance(qweight, AWQWeight) and qweight.fast is not None and qzeros is None and scales is None:

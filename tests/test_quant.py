@@ -432,7 +432,7 @@ def test_awq_linear_small(dtype, m, n, k, g):
     assert torch.equal(y, y2)
     packed = Q.prepack_awq(torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g)
     assert packed.packed is not None
-    if packed.gemv is not None and (m <= Q.GEMV_MAX_M or Q.use_marlin(m, n, k, g)):
+    if packed.gemv is not None and (m <= Q.GEMV_MAX_M or Q.use_marlin(m, n, k, k if g == -1 else g)):
         # M <= 16 takes gemv_kernel on the fragment-major copy, 17 <= M <= 128 quant_marlin_kernel when it is on
         # (split-K order differs: compare values)
         err, finite = _rel_err(Q.awq_linear(x, packed, bias=bias), _ref(x, ref_w, bias))
@@ -471,7 +471,7 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
     if not act_order:
         y3 = Q.gptq_linear(x, *args[:3], group_size=g)
         assert torch.equal(y, y3)
-        if (packed.gemv is None or m > Q.GEMV_MAX_M) and not Q.use_marlin(m, n, k, g):
+        if (packed.gemv is None or m > Q.GEMV_MAX_M) and not Q.use_marlin(m, n, k, k if g == -1 else g):
             assert torch.equal(y, y2)
 
 
@@ -1163,6 +1163,10 @@ def test_marlin_smem_matches_the_kernel_layout():
 def test_use_marlin_switch_and_shapes():
     with _marlin("off"):
         assert not Q.use_marlin(64, 8192, 8192, 128)
+    with _marlin("auto"):
+        assert Q.use_marlin(64, 8192, 8192, 128) and Q.use_marlin(32, 8192, 8192, 128)
+        assert not Q.use_marlin(17, 8192, 8192, 128) and not Q.use_marlin(31, 4096, 4096, 128)
+        assert Q.use_marlin(17, 28672, 8192, 128) and not Q.use_marlin(129, 28672, 8192, 128)
     with _marlin("on"):
         assert Q.use_marlin(64, 8192, 8192, 128) and Q.use_marlin(17, 8192, 8192, 128)
         assert Q.use_marlin(128, 28672, 8192, 256)
