@@ -72,17 +72,21 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
   grouped_tile(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, group_m, tile_m, tile_n);
   const int m0 = tile_m * BM, n0 = tile_n * BN;
 
-  // -- cp.async state, fixed for the whole K loop --------------------------------------------------------
+  // -- cp.async state: per-thread pointers at the k-tile being loaded (advanced once per k-tile), 32-bit row
+  // offsets (the wrapper keeps BM x lda and BN x ldb below 2^31 elements), row masks and K bounds --------------
   const int a_r0 = tid / A_CH, a_c = tid % A_CH;
-  const T* a_src = a + (long long)(m0 + a_r0) * lda + a_c * 8;
-  const long long a_step = (long long)A_STEP * lda;
+  const T* a_cur = a + (long long)(m0 + a_r0) * lda + a_c * 8;
+  const int a_step = A_STEP * (int)lda;
+  const int a_kend = K - a_c * 8;
   const unsigned a_dst = sA + a_r0 * (BK * 2) + ((a_c ^ (a_r0 & 7)) << 4);
   unsigned a_rows = 0;
 #pragma unroll
   for (int l = 0; l < NA; ++l) a_rows |= (m0 + a_r0 + l * A_STEP < M ? 1u : 0u) << l;
   const int b_r0 = tid / B_CH, b_c = tid % B_CH;
-  const T* b_src = B_KMAJOR ? b + (long long)(n0 + b_r0) * ldb + b_c * 8 : b + (long long)b_r0 * ldb + n0 + b_c * 8;
-  const long long b_step = (long long)B_STEP * ldb;
+  const T* b_cur = B_KMAJOR ? b + (long long)(n0 + b_r0) * ldb + b_c * 8 : b + (long long)b_r0 * ldb + n0 + b_c * 8;
+  const int b_step = B_STEP * (int)ldb;
+  const long long b_advance = B_KMAJOR ? BK : BK * ldb;
+  const int b_kend = K - (B_KMAJOR ? b_c * 8 : b_r0);
   const unsigned b_dst = sB + b_r0 * B_ROW + ((b_c ^ (b_r0 & 7)) << 4);
   unsigned b_rows = 0;  // K-major: rows (n) inside N; N-major: the column chunk inside N (bit 0)
   if constexpr (B_KMAJOR) {
@@ -91,22 +95,22 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
   } else {
     b_rows = n0 + b_c * 8 < N ? 1u : 0u;
   }
-  // Load l of k-tile kt into ring slot `slot` (l < NA: A, else B).
-  auto load = [&](int l, int kt, int slot) {
-    const int k0 = kt * BK;
+  int k_load = 0;  // first k of the k-tile the pointers are at
+  // Load l of that k-tile into ring slot `slot` (l < NA: A, else B).  Past K (or M, N) cp.async zero-fills.
+  auto load = [&](int l, int slot) {
     if (l < NA) {
-      const bool ok = ((a_rows >> l) & 1u) && k0 + a_c * 8 < K;
-      sc::cp_async16_s(a_dst + slot * A_STAGE + l * A_STEP * (BK * 2), ok ? a_src + l * a_step + k0 : a, ok);
+      const bool ok = ((a_rows >> l) & 1u) && k_load < a_kend;
+      sc::cp_async16_s(a_dst + slot * A_STAGE + l * A_STEP * (BK * 2), ok ? a_cur + l * a_step : a, ok);
     } else {
       const int lb = l - NA;
-      if constexpr (B_KMAJOR) {
-        const bool ok = ((b_rows >> lb) & 1u) && k0 + b_c * 8 < K;
-        sc::cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_src + lb * b_step + k0 : b, ok);
-      } else {
-        const bool ok = b_rows && k0 + b_r0 + lb * B_STEP < K;
-        sc::cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_src + lb * b_step + k0 * ldb : b, ok);
-      }
+      const bool ok = B_KMAJOR ? ((b_rows >> lb) & 1u) && k_load < b_kend : b_rows && k_load + lb * B_STEP < b_kend;
+      sc::cp_async16_s(b_dst + slot * B_STAGE + lb * B_STEP * B_ROW, ok ? b_cur + lb * b_step : b, ok);
     }
+  };
+  auto next_k_tile = [&]() {
+    a_cur += BK;
+    b_cur += b_advance;
+    k_load += BK;
   };
 
   // -- ldmatrix addresses: base of slot 0, k-step 0; the k-step (and the N-major column pair) is an XOR ------
@@ -151,11 +155,10 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
   const int KT = (K + BK - 1) / BK;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < KT) {
 #pragma unroll
-      for (int l = 0; l < NLOAD; ++l) load(l, s, s);
-    }
+    for (int l = 0; l < NLOAD; ++l) load(l, s);
     sc::cp_async_commit();
+    next_k_tile();
   }
   sc::cp_async_wait<STAGES - 2>();
   __syncthreads();
@@ -163,26 +166,31 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
 
   int read_slot = 0, write_slot = STAGES - 1;
   for (int kt = 0; kt < KT; ++kt) {
-    const bool load_next = kt + STAGES - 1 < KT;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
       // Fragments of the next k-step (the next k-tile's first at the last step; its slot passed the barrier).
       if (ks < KSTEPS - 1 || kt + 1 < KT) load_frags((ks + 1) & 1, read_slot, (ks + 1) % KSTEPS);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int nt = 0; nt < NT8; ++nt) sc::mma_16816<T>(acc[mt][nt], af[ks & 1][mt], bf[ks & 1][nt]);
-      // The slot of k-tile kt + STAGES - 1 was last read at k-tile kt - 1 (before its barrier).
-      if (ks < KSTEPS - 1 && load_next) {
+        // k-tile kt + STAGES - 1 goes into the slot last read at k-tile kt - 1 (before its barrier), a share of
+        // its cp.asyncs behind each row of mma.syncs.  No branch around them: past the last k-tile the K bound
+        // fails and cp.async zero-fills a slot nobody reads again.  (A branch kept the address math in one
+        // block after the k-step's mma.syncs, where it stalled the warp and, with the warps in step after the
+        // barrier, the Tensor Cores.)
+        if (ks < KSTEPS - 1) {
 #pragma unroll
-        for (int l = ks * LOADS_PER_STEP; l < (ks + 1) * LOADS_PER_STEP && l < NLOAD; ++l)
-          load(l, kt + STAGES - 1, write_slot);
+          for (int i = mt * LOADS_PER_STEP / MT; i < (mt + 1) * LOADS_PER_STEP / MT; ++i)
+            if (ks * LOADS_PER_STEP + i < NLOAD) load(ks * LOADS_PER_STEP + i, write_slot);
+        }
       }
       if (ks == KSTEPS - 2) {
         // After this barrier k-tile kt + 1 has landed and is visible to every warp, and every warp has read
         // all of k-tile kt's fragments (the last k-step's just above), so k-tile kt + 1's loop may refill its
         // slot.  The mma.syncs issued before it keep the Tensor Cores busy across the wait.
         sc::cp_async_commit();
+        next_k_tile();
         sc::cp_async_wait<STAGES - 2>();
         __syncthreads();
         read_slot = read_slot + 1 == STAGES ? 0 : read_slot + 1;
@@ -190,6 +198,7 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
     }
     write_slot = write_slot + 1 == STAGES ? 0 : write_slot + 1;
   }
+  sc::cp_async_wait<0>();  // the zero-fills past the end must not land in the next CTA's shared memory
 
   const int g = lane >> 2, t = lane & 3;
   sc::store_fragments<T, MT, NT8>(out, ldo, bias, act, M, N, m0 + wm * WTM + g, 16, n0 + wn * WTN + 2 * t,

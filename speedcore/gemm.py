@@ -285,6 +285,10 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
         path = gemm_path(m, n, k, aa.dtype, dev.cc, b_kmajor)
     if path == "hopper" and dev.cc != (9, 0):
         raise ValueError("_path='hopper' needs an sm_90 GPU (H100/H200)")
+    if path == "ampere" and max(lda, ldb) >= _AMPERE_MAX_LD:
+        # gemm_mma_tile_kernel keeps a tile's row offsets (up to 256 rows x the stride) in 32 bits
+        raise ValueError(f"the mma.sync path needs row strides below {_AMPERE_MAX_LD} elements, got lda={lda}, "
+                         f"ldb={ldb}")
     act = _ACT_ARG[activation]
     bias_ptr = bias.ptr if bias is not None else 0
     stream = A.stream_of(aa)
@@ -309,6 +313,7 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
 
 
 _ACT_ARG = {name: np.int32(code) for name, code in ACTIVATIONS.items()}
+_AMPERE_MAX_LD = 1 << 23
 _GROUP_ARG = np.int32(GROUP_M)
 # CUtensorMapSwizzle for the epilogue's store box width (columns): rows of 128, 64 or 32 bytes.
 _STORE_SWIZZLE = {64: 3, 32: 2, 16: 1}

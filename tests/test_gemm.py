@@ -439,3 +439,6 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
     assert [int(v) for v in args[4:]] == [m, n, k, 0, gemm.GROUP_M]
     with pytest.raises(ValueError, match="16-byte"):
         gemm._gemm(arr("x", (m, k), (k, 1), (1 << 20) + 2), m, k, k, w, n, k, True, None, None, o, n, None)
+    big = 1 << 23
+    with pytest.raises(ValueError, match="row strides"):
+        gemm._gemm(arr("x", (m, k), (big, 1), 1 << 20), m, k, big, w, n, k, True, None, None, o, n, "ampere")
