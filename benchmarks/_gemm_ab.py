@@ -5,7 +5,7 @@ versions, made by the caller) and the current ones with the heuristic's and forc
 so clocks drift alike.  Prints one table (TFLOP/s or TB/s; ratio to cuBLAS in brackets).
 
     PYTHONPATH=. python3 benchmarks/_gemm_ab.py precompile       # parallel NVRTC into the disk cache first
-    PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere] [skinny] [mid]
+    PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere] [ampere_cfgs] [skinny] [mid]
 
 The previous kernels (those of 869ced9) are made beside the current ones with
     git show 869ced9:kernels/gemm_sm90.cu | sed 's/gemm_wgmma_kernel(/gemm_wgmma_prev_kernel(/' > kernels/gemm_sm90_prev.cu
@@ -284,6 +284,24 @@ def ampere_section():
         report(f"ampere linear {m}x{n}x{k}", m, n, k, t)
 
 
+def ampere_cfgs_section():
+    """Forced Ampere path at 8192^3, every large-tile config (AMPERE_CFGS) against cuBLAS, two rounds."""
+    s = 8192
+    x = torch.randn(s, s, dtype=DT, device="cuda")
+    w = torch.randn(s, s, dtype=DT, device="cuda") / s ** 0.5
+    out = torch.empty(s, s, dtype=DT, device="cuda")
+    b_kn = w.t().contiguous()
+    for rep in range(2):
+        for op, cfgs in (("linear", AMPERE_CFGS), ("matmul", AMPERE_CFGS[:3])):
+            fn = ((lambda: speedcore.linear(x, w, out=out, _path="ampere")) if op == "linear" else
+                  (lambda: speedcore.matmul(x, b_kn, out=out, _path="ampere")))
+            t = {"cublas": b.time_ms(lambda: torch.nn.functional.linear(x, w)) if op == "linear" else
+                 b.time_ms(lambda: torch.matmul(x, b_kn))}
+            for c in cfgs:
+                t[f"{c.bm}x{c.bn}s{c.stages}"] = time_forced(fn, mma=c)
+            report(f"ampere {op} cfgs #{rep}", s, s, s, t)
+
+
 def skinny_section():
     """M = 1 / 16 decode shapes: the default (new rules) and forced skinny configs against cuBLAS, linear (K-major)
     and matmul (N-major); and a 4 KB copy, whose time is the fixed cost of one timed launch."""
@@ -346,7 +364,7 @@ if __name__ == "__main__":
     DT = torch.bfloat16
     parts = sys.argv[1:] or ["hopper", "small", "ampere"]
     for p in parts:
-        {"hopper": hopper_section, "small": small_section, "ampere": ampere_section, "skinny": skinny_section,
+        {"hopper": hopper_section, "small": small_section, "ampere": ampere_section, "ampere_cfgs": ampere_cfgs_section, "skinny": skinny_section,
          "mid": mid_section}[p]()
     print("\n==== A/B summary (ratio to cuBLAS in brackets) ====")
     print("\n".join(rows))
