@@ -35,3 +35,15 @@ def all_kernels(families=None) -> list:
             continue
         out.extend(mod.all_kernels())
     return out
+
+
+def spills_allowed(kernel) -> tuple:
+    """(spill store bytes, spill load bytes) a family accepts for one of its variants (``spills_allowed`` in the
+    family module, documented there); (0, 0) for every other variant."""
+    for mod in op_modules().values():
+        fn = getattr(mod, "spills_allowed", None)
+        if fn is not None:
+            allowed = fn(kernel)
+            if allowed != (0, 0):
+                return tuple(allowed)
+    return (0, 0)

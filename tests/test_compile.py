@@ -189,3 +189,14 @@ def test_sass_helpers_parse_elf_and_count():
             "        /*2540*/              @!P0 STL [R1], R2 ;\n"
             "        /*2550*/                   MOV R3, R4 ;\n")
     assert (_sass.count(text, "HGMMA"), _sass.count(text, "STL"), _sass.count(text, "LDL")) == (1, 1, 0)
+
+
+def test_spill_allowance_is_only_for_the_documented_variants():
+    """Only the sm_90 head-dim-256 variants with 80-key tiles may spill (attention.spills_allowed says why)."""
+    from speedcore import _registry, attention
+
+    kernels = _registry.all_kernels()
+    allowed = [k for k in kernels if _registry.spills_allowed(k) != (0, 0)]
+    assert allowed, "the head dim 256 unmasked sm_90 variants are dispatched"
+    assert all(k.source == attention.SOURCE_SM90 and ", 256, 80, " in k.name for k in allowed)
+    assert all(_registry.spills_allowed(k) == (32, 64) for k in allowed)
