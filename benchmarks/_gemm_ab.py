@@ -5,7 +5,7 @@ versions, made by the caller) and the current ones with the heuristic's and forc
 so clocks drift alike.  Prints one table (TFLOP/s or TB/s; ratio to cuBLAS in brackets).
 
     PYTHONPATH=. python3 benchmarks/_gemm_ab.py precompile       # parallel NVRTC into the disk cache first
-    PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere] [ampere_cfgs] [skinny] [mid]
+    PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere] [ampere_cfgs] [epilogue] [skinny] [mid]
 
 The previous kernels (those of 869ced9) are made beside the current ones with
     git show 869ced9:kernels/gemm_sm90.cu | sed 's/gemm_wgmma_kernel(/gemm_wgmma_prev_kernel(/' > kernels/gemm_sm90_prev.cu
@@ -302,6 +302,21 @@ def ampere_cfgs_section():
             report(f"ampere {op} cfgs #{rep}", s, s, s, t)
 
 
+def epilogue_section():
+    """The fused bias + activation epilogue against the plain GEMM at the bench's fused shape, and the peers."""
+    F = torch.nn.functional
+    m, n, k = 4096, 14336, 4096
+    x = torch.randn(m, k, dtype=DT, device="cuda")
+    w = torch.randn(n, k, dtype=DT, device="cuda") / k ** 0.5
+    bias = torch.randn(n, dtype=DT, device="cuda")
+    fns = {"cublas": lambda: F.linear(x, w), "cublas+bias+silu": lambda: F.silu(F.linear(x, w, bias)),
+           "plain": lambda: speedcore.linear(x, w)}
+    for act in ("silu", "gelu", "gelu_tanh", "relu"):
+        fns[act] = lambda act=act: speedcore.linear(x, w, bias, activation=act)
+    for rep in range(2):
+        report(f"epilogue {m}x{n}x{k} #{rep}", m, n, k, {name: b.time_ms(fn) for name, fn in fns.items()})
+
+
 def skinny_section():
     """M = 1 / 16 decode shapes: the default (new rules) and forced skinny configs against cuBLAS, linear (K-major)
     and matmul (N-major); and a 4 KB copy, whose time is the fixed cost of one timed launch."""
@@ -364,7 +379,7 @@ if __name__ == "__main__":
     DT = torch.bfloat16
     parts = sys.argv[1:] or ["hopper", "small", "ampere"]
     for p in parts:
-        {"hopper": hopper_section, "small": small_section, "ampere": ampere_section, "ampere_cfgs": ampere_cfgs_section, "skinny": skinny_section,
+        {"hopper": hopper_section, "small": small_section, "ampere": ampere_section, "ampere_cfgs": ampere_cfgs_section, "epilogue": epilogue_section, "skinny": skinny_section,
          "mid": mid_section}[p]()
     print("\n==== A/B summary (ratio to cuBLAS in brackets) ====")
     print("\n".join(rows))
