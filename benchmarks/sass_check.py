@@ -1,11 +1,12 @@
 """SASS of the Hopper kernels as dispatched: HGMMA (wgmma) count and local-memory traffic of the main variants,
-from their cubins (no GPU needed; nvdisasm from PATH or the nvidia-cuda-nvdisasm wheel).
+from their cubins (no GPU needed; nvdisasm from PATH or the nvidia-cuda-nvdisasm wheel).  Local memory fails the
+check except in the variants a family documents (``spills_allowed``).
 
     python3 benchmarks/sass_check.py
 """
 import sys
 
-from speedcore import _sass, attention, gemm
+from speedcore import _registry, _sass, attention, gemm
 from speedcore._compile import compile_kernel
 
 kernels = [attention._kernel_sm90("bfloat16", *attention.flash_attn_sm90_config(d, masked), False)
@@ -16,6 +17,8 @@ for k in dict.fromkeys(kernels):
     c = compile_kernel(k, "sm_90a")
     for name, text in _sass.sass(c.cubin, "sm_90a").items():
         hgmma, local = _sass.count(text, "HGMMA"), _sass.count(text, "STL") + _sass.count(text, "LDL")
-        failed += hgmma == 0 or local > 0
-        print(f"{k.name}: {hgmma} HGMMA, {local} local-memory instructions, {c.resources['registers']} registers")
+        allowed = _registry.spills_allowed(k) != (0, 0)  # documented by the family (attention.spills_allowed)
+        failed += hgmma == 0 or (local > 0 and not allowed)
+        print(f"{k.name}: {hgmma} HGMMA, {local} local-memory instructions{' (allowed)' if local and allowed else ''}, "
+              f"{c.resources['registers']} registers")
 sys.exit(1 if failed else 0)

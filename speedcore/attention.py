@@ -123,7 +123,7 @@ _SM90_TILES = {(64, False): (128, 4, 3, False), (64, True): (128, 4, 3, False),
 # Head dim 256 unmasked takes 80-key tiles (as FlashAttention-3 does): same run, ratio to cuDNN, BN 64 -> 80, two
 # rounds each: bf16 s2048 1.009 / 1.007 -> 1.041 / 1.025, fp16 s2048 0.999 / 0.943 -> 1.031 / 0.986, bf16 s8192
 # 0.949 / 0.942 -> 0.978 / 0.990 (benchmarks/_fa90_configs.py at 0d8d94e).  Those variants spill a few
-# registers (SPILLS_ALLOWED).
+# registers (spills_allowed).
 # Masked problems of at most SM90_SHORT keys per sequence: few key blocks per tile, where fewer, shorter tiles
 # per CTA balance better.  Measured at head dim 64, bf16, causal (benchmarks/_fa90_configs.py, same run, ratio to
 # cuDNN): seqlen 512 0.85 with two consumers against 0.84 with three, 1024 0.87 against 0.90 (three consumers lost
