@@ -21,7 +21,11 @@ K and G are multiples of 128 (``use_stream``), its cp.async.bulk twin ``gemv_bul
 large layers on sm_90+ (``use_bulk``), else ``gemv_kernel`` or the tile-major kernel (``use_gemv``), all from
 H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kernel`` at 17 <= M <= 128 (a
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
-measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  Split-K
+measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
+``SPEEDCORE_QUANT_W4WGMMA=1`` (off by default, not yet measured) makes prepack also build a wgmma-major INT4 copy
+(the weight's size again) and routes INT4 layers at 17 <= M <= 8192 with N % 256 == 0, K and G multiples of 128 to
+``w4_wgmma_kernel`` (kernels/quant_sm90.cu: wgmma with the dequantized weights as the register A operand, TMA x
+tiles, split-K where the tiles do not fill the GPU), before every other choice including the dense path.  Split-K
 launches use a per-stream scratch buffer and zeroed counters kept by this module; when capturing a CUDA graph,
 run the largest M once first so that the scratch does not grow (and move) afterwards.
 

@@ -297,6 +297,112 @@ def test_compiled_variants_use_wgmma_without_spills():
             assert _sass.count(text, "STL") == 0 and _sass.count(text, "LDL") == 0
 
 
+# ---------------------------------------------------------------------------------- launch arguments (CPU)
+
+class _Fake:
+    """Stands in for a contiguous CUDA tensor so that the Python launch paths run without a GPU."""
+    _next = [1 << 20]
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+        st, acc = [], 1
+        for d in reversed(self.shape):
+            st.append(acc)
+            acc *= max(d, 1)
+        self.strides = tuple(reversed(st))
+        self.ptr = _Fake._next[0]
+        _Fake._next[0] += 1 << 24
+
+    def new_empty(self, shape):
+        t = _Fake(shape, self.dtype)
+        t.ptr = 0xABC000
+        return t
+
+    def data_ptr(self):
+        return self.ptr
+
+    def reshape(self, shape):
+        return _Fake(shape, self.dtype)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    from speedcore import _arrays as A
+    from speedcore import _tma
+
+    real_wrap = A.wrap
+
+    def wrap(x, name, *, optional=False):
+        if isinstance(x, _Fake):
+            return A.Array(x, "torch", x.ptr, x.shape, x.strides, x.dtype, 0, name)
+        return real_wrap(x, name, optional=optional)
+
+    calls, maps = [], []
+    monkeypatch.setattr(A, "wrap", wrap)
+    monkeypatch.setattr(A, "stream_of", lambda ref: type("S", (), {"ptr": 0})())
+    monkeypatch.setattr(Q, "device_info", lambda i: type("D", (), {"sms": 132, "cc": (9, 0)})())
+    monkeypatch.setattr(Q, "launch", lambda kernel, cfg, args, device, stream: calls.append((kernel, cfg, args)))
+    monkeypatch.setattr(Q, "_workspace_ptr", lambda xa, stream, nbytes: 0x5000)
+    monkeypatch.setattr(Q, "_ticket_buffer", lambda xa, stream, count: type("T", (), {"ptr": 0x6000})())
+    monkeypatch.setattr(Q, "_pack", lambda fmt, qa, k, n: wrap(_Fake(Q.packed_shape(fmt, k, n), "int32"), "p"))
+    monkeypatch.setattr(Q, "_gemv_scratch", lambda xa, stream, floats, tickets: (0x7000, 0x8000))
+    monkeypatch.setattr(_tma, "tile_map_2d", lambda *a, **kw: maps.append((a, kw)) or "tmap")
+
+    def gemv_pack(fmt, qa, za, sa, k, n, group):
+        w = _Fake((n * k // 8,), "int32")
+        w4 = _Fake((n * k // 8,), "int32") if Q._W4WGMMA_MODE == "on" and Q.w4wgmma_supported(k, n, group) else None
+        return Q._GemvLayer(Q.KIND_INT4, sa.dtype, w, None, w.ptr, 0x9000, group // 32, k // group, w4,
+                            w4.ptr if w4 is not None else 0)
+
+    monkeypatch.setattr(Q, "_gemv_pack", gemv_pack)
+    return calls, maps
+
+
+@pytest.mark.parametrize("m", [17, 64, 257, 1000])
+def test_dispatch_launch_arguments(fake_gpu, m):
+    """Switch on at prepack and call: a prepacked AWQ / GPTQ layer at 17 <= M (also above MAX_MMA_M, where the dense
+    path ran before) launches w4_wgmma_kernel with the x tensor map, the wgmma-major and group-record pointers and
+    the configured grid, through the fast and the checked path alike; switch off at call time: not this kernel."""
+    import dataclasses
+
+    calls, maps = fake_gpu
+    k, n, g = 1024, 1536, 128
+    x = _Fake((m, k), "bfloat16")
+    bias = _Fake((n,), "bfloat16")
+    with _w4("on"):
+        pw = Q.prepack_awq(_Fake((k, n // 8), "int32"), _Fake((k // g, n // 8), "int32"),
+                           _Fake((k // g, n), "bfloat16"), group_size=g)
+        assert pw.gemv.w4_ptr != 0
+        Q.awq_linear(x, pw, bias=bias)
+        Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
+        pg = Q.prepack_gptq(_Fake((k // 8, n), "int32"), _Fake((k // g, n // 8), "int32"),
+                            _Fake((k // g, n), "bfloat16"), group_size=g)
+        Q.gptq_linear(x, pg)
+    cfg = Q.w4wgmma_config(m, n, k, 132)
+    assert len(calls) == 3
+    for kernel, lcfg, args in calls:
+        assert kernel.name == f"quant_sm90::w4_wgmma_kernel<__nv_bfloat16, {cfg.mt}, 2, 8>" and kernel.hopper
+        assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (384,) and lcfg.smem == cfg.smem
+        assert len(args) == 14 and args[0] == "tmap"
+        assert [int(a) for a in args[7:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
+        assert all(type(a) is np.int32 for a in args[7:])
+        assert (args[2] != 0) == (cfg.splits > 1) and (args[3] != 0) == (cfg.splits > 1)
+    assert calls[0][2][4] == pw.gemv.w4_ptr and calls[0][2][5] == pw.gemv.g_ptr and calls[0][2][6] == bias.ptr
+    assert calls[2][2][4] == pg.gemv.w4_ptr and calls[2][2][6] == 0
+    for u, v in zip(calls[0][2], calls[1][2]):
+        assert type(u) is type(v) and u == v
+    assert maps[0][1] == dict(rows=m, cols=k, row_stride=k, box_rows=cfg.mt, box_cols=64)
+    calls.clear()
+    if m <= Q.MAX_MMA_M:
+        with _w4("off"):
+            Q.awq_linear(x, pw, bias=bias)
+        assert calls and "w4_wgmma" not in calls[0][0].name
+    with _w4("off"):
+        p_off = Q.prepack_awq(_Fake((k, n // 8), "int32"), _Fake((k // g, n // 8), "int32"),
+                              _Fake((k // g, n), "bfloat16"), group_size=g)
+    assert p_off.gemv.w4_ptr == 0  # prepacked with the switch off: no wgmma-major copy
+
+
 # -------------------------------------------------------------------------------------------------- GPU tests
 
 def _torch():
