@@ -2,9 +2,9 @@
 switch on while prepacking so that the wgmma-major copy exists), "w4wgmma" (the kernel, its heuristic launch shape),
 "current" (today's dispatch: the switch off at call time: quant_marlin_kernel / quant_mma_kernel at M <= 128, the
 dense path (dequantize + cuBLAS) above) and cuBLAS (F.linear with a bf16 weight of the same shape), at M = 64, 128,
-256, 1024, 2048 on 8192x8192 and 28672x8192, bf16; a split-K sweep on 8192x8192 ("s<S> <us>"); one fp16 and one
-GPTQ row.  Each output is checked against the current dispatch (rel diff; "!!" above 1e-2).  One line per case, the
-summary table last.
+256, 1024, 2048 on 8192x8192 and 28672x8192, bf16; a split-K and tile-height sweep on 8192x8192 at M = 64, 128,
+256 ("s<S> <us>", "mt<MT> <us>"); one fp16 and one GPTQ row.  Each output is checked against the current dispatch
+(rel diff; "!!" above 1e-2).  One line per case, the summary table last.
 
     SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py
 """
@@ -72,10 +72,12 @@ def case(fmt, n, k, dt, ms, sweep=()):
         flag = "" if e < 1e-2 else f"  !! w4wgmma vs current: rel diff {e:.2e}"
         extra = []
         if m in sweep:
-            for s in sorted({1, 2, 4, 8} - {cfg.splits}):
-                t, ys = timed(call, x, "on", splits=s)
+            alts = [("s%d" % s, {"splits": s}) for s in sorted({1, 2, 4, 8} - {cfg.splits})]
+            alts.append(("mt%d" % (192 - cfg.mt), {"mt": 192 - cfg.mt}))  # the other tile height (64 <-> 128)
+            for tag, ov in alts:
+                t, ys = timed(call, x, "on", **ov)
                 es = rel(ys, y_cur)
-                extra.append(f"s{s} {t * 1e3:5.1f}" + ("" if es < 1e-2 else f"(!! {es:.1e})"))
+                extra.append(f"{tag} {t * 1e3:5.1f}" + ("" if es < 1e-2 else f"(!! {es:.1e})"))
         cub = b.time_ms(lambda: F.linear(x, w))
         tflops = 2e-9 * m * n * k / ours
         label = f"{fmt:4s} {str(dt)[6:]:8s} M={m:<4d} {n:>5d}x{k:<5d}"
@@ -90,10 +92,14 @@ def case(fmt, n, k, dt, ms, sweep=()):
 bf, fp = torch.bfloat16, torch.float16
 tiny = torch.ones(1, device=b.device)
 print(f"launch floor: tiny add_ {b.time_ms(lambda: tiny.add_(1.0)) * 1e3:.1f} us", flush=True)
-for n, k in ((8192, 8192), (28672, 8192)):
-    case("awq", n, k, bf, [64, 128, 256, 1024, 2048], sweep=(64, 256) if n == 8192 else ())
-case("awq", 8192, 8192, fp, [64])
-case("gptq", 8192, 8192, bf, [64])
+for args, kw in ((("awq", 8192, 8192, bf, [64, 128, 256, 1024, 2048]), {"sweep": (64, 128, 256)}),
+                 (("awq", 28672, 8192, bf, [64, 128, 256, 1024, 2048]), {}),
+                 (("awq", 8192, 8192, fp, [64]), {}), (("gptq", 8192, 8192, bf, [64]), {})):
+    try:
+        case(*args, **kw)
+    except Exception as e:  # keep the rest of the table: one failing case must not hide the others
+        print(f"!! case {args[:3]} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.synchronize()
 print(f"\nsummary ({time.time() - t0:.0f} s): time in us, speed-up over cuBLAS (F.linear) in the same run")
 print(f"{'case':36s} {'w4wgmma':>8s} {'x':>5s} {'current':>8s} {'x':>5s} {'cuBLAS':>8s} {'rel diff':>9s}")
 for label, ours, cur, cub, e in summary:
