@@ -89,6 +89,49 @@ def test_pack_kernel_index_math_matches_reference(fmt):
     assert np.array_equal(_pack_kernel_mirror(fmt, qw, k, n), Q.w4wgmma_pack_reference(q))
 
 
+def _to_half_bits(v, dtype):
+    """float64 values rounded once to fp16 / bf16 (round to nearest even), as 16-bit patterns."""
+    v = np.asarray(v, np.float64)
+    if dtype == "float16":
+        return v.astype(np.float16).view(np.uint16)
+    u = v.astype(np.float32).view(np.uint32).astype(np.uint64)  # exact here: the products below fit in fp32
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dequant_word_constants_emulated(dtype):
+    """dequant_word / group_consts of kernels/quant_sm90.cu on bit patterns: the magic-number nibble extraction
+    (fp16 odd registers read at bits 4-7 as (1024 + 16 q) and scaled by 1/16), -(magic + z) for every z in 0..16
+    (GPTQ's 16), then one rounding of (q - z) s; registers 0 / 2 take row g's constants, 1 / 3 row g + 8's."""
+    rng = np.random.default_rng(11)
+    f = lambda bits: _half_bits_to_float(np.uint16(bits), dtype)  # noqa: E731
+    for z0 in range(17):
+        z1 = 16 - z0
+        s = rng.random(2) * 0.02 + 0.001
+        s_bits = _to_half_bits(s, dtype)
+        s_f = _half_bits_to_float(s_bits, dtype)
+        word = int(rng.integers(0, 1 << 32))
+        nib = [(word >> (4 * i)) & 15 for i in range(8)]
+        for r in range(4):
+            row = r % 2
+            z = (z0, z1)[row]
+            out = []
+            for e in range(2):
+                q = nib[r + 4 * e]
+                if dtype == "float16":
+                    if row == 0:  # (word >> 8 r/2) & 0x000f000f | 0x6400: 1024 + q, fma(., 1, -(1024 + z))
+                        v = f(0x6400 | q) * 1.0 + f(0xE400 | z)
+                    else:         # & 0x00f000f0 | 0x6400: 1024 + 16 q, fma(., 1/16, -(64 + z))
+                        v = f(0x6400 | (q << 4)) * f(0x2C00) + f(0xD400 + (z << 4))
+                else:             # (word >> 4 r) & 0x000f000f | 0x4300: 128 + q, fma(., 1, -(128 + z))
+                    v = f(0x4300 | q) * 1.0 + f(0xC300 | z)
+                assert v == q - z  # exact small integers before the scale
+                out.append(_half_bits_to_float(_to_half_bits(v * s_f[row], dtype), dtype))
+            expect = _half_bits_to_float(_to_half_bits((np.array([nib[r], nib[r + 4]]) - z) * s_f[row], dtype),
+                                         dtype)
+            assert np.array_equal(np.array(out), expect)
+
+
 # ------------------------------------------------------------------------------------- kernel mirror (CPU)
 
 def _half_bits_to_float(u16, dtype):
