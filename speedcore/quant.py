@@ -21,7 +21,11 @@ K and G are multiples of 128 (``use_stream``), its cp.async.bulk twin ``gemv_bul
 large layers on sm_90+ (``use_bulk``), else ``gemv_kernel`` or the tile-major kernel (``use_gemv``), all from
 H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kernel`` at 17 <= M <= 128 (a
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
-measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  Split-K
+measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
+``SPEEDCORE_QUANT_W4WGMMA=1`` (off by default, not yet measured) makes prepack also build a wgmma-major INT4 copy
+(the weight's size again) and routes INT4 layers at 17 <= M <= 8192 with N % 256 == 0, K and G multiples of 128 to
+``w4_wgmma_kernel`` (kernels/quant_sm90.cu: wgmma with the dequantized weights as the register A operand, TMA x
+tiles, split-K where the tiles do not fill the GPU), before every other choice including the dense path.  Split-K
 launches use a per-stream scratch buffer and zeroed counters kept by this module; when capturing a CUDA graph,
 run the largest M once first so that the scratch does not grow (and move) afterwards.
 
@@ -79,6 +83,15 @@ MARLIN_BLOCKS = 4           # 64-channel blocks per CTA (256 channels), one per 
 MARLIN_WARPS = 8            # MARLIN_BLOCKS x 2 halves of each 128-k chunk
 MARLIN_X_PITCH = 288        # bytes per staged row of x (128 k + 32: conflict-free 8-byte reads)
 MARLIN_MT_CHOICES = (4, 8)  # 8-row x tiles per CTA: M <= 32, M <= 64 per m-chunk
+# w4_wgmma_kernel (sm_90a, kernels/quant_sm90.cu): INT4 GEMM on wgmma with A from registers; must match it.
+W4WGMMA_SOURCE = "quant_sm90.cu"
+W4WGMMA_BK = 64               # k per ring stage
+W4WGMMA_BLOCK_BYTES = 2048    # INT4 weights of one 64-channel block x 64 k in the wgmma-major layout
+W4WGMMA_BLK = 2               # 64-channel blocks per consumer warpgroup (CTA: 2 x 64 x BLK = 256 channels)
+W4WGMMA_MT_CHOICES = (64, 128)  # rows of x per tile (the wgmma N): M <= 64, else 128
+W4WGMMA_MAX_STAGES = 8
+W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
+W4WGMMA_M_RANGE = (17, 8192)
 
 
 def _block_k(fmt: int) -> int:
@@ -634,6 +647,139 @@ def marlin_workspace_floats(cfg: MarlinConfig) -> int:
     return 2 * cfg.ctas * 8 * cfg.mt * MARLIN_BLOCKS * 64
 
 
+def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK) -> int:
+    """One ring stage of w4_wgmma_kernel: the x tile (mt rows x 128 bytes), 2 blk blocks of weights (2 KB each) and
+    their group records (192 bytes each)."""
+    return mt * 128 + 2 * blk * (W4WGMMA_BLOCK_BYTES + GEMV_GROUP_BYTES)
+
+
+def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK) -> int:
+    """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8."""
+    budget = W4WGMMA_SMEM_LIMIT - 1024 - 16
+    return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk) + 16))
+
+
+def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0) -> int:
+    """Dynamic shared memory of w4_wgmma_kernel: alignment slack, the ring, 2 mbarriers per stage, the flag."""
+    stages = stages or w4wgmma_stages(mt, blk)
+    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk) + 16) + 16
+
+
+def w4wgmma_supported(k: int, n: int, group: int) -> bool:
+    """Shapes w4_wgmma_kernel covers: N % 256 == 0 (whole CTA tiles), and the fragment-major layout's streaming
+    shapes for the group records (K % 128 == 0, G % 128 == 0, K % G == 0)."""
+    return n % (128 * W4WGMMA_BLK) == 0 and stream_supported(KIND_INT4, k, n, group) and k % group == 0
+
+
+@dataclass(frozen=True)
+class W4WgmmaConfig:
+    mt: int       # rows of x per tile (wgmma N)
+    blk: int      # 64-channel blocks per consumer warpgroup
+    m_tiles: int
+    n_tiles: int  # 128 blk-channel tiles
+    splits: int   # CTAs per tile along K (fp32 partials summed by the tile's last CTA)
+    stages: int
+    smem: int
+
+    @property
+    def grid(self) -> int:
+        return self.m_tiles * self.splits * self.n_tiles
+
+
+def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float) -> float:
+    """Time of the grid in bytes per SM: waves x (the CTA's share of its tile's weights + its fp32 partial, which
+    is written and read back through L2: counted at half weight)."""
+    waves = -(-tiles * splits // sms)
+    return waves * (w_tile / splits + (0.5 * part if splits > 1 else 0.0))
+
+
+@lru_cache(maxsize=8192)
+def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0) -> W4WgmmaConfig:
+    """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count; ``splits`` / ``mt``
+    override, for measurements).  mt = 64 for M <= 64, else 128.  Split-K s (1..16, at least 4 stages per CTA)
+    minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1.  Not tuned
+    on a GPU yet."""
+    if m <= 0 or n <= 0 or k <= 0:
+        raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
+    blk = W4WGMMA_BLK
+    mt = mt or (64 if m <= 64 else 128)
+    if mt not in W4WGMMA_MT_CHOICES:
+        raise ValueError(f"w4wgmma_config: mt must be one of {W4WGMMA_MT_CHOICES}, got {mt}")
+    m_tiles = -(-m // mt)
+    n_tiles = -(-n // (128 * blk))
+    kb = max(1, k // W4WGMMA_BK)
+    tiles = m_tiles * n_tiles
+    if splits:
+        s = max(1, min(splits, kb))
+    else:
+        w_tile = 64.0 * blk * k
+        part = min(m, mt) * 128 * blk * 4 * 2.0
+        cands = range(1, max(1, min(16, kb // 4)) + 1)
+        s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
+    stages = w4wgmma_stages(mt, blk)
+    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages))
+
+
+def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
+    """The work of each CTA of w4_wgmma_kernel, as Python (mirrors the kernel's blockIdx decomposition; for tests):
+    a list over CTAs of (m tile, split, n tile, first 64-channel block, k stage begin, k stage end)."""
+    kb = k // W4WGMMA_BK
+    out = []
+    for cta in range(cfg.grid):
+        m_tile, rest = cta % cfg.m_tiles, cta // cfg.m_tiles
+        split, n_tile = rest % cfg.splits, rest // cfg.splits
+        out.append((m_tile, split, n_tile, n_tile * 2 * cfg.blk, split * kb // cfg.splits,
+                    (split + 1) * kb // cfg.splits))
+    return out
+
+
+def w4wgmma_pack_reference(q) -> np.ndarray:
+    """The wgmma-major INT4 layout of q (K, N) values 0..15, as uint32 words (NumPy; what w4wgmma_pack_kernel makes
+    on the GPU).  Word [b, kb, t, lane, s] (lane = 4 g + c) holds channels n0 = 64 b + 16 t + g and n0 + 8 at
+    k = 64 kb + 16 s + {2c, 2c+1, 2c+8, 2c+9}: nibble i = r + 4 e is channel n0 + 8 (r % 2), k offset
+    2 c + e + 8 (r // 2)."""
+    q = np.asarray(q, np.uint32)
+    k, n = q.shape
+    nb, kbs = n // 64, k // 64
+    # q as (kb, s, p, c, e, b, t, j, g): k = 64 kb + 16 s + 8 p + 2 c + e, n = 64 b + 16 t + 8 j + g
+    v = q.reshape(kbs, 4, 2, 4, 2, nb, 4, 2, 8)
+    words = np.zeros((nb, kbs, 4, 8, 4, 4), np.uint32)  # [b, kb, t, g, c, s]
+    for i in range(8):
+        r, e = i % 4, i // 4
+        part = v[:, :, r // 2, :, e, :, :, r % 2, :]     # (kb, s, c, b, t, g)
+        words |= part.transpose(3, 0, 4, 5, 2, 1) << np.uint32(4 * i)
+    return words.reshape(-1)
+
+
+def w4wgmma_unpack_reference(words, k: int, n: int) -> np.ndarray:
+    """Inverse of w4wgmma_pack_reference written from the consumer's side (mirrors w4_wgmma_kernel's reads): warp t
+    of a consumer warpgroup loads 16 bytes per lane at byte 16 (32 t + lane) of its block's 2 KB stage chunk (b, kb);
+    word s is the A fragment of k16 step s; dequant_word makes register r from nibbles (r, r + 4), and the m16n8k16
+    A layout puts register r at row g + 8 (r % 2), columns 2 c + 8 (r // 2) + (0, 1).  Raises if any (k, n) is
+    read twice or never."""
+    w = np.asarray(words, np.uint32).reshape(n // 64, k // 64, 4 * 32 * 4)
+    q = np.full((k, n), 255, np.uint8)
+    for b in range(n // 64):
+        for kb in range(k // 64):
+            chunk = w[b, kb]
+            for t in range(4):
+                for lane in range(32):
+                    g, c = lane // 4, lane % 4
+                    for s in range(4):
+                        wd = int(chunk[(32 * t + lane) * 4 + s])
+                        for r in range(4):
+                            for e in range(2):
+                                val = (wd >> (4 * (r + 4 * e))) & 15
+                                row = 64 * b + 16 * t + g + 8 * (r % 2)
+                                col = 64 * kb + 16 * s + 2 * c + 8 * (r // 2) + e
+                                if q[col, row] != 255:
+                                    raise AssertionError(f"(k={col}, n={row}) read twice")
+                                q[col, row] = val
+    if (q == 255).any():
+        raise AssertionError("some weights are never read")
+    return q
+
+
 def chunk_order(order: int, kc: int, wpb: int, gw: int, b: int) -> list:
     """The chunks warp gw of a block's wpb warps streams, in order (mirrors ChunkOrder in kernels/quant.cu; for
     tests): 0 its contiguous run, 1 every wpb-th chunk from gw, 2 its run started at a per-warp rotation."""
@@ -792,6 +938,17 @@ def _marlin_kernel(dtype: str, mt: int, defines: tuple = ()) -> Kernel:
     return Kernel(SOURCE, f"quant::quant_marlin_kernel<{A.CTYPE[dtype]}, {mt}>", options=defines)
 
 
+@lru_cache(maxsize=None)
+def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0) -> Kernel:
+    stages = stages or w4wgmma_stages(mt, blk)
+    return Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4_wgmma_kernel<{A.CTYPE[dtype]}, {mt}, {blk}, {stages}>",
+                  hopper=True)
+
+
+_W4WGMMA_PACK = {fmt: Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4wgmma_pack_kernel<{fmt}>", hopper=True)
+                 for fmt in (FMT_AWQ, FMT_GPTQ)}
+
+
 def all_kernels() -> list:
     """Every variant this module can launch (for ``python -m speedcore compile``)."""
     out = []
@@ -809,11 +966,14 @@ def all_kernels() -> list:
                 out.append(_bulk_kernel(dtype, kind, mt))
         for mt in MARLIN_MT_CHOICES:
             out.append(_marlin_kernel(dtype, mt))
+        for mt in W4WGMMA_MT_CHOICES:
+            out.append(_w4wgmma_kernel(dtype, mt))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
     out.extend(_GEMV_PACK_GROUPS.values())
     out.append(_GEMV_PACK_INT8)
+    out.extend(_W4WGMMA_PACK.values())
     return out
 
 
@@ -888,6 +1048,8 @@ class _GemvLayer:
     g_ptr: int
     spg: int
     ng: int
+    w4_weight: object = None  # the wgmma-major INT4 copy for w4_wgmma_kernel (SPEEDCORE_QUANT_W4WGMMA=1, sm_90)
+    w4_ptr: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1001,7 +1163,10 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
                 packed: bool, gemv=None):
     """Allocate y (rows, N) and run quant_mma_kernel, or, when the layer has the fragment-major copy (``gemv``)
     for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128) or a streaming
-    kernel for M <= 16; returns y (the caller's library)."""
+    kernel for M <= 16; returns y (the caller's library).  Before all of these: w4_wgmma_kernel where
+    _w4_applies (SPEEDCORE_QUANT_W4WGMMA=1, sm_90, 17 <= M <= 8192)."""
+    if rows and _w4_applies(gemv, xa, rows, n, k):
+        return _launch_w4wgmma(gemv, xa, rows, k, ldx, bias_ptr, n)
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
             and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
         return _launch_marlin(gemv, xa, rows, k, ldx, bias_ptr, n)
@@ -1059,6 +1224,30 @@ def use_marlin(m: int, n: int, k: int, group: int) -> bool:
     if _MARLIN_MODE == "off" or not (max(lo, 1) <= m <= hi and marlin_supported(k, n, group)):
         return False
     return _MARLIN_MODE == "on" or m >= 32 or n * k > 8192 * 8192
+
+
+# w4_wgmma_kernel (sm_90a) for prepacked INT4 layers at M in W4WGMMA_M_RANGE where the shape fits
+# (w4wgmma_supported), before every other choice, including the dense path above MAX_MMA_M.  "off" by default until
+# measured on the GPU; SPEEDCORE_QUANT_W4WGMMA=1 (read at import) turns it on.  It must be on when the layer is
+# prepacked (prepack then also builds the wgmma-major copy, the weight's size again).  _W4WGMMA_OVERRIDE: keyword
+# overrides of w4wgmma_config (splits, mt), for measurements.
+_W4WGMMA_MODE = {"1": "on", "on": "on", "true": "on"}.get(os.environ.get("SPEEDCORE_QUANT_W4WGMMA", "0").lower(),
+                                                          "off")
+_W4WGMMA_OVERRIDE: dict = {}
+
+
+def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
+    """Dispatch for prepacked INT4 layers (a pure function but for the _W4WGMMA_MODE switch): w4_wgmma_kernel on
+    compute capability 9.0 for M in W4WGMMA_M_RANGE where w4wgmma_supported holds."""
+    lo, hi = W4WGMMA_M_RANGE
+    return (_W4WGMMA_MODE == "on" and tuple(cc) == (9, 0) and lo <= m <= hi
+            and w4wgmma_supported(k, n, group))
+
+
+def _w4_applies(gl, xa, rows: int, n: int, k: int) -> bool:
+    """Whether this call of a layer with fragment-major copy ``gl`` takes w4_wgmma_kernel."""
+    return (gl is not None and gl.w4_ptr != 0 and gl.dtype == xa.dtype
+            and use_w4wgmma(rows, n, k, gl.spg * GEMV_STEP_K, device_info(xa.device).cc))
 
 
 def use_stream(kind: int, m: int, n: int, k: int, group: int = 0) -> bool:
@@ -1195,6 +1384,47 @@ def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):
     return y
 
 
+@lru_cache(maxsize=8192)
+def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, override: tuple):
+    cfg = w4wgmma_config(rows, n, k, sms, **dict(override))
+    scalars = (np.int32(rows), np.int32(n), np.int32(k // W4WGMMA_BK), np.int32(group // W4WGMMA_BK),
+               np.int32(k // group), np.int32(cfg.m_tiles), np.int32(cfg.splits))
+    return (cfg, _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages), LaunchConfig((cfg.grid,), (384,), cfg.smem),
+            scalars)
+
+
+def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n):
+    """y (rows, N) by w4_wgmma_kernel; x rows must be 16-byte aligned (TMA)."""
+    from . import _tma
+
+    y, y_ptr = _alloc_out(xa, rows, n)
+    group = gl.spg * GEMV_STEP_K
+    cfg, kernel, lcfg, scalars = _w4wgmma_plan(xa.dtype, rows, n, k, group, device_info(xa.device).sms,
+                                               tuple(sorted(_W4WGMMA_OVERRIDE.items())))
+    tmap_x = _tma.tile_map_2d(xa.ptr, xa.dtype, rows=rows, cols=k, row_stride=ldx, box_rows=cfg.mt,
+                              box_cols=W4WGMMA_BK)
+    stream = A.stream_of(xa)
+    ws_ptr = tickets_ptr = 0
+    if cfg.splits > 1:
+        ws_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
+        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_tiles * cfg.n_tiles).ptr
+    args = (tmap_x, y_ptr, ws_ptr, tickets_ptr, gl.w4_ptr, gl.g_ptr, bias_ptr) + scalars
+    launch(kernel, lcfg, args, device=xa.device, stream=stream)
+    return y
+
+
+def _w4wgmma_pack(fmt, qa, k, n, group):
+    """The wgmma-major INT4 copy (w4wgmma_pack_kernel), or None where w4_wgmma_kernel cannot run."""
+    if (_W4WGMMA_MODE != "on" or device_info(qa.device).cc != (9, 0) or not w4wgmma_supported(k, n, group)):
+        return None
+    words = A.empty(qa, (n * k // 8,), "int32", name="w4wgmma_weight")
+    total = words.shape[0]
+    launch(_W4WGMMA_PACK[fmt], LaunchConfig((-(-total // 256),), (256,)),
+           (words.ptr, qa.ptr, np.int32(k // W4WGMMA_BK), np.int64(_row_stride(qa)), np.int64(total)),
+           device=qa.device, stream=A.stream_of(qa))
+    return words
+
+
 def _gemv_pack(fmt, qa, za, sa, k, n, group):
     """The fragment-major copy (and INT4 group records) of a checked layer, made on the GPU."""
     stream = A.stream_of(qa)
@@ -1217,7 +1447,9 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
     launch(_GEMV_PACK_GROUPS[fmt], LaunchConfig((-(-total // 256),), (256,)),
            (recs.ptr, za.ptr, sa.ptr, np.int32(ng), np.int64(_row_stride(za)), np.int64(_row_stride(sa)),
             np.int64(total)), device=qa.device, stream=stream)
-    return _GemvLayer(KIND_INT4, sa.dtype, words.obj, recs.obj, words.ptr, recs.ptr, group // GEMV_STEP_K, ng)
+    w4 = _w4wgmma_pack(fmt, qa, k, n, group)
+    return _GemvLayer(KIND_INT4, sa.dtype, words.obj, recs.obj, words.ptr, recs.ptr, group // GEMV_STEP_K, ng,
+                      w4.obj if w4 is not None else None, w4.ptr if w4 is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -1246,7 +1478,7 @@ def _fast_call(f: _FastLayer, x, bias):
     if xa.dtype != f.dtype or xa.lib != f.lib or xa.device != f.device or xa.ndim == 0 or xa.shape[-1] != f.k:
         return None
     rows, ldx = xa.rows()
-    if use_dense(rows, xa.lib, xa.dtype):
+    if use_dense(rows, xa.lib, xa.dtype) and not _w4_applies(f.gemv, xa, rows, f.n, f.k):
         return None
     bias_ptr = 0
     if bias is not None:
@@ -1444,7 +1676,7 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     _check_common(xa, (qa, za, sa), ba, n)
     sa = _as_dtype(sa, xa.dtype, "scales")
     fast = n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0
-    if not fast or use_dense(rows, xa.lib, xa.dtype):
+    if not fast or (use_dense(rows, xa.lib, xa.dtype) and not _w4_applies(gemv, xa, rows, n, k)):
         if not fast and xa.lib != "torch" and xa.dtype != "float16":
             raise ValueError(f"awq_linear: N={n}, group_size={g} needs the dense path, which needs torch or "
                              f"float16 with CuPy (the fast kernel needs N % 64 == 0 and G == 32 or G % 64 == 0)")
@@ -1633,7 +1865,7 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
         else:
             irregular = True
     fast = not irregular and n % 64 == 0 and _fast_group_ok(g)
-    if not fast or use_dense(rows, xa.lib, xa.dtype):
+    if not fast or (use_dense(rows, xa.lib, xa.dtype) and not _w4_applies(gemv, xa, rows, n, k)):
         if not fast and xa.lib != "torch" and xa.dtype != "float16":
             raise ValueError(f"gptq_linear: this layer (N={n}, group_size={g}, irregular g_idx={irregular}) needs "
                              f"the dense path, which needs torch or float16 with CuPy")

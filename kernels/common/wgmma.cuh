@@ -96,6 +96,30 @@ SC_DEFINE_WGMMA_RS(256, __half, "f16", 128, 129, 130, 131, 132)
 SC_DEFINE_WGMMA_RS(256, __nv_bfloat16, "bf16", 128, 129, 130, 131, 132)
 #undef SC_DEFINE_WGMMA_RS
 
+// ---- A from registers, B K-major (RS, no transpose): the same A fragment as WgmmaRS, with B(k, n) read from a
+// tile whose rows are n and whose 128-byte rows run along k (wgmma_desc_k128), as a row-major (N, K) activation
+// tile written by TMA is.  Used by the INT4 weight-only GEMM (kernels/quant_sm90.cu): A = dequantized weights.
+template <int N, typename T> struct WgmmaRSK;
+#define SC_DEFINE_WGMMA_RSK(N, T, TY, A0, A1, A2, A3, B)                                                     \
+  template <> struct WgmmaRSK<N, T> {                                                                         \
+    static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned long long desc_b) {      \
+      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                                              \
+                   " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " SC_WGMMA_D##N             \
+                   ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, 0;\n}\n"                        \
+                   : SC_WGMMA_ACC##N                                                                          \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                                \
+    }                                                                                                         \
+  };
+SC_DEFINE_WGMMA_RSK(32, __half, "f16", 16, 17, 18, 19, 20)
+SC_DEFINE_WGMMA_RSK(32, __nv_bfloat16, "bf16", 16, 17, 18, 19, 20)
+SC_DEFINE_WGMMA_RSK(64, __half, "f16", 32, 33, 34, 35, 36)
+SC_DEFINE_WGMMA_RSK(64, __nv_bfloat16, "bf16", 32, 33, 34, 35, 36)
+SC_DEFINE_WGMMA_RSK(128, __half, "f16", 64, 65, 66, 67, 68)
+SC_DEFINE_WGMMA_RSK(128, __nv_bfloat16, "bf16", 64, 65, 66, 67, 68)
+SC_DEFINE_WGMMA_RSK(256, __half, "f16", 128, 129, 130, 131, 132)
+SC_DEFINE_WGMMA_RSK(256, __nv_bfloat16, "bf16", 128, 129, 130, 131, 132)
+#undef SC_DEFINE_WGMMA_RSK
+
 
 // The A-and-B-from-shared-memory shapes: N = 64, 128, 256 with B K-major (TB = 0) or N-major (TB = 1), and the
 // key tiles of 80, 176 and 192 that attention uses.

@@ -1,0 +1,106 @@
+"""Same-run probe for w4_wgmma_kernel (not a suite): on prepacked AWQ layers (random packed words, group 128; the
+switch on while prepacking so that the wgmma-major copy exists), "w4wgmma" (the kernel, its heuristic launch shape),
+"current" (today's dispatch: the switch off at call time: quant_marlin_kernel / quant_mma_kernel at M <= 128, the
+dense path (dequantize + cuBLAS) above) and cuBLAS (F.linear with a bf16 weight of the same shape), at M = 64, 128,
+256, 1024, 2048 on 8192x8192 and 28672x8192, bf16; a split-K and tile-height sweep on 8192x8192 at M = 64, 128,
+256 ("s<S> <us>", "mt<MT> <us>"); one fp16 and one GPTQ row.  Each output is checked against the current dispatch
+(rel diff; "!!" above 1e-2).  One line per case, the summary table last.
+
+    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+
+from speedcore import quant as Q
+from speedcore.bench import Bench
+
+import speedcore
+
+b = Bench(quick=True)
+t0 = time.time()
+G = 128
+summary = []
+
+
+def timed(call, x, mode, **override):
+    saved = (Q._W4WGMMA_MODE, dict(Q._W4WGMMA_OVERRIDE))
+    Q._W4WGMMA_MODE = mode
+    Q._W4WGMMA_OVERRIDE.clear()
+    Q._W4WGMMA_OVERRIDE.update(override)
+    try:
+        y = call(x)
+        return b.time_ms(lambda: call(x)), y
+    finally:
+        Q._W4WGMMA_MODE = saved[0]
+        Q._W4WGMMA_OVERRIDE.clear()
+        Q._W4WGMMA_OVERRIDE.update(saved[1])
+
+
+def layer_of(fmt, n, k, dt):
+    dev = b.device
+    Q._W4WGMMA_MODE = "on"  # prepack builds the wgmma-major copy only with the switch on
+    scales = (torch.rand(k // G, n, device=dev) * 0.01 + 0.001).to(dt)
+    if fmt == "gptq":
+        qw = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
+        qz = torch.randint(-2**31, 2**31 - 1, (k // G, n // 8), dtype=torch.int32, device=dev)
+        layer = Q.prepack_gptq(qw, qz, scales, group_size=G)
+        assert layer.gemv is not None and layer.gemv.w4_ptr
+        return lambda x: speedcore.gptq_linear(x, layer)
+    qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device=dev)
+    qz = torch.randint(-2**31, 2**31 - 1, (k // G, n // 8), dtype=torch.int32, device=dev)
+    layer = Q.prepack_awq(qw, qz, scales, group_size=G)
+    assert layer.gemv is not None and layer.gemv.w4_ptr
+    return lambda x: speedcore.awq_linear(x, layer)
+
+
+def rel(a, ref):
+    return ((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def case(fmt, n, k, dt, ms, sweep=()):
+    call = layer_of(fmt, n, k, dt)
+    w = torch.randn(n, k, device=b.device, dtype=dt) * 0.01
+    sms = torch.cuda.get_device_properties(b.device).multi_processor_count
+    for m in ms:
+        x = torch.randn(m, k, device=b.device, dtype=dt)
+        cur, y_cur = timed(call, x, "off")
+        ours, y = timed(call, x, "on")
+        cfg = Q.w4wgmma_config(m, n, k, sms)
+        e = rel(y, y_cur)
+        flag = "" if e < 1e-2 else f"  !! w4wgmma vs current: rel diff {e:.2e}"
+        extra = []
+        if m in sweep:
+            alts = [("s%d" % s, {"splits": s}) for s in sorted({1, 2, 4, 8} - {cfg.splits})]
+            alts.append(("mt%d" % (192 - cfg.mt), {"mt": 192 - cfg.mt}))  # the other tile height (64 <-> 128)
+            for tag, ov in alts:
+                t, ys = timed(call, x, "on", **ov)
+                es = rel(ys, y_cur)
+                extra.append(f"{tag} {t * 1e3:5.1f}" + ("" if es < 1e-2 else f"(!! {es:.1e})"))
+        cub = b.time_ms(lambda: F.linear(x, w))
+        tflops = 2e-9 * m * n * k / ours
+        label = f"{fmt:4s} {str(dt)[6:]:8s} M={m:<4d} {n:>5d}x{k:<5d}"
+        print(f"{label} w4wgmma {ours * 1e3:7.1f}us x{cub / ours:4.2f} {tflops:4.0f}TF/s (grid {cfg.grid}, mt{cfg.mt}, "
+              f"s{cfg.splits}) | current {cur * 1e3:7.1f}us x{cub / cur:4.2f} | cuBLAS {cub * 1e3:7.1f}us"
+              + (" | " + " ".join(extra) if extra else "") + flag, flush=True)
+        summary.append((label, ours, cur, cub, e))
+    del w
+    torch.cuda.empty_cache()
+
+
+bf, fp = torch.bfloat16, torch.float16
+tiny = torch.ones(1, device=b.device)
+print(f"launch floor: tiny add_ {b.time_ms(lambda: tiny.add_(1.0)) * 1e3:.1f} us", flush=True)
+for args, kw in ((("awq", 8192, 8192, bf, [64, 128, 256, 1024, 2048]), {"sweep": (64, 128, 256)}),
+                 (("awq", 28672, 8192, bf, [64, 128, 256, 1024, 2048]), {}),
+                 (("awq", 8192, 8192, fp, [64]), {}), (("gptq", 8192, 8192, bf, [64]), {})):
+    try:
+        case(*args, **kw)
+    except Exception as e:  # keep the rest of the table: one failing case must not hide the others
+        print(f"!! case {args[:3]} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.synchronize()
+print(f"\nsummary ({time.time() - t0:.0f} s): time in us, speed-up over cuBLAS (F.linear) in the same run")
+print(f"{'case':36s} {'w4wgmma':>8s} {'x':>5s} {'current':>8s} {'x':>5s} {'cuBLAS':>8s} {'rel diff':>9s}")
+for label, ours, cur, cub, e in summary:
+    print(f"{label:36s} {ours * 1e3:8.1f} {cub / ours:5.2f} {cur * 1e3:8.1f} {cub / cur:5.2f} {cub * 1e3:8.1f} {e:9.1e}")

@@ -1,0 +1,369 @@
+// Hopper (sm_90a) INT4 weight-only GEMM for AWQ / GPTQ layers at M >= 17: y = x @ dequant(W) (+ bias).
+//
+// Why: mma.sync kernels (quant_mma_kernel, quant_marlin_kernel) top out near 140-200 TFLOP/s on the H200, while
+// cuBLAS bf16 runs ~700; at M = 64 on 8192 x 8192 the weights are 32 MB (~8 us at HBM rate) and the math 8.6 GFLOP
+// (~14 us at 600 TFLOP/s), so a wgmma kernel that overlaps the weight stream with the math can reach ~2x cuBLAS.
+//
+// The product is computed transposed, Y^T = W^T x^T, per CTA tile of 64 BLOCKS output channels x MT rows of x:
+// * wgmma m64nMTk16 with A = 64 dequantized weight channels x 16 k taken from REGISTERS (the RS form), so INT4
+//   is expanded in registers (lop3 into the magic number 1024 / 128, one fma2 for magic + zero point, one for
+//   the scale: (q - z) s rounded once to T), and B = the x tile in shared memory: x is (M, K) row-major, which is
+//   a K-major B operand as TMA writes it (64 k = 128 bytes per row, 128-byte swizzle), no transpose.
+// * The weights come from a prepacked "wgmma-major" INT4 layout (w4wgmma_pack_kernel below, NumPy mirror
+//   speedcore.quant.w4wgmma_pack_reference): word (b, kb, t, lane, s) is the m16n8k16 A fragment (rows 16 t..16 t
+//   + 15 of 64-channel block b; k = 64 kb + 16 s + natural mma k order) of lane 4 g + c, so warp t of a consumer
+//   warpgroup reads its 4 k16 steps of one ring stage as one conflict-free 16-byte shared load per lane.  (The
+//   fragment-major copy of the streaming kernels permutes k inside each k16 to match 8-byte x reads; a B operand
+//   read by wgmma from shared memory must be in natural k order, hence the new copy.)  Scales / zero points come
+//   from the streaming kernels' group records (gemv_pack_groups_kernel, 192 bytes per block and group).
+// * 384 threads: warpgroup 0 is the producer (setmaxnreg down; one thread issues one TMA box of x and 2 x BLOCKS
+//   cp.async.bulk copies per stage: each block's 2 KB of weights and its group record) into a STAGES-deep ring
+//   guarded by full / empty mbarriers; warpgroups 1 and 2 are consumers owning BLK blocks each (2 x 64 BLK
+//   channels per CTA).  Per k16 step a consumer dequantizes the next A fragments while the previous step's wgmma
+//   group is in flight (A fragments double-buffered; wgmma.wait_group 1), and releases a stage once the group that
+//   read its x tile has retired.
+// * Split-K over `splits` CTAs per tile where the tiles alone do not fill the SMs (fp32 partials in ws, summed in
+//   split order by the tile's last CTA: deterministic), else y is written straight from the accumulators.
+// * Accumulator (blk, r) of a consumer thread (warp w, lane 4 g + c) is channel 64 (cw BLK + blk) + 16 w + g
+//   (+ 8 when r % 4 >= 2) of the CTA and row 8 (r / 4) + 2 c + (r % 2) of its x tile.  Rows >= M: TMA zero-fills
+//   x there and the stores are masked.
+// Requires: N % (128 BLK) == 0, K % 64 == 0, G % 64 == 0 and K % G == 0 (a stage is inside one group), x rows
+// 16-byte aligned (TMA), compute capability 9.0.
+#include "common/types.cuh"
+#include "common/tma.cuh"
+#include "common/wgmma.cuh"
+
+namespace quant_sm90 {
+
+enum : int { AWQ = 0, GPTQ = 1 };
+constexpr int kBK = 64;            // k per ring stage: one 128-byte TMA row of x
+constexpr int kBlockBytes = 2048;  // INT4 weights of one 64-channel block x 64 k
+constexpr int kRecBytes = 192;     // group record of one block (64 scales + 64 zero bytes)
+
+template <int MT, int BLK> struct W4Tile {
+  static constexpr int BLOCKS = 2 * BLK;  // 64-channel blocks per CTA (BLK per consumer warpgroup)
+  static constexpr int X_BYTES = MT * 128;
+  static constexpr int W_BYTES = BLOCKS * kBlockBytes;
+  static constexpr int G_BYTES = BLOCKS * kRecBytes;
+  static constexpr int STAGE = X_BYTES + W_BYTES + G_BYTES;
+  static_assert(X_BYTES % 1024 == 0, "x tiles keep the 1024-byte alignment of the 128-byte swizzle");
+};
+
+template <typename T> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<__half> { static constexpr bool value = true; };
+
+__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c, __half*) {
+  unsigned d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c, __nv_bfloat16*) {
+  unsigned d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+template <typename T> __device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
+  return fma2(a, b, c, static_cast<T*>(nullptr));
+}
+// (a & b) | c in one instruction (constants in registers: an immediate operand would split it in two).
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+constexpr unsigned kHalfOne = 0x3c003c00u, kHalfSixteenth = 0x2c002c00u, kBf16One = 0x3f803f80u;
+constexpr unsigned kNegZero = 0x80008000u;
+
+// The lane's constants of one group: scales of its rows g (scl[0]) and g + 8 (scl[1]) in both halves, and the
+// (magic + zero point) terms to subtract.  sw: the two 16-bit scales, zw: the two zero bytes (GPTQ's +1 applied).
+template <typename T>
+__device__ __forceinline__ void group_consts(unsigned sw, unsigned zw, unsigned (&scl)[2], unsigned (&zc)[2]) {
+  scl[0] = __byte_perm(sw, 0u, 0x1010u);
+  scl[1] = __byte_perm(sw, 0u, 0x3232u);
+  const unsigned z0 = zw & 0xffu, z1 = (zw >> 8) & 0xffu;
+  if constexpr (is_half<T>::value) {
+    zc[0] = (0xe400u | z0) * 0x10001u;          // -(1024 + z): nibbles read at bits 0-3 as 1024 + q
+    zc[1] = (0xd400u + (z1 << 4)) * 0x10001u;   // -(64 + z): nibbles read at bits 4-7 as (1024 + 16 q) / 16
+  } else {
+    zc[0] = (0xc300u | z0) * 0x10001u;  // -(128 + z)
+    zc[1] = (0xc300u | z1) * 0x10001u;
+  }
+}
+
+// The wgmma A fragment (m16n8k16 A layout) of one word: register r = nibbles (r, r + 4) in its (low, high) half;
+// registers 0 and 2 are row g, 1 and 3 row g + 8 (k columns 2c, 2c+1 for r < 2, 2c+8, 2c+9 for r >= 2).
+template <typename T>
+__device__ __forceinline__ void dequant_word(unsigned (&a)[4], unsigned wd, const unsigned (&scl)[2],
+                                             const unsigned (&zc)[2]) {
+  const unsigned mask_lo = 0x000f000fu;
+  if constexpr (is_half<T>::value) {
+    const unsigned magic = 0x64006400u, mask_hi = 0x00f000f0u, w8 = wd >> 8;
+    a[0] = fma2<T>(and_or(wd, mask_lo, magic), kHalfOne, zc[0]);
+    a[1] = fma2<T>(and_or(wd, mask_hi, magic), kHalfSixteenth, zc[1]);
+    a[2] = fma2<T>(and_or(w8, mask_lo, magic), kHalfOne, zc[0]);
+    a[3] = fma2<T>(and_or(w8, mask_hi, magic), kHalfSixteenth, zc[1]);
+  } else {
+    const unsigned magic = 0x43004300u;
+    a[0] = fma2<T>(and_or(wd, mask_lo, magic), kBf16One, zc[0]);
+    a[1] = fma2<T>(and_or(wd >> 4, mask_lo, magic), kBf16One, zc[1]);
+    a[2] = fma2<T>(and_or(wd >> 8, mask_lo, magic), kBf16One, zc[0]);
+    a[3] = fma2<T>(and_or(wd >> 12, mask_lo, magic), kBf16One, zc[1]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[i & 1], kNegZero);
+}
+
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   sc::smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(sc::smem_addr(bar))
+               : "memory");
+}
+// Keep the compiler from moving an A-fragment register's reuse across wgmma issue / wait points.
+__device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// y (M, N) = x (M, K) @ W (+ bias) for a layer in the wgmma-major INT4 layout (wq) with group records (grec).
+// Grid: m_tiles x splits x (N / (128 BLK)) CTAs, m tile fastest (CTAs reading the same weights run together).
+// CTA (m tile, split, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
+// [split KB / splits, (split + 1) KB / splits).  KB = K / 64, SPG = G / 64, NG = K / G.
+// splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
+template <typename T, int MT, int BLK, int STAGES>
+__global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
+    const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
+    const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
+    int N, int KB, int SPG, int NG, int m_tiles, int splits) {
+  using L = W4Tile<MT, BLK>;
+  constexpr int NACC = MT / 2;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (sc::smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* ring_x = smem;
+  unsigned char* ring_w = ring_x + STAGES * L::X_BYTES;
+  unsigned char* ring_g = ring_w + STAGES * L::W_BYTES;
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(ring_g + STAGES * L::G_BYTES);
+  unsigned long long* empty = full + STAGES;
+  int* s_last = reinterpret_cast<int*>(empty + STAGES);
+
+  const int m_tile = blockIdx.x % m_tiles;
+  const int rest = blockIdx.x / m_tiles;
+  const int split = rest % splits, n_tile = rest / splits;
+  const int m0 = m_tile * MT, nb0 = n_tile * L::BLOCKS;
+  const int kb_begin = (int)((long long)split * KB / splits);
+  const int kb_end = (int)((long long)(split + 1) * KB / splits);
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      sc::mbar_init(&full[s], 1);
+      sc::mbar_init(&empty[s], 8);
+    }
+    sc::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    sc::setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      sc::tma_prefetch_map(&tmap_x);
+      int stage = 0;
+      unsigned phase = 0;
+      for (int kb = kb_begin; kb < kb_end; ++kb) {
+        sc::mbar_wait(&empty[stage], phase ^ 1);
+        sc::mbar_arrive_expect_tx(&full[stage], L::STAGE);
+        sc::tma_load_2d(ring_x + stage * L::X_BYTES, &tmap_x, kb * kBK, m0, &full[stage]);
+        const int grp = kb / SPG;
+#pragma unroll
+        for (int b = 0; b < L::BLOCKS; ++b) {
+          bulk_copy_g2s(ring_w + stage * L::W_BYTES + b * kBlockBytes,
+                        wq + ((long long)(nb0 + b) * KB + kb) * kBlockBytes, kBlockBytes, &full[stage]);
+          bulk_copy_g2s(ring_g + stage * L::G_BYTES + b * kRecBytes,
+                        grec + ((long long)(nb0 + b) * NG + grp) * kRecBytes, kRecBytes, &full[stage]);
+        }
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  sc::setmaxnreg_inc<232>();
+  const int cw = wg - 1;
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
+  float acc[BLK][NACC];
+#pragma unroll
+  for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[blk][i] = 0.f;
+  unsigned afrag[2][BLK][4];
+  int stage = 0, prev_stage = -1;
+  unsigned phase = 0;
+  for (int kb = kb_begin; kb < kb_end; ++kb) {
+    sc::mbar_wait(&full[stage], phase);
+    const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16;
+    const unsigned char* gst = ring_g + stage * L::G_BYTES + cw * BLK * kRecBytes;
+    uint4 wv[BLK];
+    unsigned scl[BLK][2], zc[BLK][2];
+#pragma unroll
+    for (int blk = 0; blk < BLK; ++blk) {
+      wv[blk] = *reinterpret_cast<const uint4*>(wst + blk * kBlockBytes);
+      const unsigned char* rec = gst + blk * kRecBytes;
+      const unsigned sw = *reinterpret_cast<const unsigned*>(rec + 16 * g + 4 * warp);
+      const unsigned zw = *reinterpret_cast<const unsigned short*>(rec + 128 + 8 * g + 2 * warp);
+      group_consts<T>(sw, zw, scl[blk], zc[blk]);
+    }
+    const unsigned char* xs = ring_x + stage * L::X_BYTES;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk) {
+        dequant_word<T>(afrag[s & 1][blk], sc::word(wv[blk], s), scl[blk], zc[blk]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fence_reg(afrag[s & 1][blk][i]);
+      }
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+      sc::wgmma_fence();
+      const unsigned long long db = sc::wgmma_desc_k128(xs + s * 32);
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRSK<MT, T>::mma(acc[blk], afrag[s & 1][blk], db);
+      sc::wgmma_commit();
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+      // At most this step's group is pending: the previous one (the other A buffer, and at s = 0 the last reader
+      // of the previous stage's x tile) has retired.
+      sc::wgmma_wait<1>();
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fence_reg(afrag[(s + 1) & 1][blk][i]);
+      if (s == 0 && prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
+    }
+    prev_stage = stage;
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  sc::wgmma_wait<0>();
+#pragma unroll
+  for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+
+  // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; x row of (j, e): m0 + 8 j + 2 c + e.
+  const int n_lane = (nb0 + cw * BLK) * 64 + 16 * warp + g;
+  const int m_lane = m0 + 2 * c;
+  float bv[BLK][2];
+#pragma unroll
+  for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      bv[blk][h] = bias != nullptr ? sc::to_float<T>(bias[n_lane + 64 * blk + 8 * h]) : 0.f;
+
+  // Row by row (x row m_lane + 8 j + e), with running pointers: precomputing every row's address alongside the
+  // accumulators spilled at mt = 128.
+  if (splits > 1) {
+    float* wrow = ws + ((long long)split * M + m_lane) * N + n_lane;
+#pragma unroll
+    for (int j = 0; j < MT / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (m_lane + 8 * j + e < M) {
+#pragma unroll
+          for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) wrow[(long long)e * N + 64 * blk + 8 * h] = acc[blk][4 * j + 2 * h + e];
+        }
+      }
+      wrow += 8ll * N;
+    }
+    __threadfence();
+    sc::named_bar_sync(1, 256);
+    if (threadIdx.x == 128) {
+      int* ticket = &tickets[n_tile * m_tiles + m_tile];
+      const int done = atomicAdd(ticket, 1);
+      *s_last = done == splits - 1;
+      if (done == splits - 1) *ticket = 0;
+    }
+    sc::named_bar_sync(1, 256);
+    if (!*s_last) return;
+    __threadfence();
+  }
+  const long long split_stride = (long long)M * N;
+  T* yrow = y + (long long)m_lane * N + n_lane;
+  const float* srow = ws + (long long)m_lane * N + n_lane;
+#pragma unroll
+  for (int j = 0; j < MT / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (m_lane + 8 * j + e < M) {
+        float v[BLK][2];
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) v[blk][h] = acc[blk][4 * j + 2 * h + e];
+        if (splits > 1) {
+          // The tile's sum in split order (this CTA's own partial included): the same bits whichever CTA is last.
+#pragma unroll
+          for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) v[blk][h] = 0.f;
+          const float* p = srow + (long long)e * N;
+          for (int sp = 0; sp < splits; ++sp, p += split_stride) {
+#pragma unroll
+            for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) v[blk][h] += __ldcg(p + 64 * blk + 8 * h);
+          }
+        }
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            yrow[(long long)e * N + 64 * blk + 8 * h] = sc::from_float<T>(v[blk][h] + bv[blk][h]);
+      }
+    }
+    yrow += 8ll * N;
+    srow += 8ll * N;
+  }
+}
+
+// The wgmma-major INT4 copy of a stored AWQ / GPTQ qweight: word (b, kb, t, lane, s) (index
+// (((b KB + kb) 4 + t) 32 + lane) 4 + s) holds, for lane = 4 g + c, channels n0 = 64 b + 16 t + g and n0 + 8, k =
+// 64 kb + 16 s + (2 c, 2 c + 1, 2 c + 8, 2 c + 9): nibble i = r + 4 e is channel n0 + 8 (r % 2) at k offset
+// 2 c + e + 8 (r / 2) (the m16n8k16 A fragment, register r, low half e = 0).
+template <int FMT>
+__global__ void __launch_bounds__(256) w4wgmma_pack_kernel(unsigned* __restrict__ out, const int* __restrict__ qw,
+                                                           int KB, long long ldq, long long total) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int s = (int)(idx & 3), lane = (int)((idx >> 2) & 31), t = (int)((idx >> 7) & 3);
+  const long long rest = idx >> 9;
+  const int kb = (int)(rest % KB), b = (int)(rest / KB);
+  const int g = lane >> 2, c = lane & 3;
+  const int n_base = 64 * b + 16 * t + g, k_base = 64 * kb + 16 * s + 2 * c;
+  unsigned word = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = i & 3, e = i >> 2;
+    const int n = n_base + 8 * (r & 1), k = k_base + e + 8 * (r >> 1);
+    unsigned q;
+    if constexpr (FMT == AWQ) {
+      const int o = n & 7;
+      const int pos = (o & 1) ? 4 + (o >> 1) : (o >> 1);  // AWQ packs offsets [0, 2, 4, 6, 1, 3, 5, 7]
+      q = ((unsigned)qw[(long long)k * ldq + (n >> 3)] >> (4 * pos)) & 15u;
+    } else {
+      q = ((unsigned)qw[(long long)(k >> 3) * ldq + n] >> (4 * (k & 7))) & 15u;
+    }
+    word |= q << (4 * i);
+  }
+  out[idx] = word;
+}
+
+}  // namespace quant_sm90

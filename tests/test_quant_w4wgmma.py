@@ -1,0 +1,626 @@
+"""w4_wgmma_kernel (kernels/quant_sm90.cu): the Hopper INT4 GEMM for AWQ / GPTQ layers at M >= 17.
+
+CPU: the wgmma-major layout (NumPy reference, the pack kernel's index math mirrored in NumPy, the consumer's reads),
+a NumPy mirror of the kernel's whole data flow (stage bytes, fragment reads, group records, accumulator mapping,
+split-K sums, masked stores) against x @ W, the config heuristic, the shared-memory budget, the dispatch switch, the
+compiled variants.  GPU (marked gpu): against float64 x @ dequant(W) for odd M, both dtypes, AWQ and GPTQ (act-order
+included), bias, poisoned outputs, repeated calls, forced split-K, one-hot rows (exact).
+"""
+import contextlib
+
+import numpy as np
+import pytest
+
+from speedcore import quant as Q
+
+
+@contextlib.contextmanager
+def _w4(mode="on", **override):
+    """Turn w4_wgmma_kernel on ("on") or off for prepacked INT4 layers (set before prepacking), and its overrides."""
+    old = (Q._W4WGMMA_MODE, dict(Q._W4WGMMA_OVERRIDE))
+    Q._W4WGMMA_MODE = mode
+    Q._W4WGMMA_OVERRIDE.clear()
+    Q._W4WGMMA_OVERRIDE.update(override)
+    try:
+        yield
+    finally:
+        Q._W4WGMMA_MODE = old[0]
+        Q._W4WGMMA_OVERRIDE.clear()
+        Q._W4WGMMA_OVERRIDE.update(old[1])
+
+
+# ------------------------------------------------------------------------------------------------- layout (CPU)
+
+def test_layout_roundtrip_reads_every_weight_once():
+    rng = np.random.default_rng(1)
+    for k, n in ((64, 64), (256, 192), (512, 512)):
+        q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+        words = Q.w4wgmma_pack_reference(q)
+        assert words.dtype == np.uint32 and words.shape == (k * n // 8,)
+        assert np.array_equal(Q.w4wgmma_unpack_reference(words, k, n), q)  # raises on a double or missing read
+
+
+def test_layout_hand_made():
+    """One non-zero weight at a time lands in the word and nibble the m16n8k16 A fragment says."""
+    k, n = 128, 128
+    for (kk, nn) in ((0, 0), (1, 0), (8, 0), (9, 8), (2, 1), (17, 16), (63, 63), (64, 64), (127, 127), (70, 77)):
+        q = np.zeros((k, n), np.uint8)
+        q[kk, nn] = 0xF
+        words = Q.w4wgmma_pack_reference(q)
+        (idx,) = np.nonzero(words)
+        b, t, g, j = nn // 64, (nn % 64) // 16, nn % 8, (nn % 16) // 8
+        kb, s, p, c, e = kk // 64, (kk % 64) // 16, (kk % 16) // 8, (kk % 8) // 2, kk % 2
+        lane = 4 * g + c
+        expect_idx = (((b * (k // 64) + kb) * 4 + t) * 32 + lane) * 4 + s
+        r = j + 2 * p  # register: rows g / g + 8 alternate, k columns 8..15 in registers 2, 3
+        assert list(idx) == [expect_idx], (kk, nn)
+        assert words[idx[0]] == 0xF << (4 * (r + 4 * e)), (kk, nn, hex(words[idx[0]]))
+
+
+def _pack_kernel_mirror(fmt, qw, k, n):
+    """w4wgmma_pack_kernel's index math, vectorized over the thread index (one word per thread)."""
+    kbs = k // 64
+    idx = np.arange(n * k // 8, dtype=np.int64)
+    s, lane, t, rest = idx & 3, (idx >> 2) & 31, (idx >> 7) & 3, idx >> 9
+    kb, b = rest % kbs, rest // kbs
+    g, c = lane >> 2, lane & 3
+    n_base, k_base = 64 * b + 16 * t + g, 64 * kb + 16 * s + 2 * c
+    qw = np.asarray(qw).view(np.uint32).astype(np.int64)
+    word = np.zeros(idx.shape, np.int64)
+    for i in range(8):
+        r, e = i & 3, i >> 2
+        nn, kk = n_base + 8 * (r & 1), k_base + e + 8 * (r >> 1)
+        if fmt == Q.FMT_AWQ:
+            o = nn & 7
+            pos = np.where(o & 1, 4 + (o >> 1), o >> 1)
+            qv = (qw[kk, nn >> 3] >> (4 * pos)) & 15
+        else:
+            qv = (qw[kk >> 3, nn] >> (4 * (kk & 7))) & 15
+        word |= qv << (4 * i)
+    return word.astype(np.uint32)
+
+
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
+def test_pack_kernel_index_math_matches_reference(fmt):
+    rng = np.random.default_rng(2 + fmt)
+    k, n = 384, 320
+    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    qw = Q.pack_awq(q) if fmt == Q.FMT_AWQ else Q.pack_rows(q)
+    assert np.array_equal(_pack_kernel_mirror(fmt, qw, k, n), Q.w4wgmma_pack_reference(q))
+
+
+def _to_half_bits(v, dtype):
+    """float64 values rounded once to fp16 / bf16 (round to nearest even), as 16-bit patterns."""
+    v = np.asarray(v, np.float64)
+    if dtype == "float16":
+        return v.astype(np.float16).view(np.uint16)
+    u = v.astype(np.float32).view(np.uint32).astype(np.uint64)  # exact here: the products below fit in fp32
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dequant_word_constants_emulated(dtype):
+    """dequant_word / group_consts of kernels/quant_sm90.cu on bit patterns: the magic-number nibble extraction
+    (fp16 odd registers read at bits 4-7 as (1024 + 16 q) and scaled by 1/16), -(magic + z) for every z in 0..16
+    (GPTQ's 16), then one rounding of (q - z) s; registers 0 / 2 take row g's constants, 1 / 3 row g + 8's."""
+    rng = np.random.default_rng(11)
+    f = lambda bits: _half_bits_to_float(np.uint16(bits), dtype)  # noqa: E731
+    for z0 in range(17):
+        z1 = 16 - z0
+        s = rng.random(2) * 0.02 + 0.001
+        s_bits = _to_half_bits(s, dtype)
+        s_f = _half_bits_to_float(s_bits, dtype)
+        word = int(rng.integers(0, 1 << 32))
+        nib = [(word >> (4 * i)) & 15 for i in range(8)]
+        for r in range(4):
+            row = r % 2
+            z = (z0, z1)[row]
+            out = []
+            for e in range(2):
+                q = nib[r + 4 * e]
+                if dtype == "float16":
+                    if row == 0:  # (word >> 8 r/2) & 0x000f000f | 0x6400: 1024 + q, fma(., 1, -(1024 + z))
+                        v = f(0x6400 | q) * 1.0 + f(0xE400 | z)
+                    else:         # & 0x00f000f0 | 0x6400: 1024 + 16 q, fma(., 1/16, -(64 + z))
+                        v = f(0x6400 | (q << 4)) * f(0x2C00) + f(0xD400 + (z << 4))
+                else:             # (word >> 4 r) & 0x000f000f | 0x4300: 128 + q, fma(., 1, -(128 + z))
+                    v = f(0x4300 | q) * 1.0 + f(0xC300 | z)
+                assert v == q - z  # exact small integers before the scale
+                out.append(_half_bits_to_float(_to_half_bits(v * s_f[row], dtype), dtype))
+            expect = _half_bits_to_float(_to_half_bits((np.array([nib[r], nib[r + 4]]) - z) * s_f[row], dtype),
+                                         dtype)
+            assert np.array_equal(np.array(out), expect)
+
+
+# ------------------------------------------------------------------------------------- kernel mirror (CPU)
+
+def _half_bits_to_float(u16, dtype):
+    u16 = np.asarray(u16, np.uint16)
+    if dtype == "float16":
+        return u16.view(np.float16).astype(np.float64)
+    return (u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _fragment_maps():
+    """Per (warp, lane, k16 step s, register r, half e) of a consumer warpgroup: the row / column of the 64 x 64
+    weight tile the kernel's A fragment holds, the word it reads (16 (32 warp + lane) bytes + 4 s into the block's
+    stage chunk), the nibble, and the group-record bytes of its scale / zero (row g: o = 2 warp, g + 8: 2 warp + 1)."""
+    warp, lane, s, r, e = np.meshgrid(np.arange(4), np.arange(32), np.arange(4), np.arange(4), np.arange(2),
+                                      indexing="ij")
+    warp, lane, s, r, e = (a.reshape(-1) for a in (warp, lane, s, r, e))
+    g, c = lane // 4, lane % 4
+    row = 16 * warp + g + 8 * (r % 2)
+    col = 16 * s + 2 * c + 8 * (r // 2) + e
+    word = (32 * warp + lane) * 4 + s
+    shift = 4 * (r + 4 * e)
+    scale_off = 16 * g + 4 * warp + 2 * (r % 2)
+    zero_off = 128 + 8 * g + 2 * warp + (r % 2)
+    return row, col, word, shift, scale_off, zero_off
+
+
+def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
+    """w4_wgmma_kernel's data flow in NumPy (float64 math), index for index: per CTA (w4wgmma_work) the producer's
+    stage bytes (x tile rows past M zero, each block's 2 KB chunk and group record), each consumer warpgroup's
+    dequantized A tiles from the fragment maps, the wgmma products, the accumulator-to-(m, n) mapping of the
+    epilogue, the fp32 partials and the last CTA's sum in split order.  Returns y and a count of writes per element."""
+    kbs, spg, ng = k // 64, g // 64, k // g
+    mt, blk = cfg.mt, cfg.blk
+    row, col, widx, shift, soff, zoff = _fragment_maps()
+    assert len(np.unique(row * 64 + col)) == 64 * 64 == row.size  # every weight of a stage chunk read once
+    y = np.full((m, n), np.nan)
+    writes = np.zeros((m, n), np.int64)
+    ws = np.zeros((cfg.splits, m, n))
+    arrived = {}
+    # epilogue map of a consumer thread's accumulators: (warp, lane, r) -> (channel in block, x row in tile)
+    ew, el, er = (a.reshape(-1) for a in np.meshgrid(np.arange(4), np.arange(32), np.arange(mt // 2), indexing="ij"))
+    e_row = 16 * ew + el // 4 + 8 * ((er >> 1) & 1)
+    e_col = 8 * (er // 4) + 2 * (el % 4) + (er & 1)
+    assert len(np.unique(e_row * mt + e_col)) == 64 * mt == e_row.size
+    for (m_tile, split, n_tile, nb0, kb0, kb1) in Q.w4wgmma_work(cfg, k):
+        m0 = m_tile * mt
+        acc = np.zeros((2 * blk, 64, mt))
+        for kb in range(kb0, kb1):
+            xt = np.zeros((mt, 64))
+            rows = x[m0:m0 + mt, 64 * kb:64 * kb + 64]
+            xt[:rows.shape[0]] = rows
+            for bl in range(2 * blk):  # consumer warpgroup bl // blk, its block bl % blk
+                b = nb0 + bl
+                chunk = words[(b * kbs + kb) * 512:(b * kbs + kb + 1) * 512]
+                rec = recs[(b * ng + kb // spg) * 192:(b * ng + kb // spg + 1) * 192]
+                qv = (chunk[widx] >> shift.astype(np.uint32)) & 15
+                sc = _half_bits_to_float(rec[soff].astype(np.uint16) | (rec[soff + 1].astype(np.uint16) << 8), dtype)
+                a = np.zeros((64, 64))
+                a[row, col] = (qv.astype(np.float64) - rec[zoff]) * sc
+                acc[bl] += a @ xt.T
+        for bl in range(2 * blk):
+            nn = (nb0 + bl) * 64 + e_row
+            mm = m0 + e_col
+            ok = mm < m
+            vals = acc[bl][e_row, e_col]
+            if cfg.splits > 1:
+                ws[split, mm[ok], nn[ok]] = vals[ok]
+            else:
+                y[mm[ok], nn[ok]] = vals[ok] + (bias[nn[ok]] if bias is not None else 0.0)
+                np.add.at(writes, (mm[ok], nn[ok]), 1)
+        if cfg.splits > 1:
+            key = (n_tile, m_tile)
+            arrived[key] = arrived.get(key, 0) + 1
+            if arrived[key] == cfg.splits:  # the tile's last CTA: sums every split in order
+                for bl in range(2 * blk):
+                    nn = (nb0 + bl) * 64 + e_row
+                    mm = m0 + e_col
+                    ok = mm < m
+                    v = np.zeros(int(ok.sum()))
+                    for sp in range(cfg.splits):
+                        v = v + ws[sp, mm[ok], nn[ok]]
+                    y[mm[ok], nn[ok]] = v + (bias[nn[ok]] if bias is not None else 0.0)
+                    np.add.at(writes, (mm[ok], nn[ok]), 1)
+    return y, writes
+
+
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k,g,override", [
+    (17, 256, 256, 128, {}), (100, 512, 512, 256, {"splits": 3}), (64, 256, 1024, 128, {"splits": 4}),
+    (129, 256, 128, 128, {}), (40, 768, 384, 128, {"mt": 128, "splits": 2})])
+def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
+    rng = np.random.default_rng(m + n + k + fmt)
+    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    z = rng.integers(0, 17 if fmt == Q.FMT_GPTQ else 16, (k // g, n)).astype(np.uint8)  # GPTQ's zero 16 too
+    s = (rng.random((k // g, n)) * 0.02 + 0.001).astype(np.float32)
+    if dtype == "float16":
+        s16 = s.astype(np.float16).view(np.uint16)
+    else:
+        s16 = (s.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16 bits
+    s_f = _half_bits_to_float(s16, dtype)
+    w_kn = (q.astype(np.float64) - np.repeat(z, g, axis=0)) * np.repeat(s_f, g, axis=0)
+    words = Q.w4wgmma_pack_reference(q)
+    recs = Q.gemv_pack_groups_reference(z, s16)
+    x = rng.standard_normal((m, k))
+    bias = rng.standard_normal(n)
+    cfg = Q.w4wgmma_config(m, n, k, 132, **override)
+    y, writes = _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias)
+    assert (writes == 1).all()
+    assert np.allclose(y, x @ w_kn + bias, rtol=1e-10, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------- config, budget (CPU)
+
+@pytest.mark.parametrize("m", [17, 33, 64, 65, 100, 128, 257, 1000, 2048, 8192])
+@pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (256, 128), (768, 384)])
+def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
+    cfg = Q.w4wgmma_config(m, n, k, 132)
+    assert cfg.mt == (64 if m <= 64 else 128) and cfg.blk == Q.W4WGMMA_BLK
+    assert cfg.m_tiles * cfg.mt >= m > (cfg.m_tiles - 1) * cfg.mt
+    assert cfg.n_tiles * 256 == n
+    kbs = k // 64
+    assert 1 <= cfg.splits <= max(1, min(16, kbs // 4))
+    assert cfg.smem == Q.w4wgmma_smem_bytes(cfg.mt, cfg.blk, cfg.stages) <= Q.W4WGMMA_SMEM_LIMIT
+    if cfg.grid <= 4096:
+        seen = np.zeros((cfg.m_tiles, n // 64, kbs), np.int64)
+        for (m_tile, split, n_tile, nb0, kb0, kb1) in Q.w4wgmma_work(cfg, k):
+            assert kb1 > kb0  # every split has at least one stage (the ring and the ticket count on it)
+            seen[m_tile, nb0:nb0 + 4, kb0:kb1] += 1
+        assert (seen == 1).all()
+
+
+def test_config_heuristic_choices():
+    assert Q.w4wgmma_config(64, 8192, 8192, 132).splits == 4       # 32 tiles x 4 = 128 CTAs
+    assert Q.w4wgmma_config(64, 28672, 8192, 132).splits == 1      # 112 tiles: the partials would cost more
+    assert Q.w4wgmma_config(256, 8192, 8192, 132).splits == 2      # 2 m tiles x 32
+    assert Q.w4wgmma_config(2048, 8192, 8192, 132).splits == 1
+    assert Q.w4wgmma_config(64, 8192, 8192, 132, splits=3).splits == 3
+    assert Q.w4wgmma_config(64, 256, 128, 132, splits=9).splits == 2  # at most one split per stage
+    assert Q.w4wgmma_config(20, 8192, 8192, 132, mt=128).mt == 128
+    with pytest.raises(ValueError):
+        Q.w4wgmma_config(0, 8192, 8192, 132)
+    with pytest.raises(ValueError):
+        Q.w4wgmma_config(64, 8192, 8192, 132, mt=32)
+
+
+def test_smem_budget_matches_the_kernel_layout():
+    # stage: x tile (mt rows x 128 bytes) + 4 blocks x (2048 weight bytes + 192 record bytes); 2 mbarriers a stage
+    assert Q.w4wgmma_stage_bytes(64) == 8192 + 4 * 2240 == 17152
+    assert Q.w4wgmma_stage_bytes(128) == 16384 + 4 * 2240 == 25344
+    assert Q.w4wgmma_stages(64) == Q.w4wgmma_stages(128) == 8
+    assert Q.w4wgmma_smem_bytes(64) == 1024 + 8 * (17152 + 16) + 16 == 138384
+    assert Q.w4wgmma_smem_bytes(128) == 1024 + 8 * (25344 + 16) + 16 == 203920
+    for mt in Q.W4WGMMA_MT_CHOICES:
+        assert Q.w4wgmma_smem_bytes(mt) <= 232448
+        assert (mt * 128) % 1024 == 0  # x tiles keep the 128-byte swizzle's 1024-byte alignment
+
+
+def test_supported_shapes_and_switch():
+    assert Q.w4wgmma_supported(8192, 8192, 128) and Q.w4wgmma_supported(8192, 28672, 8192)
+    assert not Q.w4wgmma_supported(8192, 8192 + 64, 128)   # N % 256
+    assert not Q.w4wgmma_supported(8192 - 64, 8192, 128)   # K % 128
+    assert not Q.w4wgmma_supported(8192, 8192, 64)         # G % 128 (the group records of the streaming copy)
+    with _w4("off"):
+        assert not Q.use_w4wgmma(64, 8192, 8192, 128)
+    with _w4("on"):
+        assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(8192, 8192, 8192, 128)
+        assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(8193, 8192, 8192, 128)
+        assert not Q.use_w4wgmma(64, 8192, 8192, 128, cc=(8, 0))
+        assert not Q.use_w4wgmma(64, 8192, 8192, 128, cc=(10, 0))
+        assert not Q.use_w4wgmma(64, 8192 + 64, 8192, 128)
+
+
+def test_switch_reads_the_environment():
+    import subprocess
+    import sys
+
+    code = "from speedcore import quant; print(quant._W4WGMMA_MODE)"
+    for env, expect in (("1", "on"), ("0", "off"), ("", "off")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**__import__("os").environ, "SPEEDCORE_QUANT_W4WGMMA": env})
+        assert out.stdout.strip() == expect, out.stderr
+
+
+def test_variants_listed_and_hopper_only():
+    ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
+    names = {k.name for k in ks}
+    assert len(ks) == 6 and all(k.hopper for k in ks)
+    for dt in ("__half", "__nv_bfloat16"):
+        for mt in Q.W4WGMMA_MT_CHOICES:
+            assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 2, 8>" in names
+    assert {"quant_sm90::w4wgmma_pack_kernel<0>", "quant_sm90::w4wgmma_pack_kernel<1>"} <= names
+
+
+def test_compiled_variants_use_wgmma_without_spills():
+    """sm_90a: 0 spills, no serialized wgmma, and (with nvdisasm) HGMMA in the main loop and no local memory."""
+    from speedcore import _compile, _sass
+
+    for mt in Q.W4WGMMA_MT_CHOICES:
+        c = _compile.compile_kernel(Q._w4wgmma_kernel("bfloat16", mt), "sm_90a")
+        assert c.resources["spill_stores"] == c.resources["spill_loads"] == 0, c.resources
+        assert not c.resources.get("wgmma_serialized"), c.log
+        if _sass.find_nvdisasm() is not None:
+            text = next(iter(_sass.sass(c.cubin, "sm_90a").values()))
+            assert _sass.count(text, "HGMMA") >= 8
+            assert _sass.count(text, "STL") == 0 and _sass.count(text, "LDL") == 0
+
+
+# ---------------------------------------------------------------------------------- launch arguments (CPU)
+
+class _Fake:
+    """Stands in for a contiguous CUDA tensor so that the Python launch paths run without a GPU."""
+    _next = [1 << 20]
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+        st, acc = [], 1
+        for d in reversed(self.shape):
+            st.append(acc)
+            acc *= max(d, 1)
+        self.strides = tuple(reversed(st))
+        self.ptr = _Fake._next[0]
+        _Fake._next[0] += 1 << 24
+
+    def new_empty(self, shape):
+        t = _Fake(shape, self.dtype)
+        t.ptr = 0xABC000
+        return t
+
+    def data_ptr(self):
+        return self.ptr
+
+    def reshape(self, shape):
+        return _Fake(shape, self.dtype)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    from speedcore import _arrays as A
+    from speedcore import _tma
+
+    real_wrap = A.wrap
+
+    def wrap(x, name, *, optional=False):
+        if isinstance(x, _Fake):
+            return A.Array(x, "torch", x.ptr, x.shape, x.strides, x.dtype, 0, name)
+        return real_wrap(x, name, optional=optional)
+
+    calls, maps = [], []
+    monkeypatch.setattr(A, "wrap", wrap)
+    monkeypatch.setattr(A, "stream_of", lambda ref: type("S", (), {"ptr": 0})())
+    monkeypatch.setattr(Q, "device_info", lambda i: type("D", (), {"sms": 132, "cc": (9, 0)})())
+    monkeypatch.setattr(Q, "launch", lambda kernel, cfg, args, device, stream: calls.append((kernel, cfg, args)))
+    monkeypatch.setattr(Q, "_workspace_ptr", lambda xa, stream, nbytes: 0x5000)
+    monkeypatch.setattr(Q, "_ticket_buffer", lambda xa, stream, count: type("T", (), {"ptr": 0x6000})())
+    monkeypatch.setattr(Q, "_pack", lambda fmt, qa, k, n: wrap(_Fake(Q.packed_shape(fmt, k, n), "int32"), "p"))
+    monkeypatch.setattr(Q, "_gemv_scratch", lambda xa, stream, floats, tickets: (0x7000, 0x8000))
+    monkeypatch.setattr(_tma, "tile_map_2d", lambda *a, **kw: maps.append((a, kw)) or "tmap")
+
+    def gemv_pack(fmt, qa, za, sa, k, n, group):
+        w = _Fake((n * k // 8,), "int32")
+        w4 = _Fake((n * k // 8,), "int32") if Q._W4WGMMA_MODE == "on" and Q.w4wgmma_supported(k, n, group) else None
+        return Q._GemvLayer(Q.KIND_INT4, sa.dtype, w, None, w.ptr, 0x9000, group // 32, k // group, w4,
+                            w4.ptr if w4 is not None else 0)
+
+    monkeypatch.setattr(Q, "_gemv_pack", gemv_pack)
+    return calls, maps
+
+
+@pytest.mark.parametrize("m", [17, 64, 257, 1000])
+def test_dispatch_launch_arguments(fake_gpu, m):
+    """Switch on at prepack and call: a prepacked AWQ / GPTQ layer at 17 <= M (also above MAX_MMA_M, where the dense
+    path ran before) launches w4_wgmma_kernel with the x tensor map, the wgmma-major and group-record pointers and
+    the configured grid, through the fast and the checked path alike; switch off at call time: not this kernel."""
+    import dataclasses
+
+    calls, maps = fake_gpu
+    k, n, g = 1024, 1536, 128
+    x = _Fake((m, k), "bfloat16")
+    bias = _Fake((n,), "bfloat16")
+    with _w4("on"):
+        pw = Q.prepack_awq(_Fake((k, n // 8), "int32"), _Fake((k // g, n // 8), "int32"),
+                           _Fake((k // g, n), "bfloat16"), group_size=g)
+        assert pw.gemv.w4_ptr != 0
+        Q.awq_linear(x, pw, bias=bias)
+        Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
+        pg = Q.prepack_gptq(_Fake((k // 8, n), "int32"), _Fake((k // g, n // 8), "int32"),
+                            _Fake((k // g, n), "bfloat16"), group_size=g)
+        Q.gptq_linear(x, pg)
+    cfg = Q.w4wgmma_config(m, n, k, 132)
+    assert len(calls) == 3
+    for kernel, lcfg, args in calls:
+        assert kernel.name == f"quant_sm90::w4_wgmma_kernel<__nv_bfloat16, {cfg.mt}, 2, 8>" and kernel.hopper
+        assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (384,) and lcfg.smem == cfg.smem
+        assert len(args) == 14 and args[0] == "tmap"
+        assert [int(a) for a in args[7:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
+        assert all(type(a) is np.int32 for a in args[7:])
+        assert (args[2] != 0) == (cfg.splits > 1) and (args[3] != 0) == (cfg.splits > 1)
+    assert calls[0][2][4] == pw.gemv.w4_ptr and calls[0][2][5] == pw.gemv.g_ptr and calls[0][2][6] == bias.ptr
+    assert calls[2][2][4] == pg.gemv.w4_ptr and calls[2][2][6] == 0
+    for u, v in zip(calls[0][2], calls[1][2]):
+        assert type(u) is type(v) and u == v
+    assert maps[0][1] == dict(rows=m, cols=k, row_stride=k, box_rows=cfg.mt, box_cols=64)
+    calls.clear()
+    if m <= Q.MAX_MMA_M:
+        with _w4("off"):
+            Q.awq_linear(x, pw, bias=bias)
+        assert calls and "w4_wgmma" not in calls[0][0].name
+    with _w4("off"):
+        p_off = Q.prepack_awq(_Fake((k, n // 8), "int32"), _Fake((k // g, n // 8), "int32"),
+                              _Fake((k // g, n), "bfloat16"), group_size=g)
+    assert p_off.gemv.w4_ptr == 0  # prepacked with the switch off: no wgmma-major copy
+
+
+# -------------------------------------------------------------------------------------------------- GPU tests
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+@contextlib.contextmanager
+def _launched():
+    names = []
+    real = Q.launch
+
+    def spy(kernel, cfg, args, **kw):
+        names.append(kernel.name)
+        return real(kernel, cfg, args, **kw)
+
+    Q.launch = spy
+    try:
+        yield names
+    finally:
+        Q.launch = real
+
+
+def _layer(torch, fmt, n, k, g, td, rng):
+    """Random AWQ / GPTQ tensors (every nibble; GPTQ zero points up to 16), prepacked with the switch on; float W."""
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    ng = k // g
+    q = rng.integers(0, 16, (k, n))
+    z = rng.integers(0, 16, (ng, n))
+    s_t = t((rng.random((ng, n)) * 0.02 + 0.001).astype(np.float16)).to(td)
+    s_f = s_t.float().cpu().numpy()
+    if fmt == Q.FMT_AWQ:
+        args = (t(Q.pack_awq(q)), t(Q.pack_awq(z)), s_t)
+        return Q.prepack_awq(*args, group_size=g), Q.dequantize_awq_reference(Q.pack_awq(q), Q.pack_awq(z), s_f, g)
+    args = (t(Q.pack_rows(q)), t(Q.pack_cols(z)), s_t)
+    return Q.prepack_gptq(*args, group_size=g), Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(z), s_f,
+                                                                             None, g)
+
+
+def _linear(fmt, x, layer, bias=None):
+    return (Q.awq_linear if fmt == Q.FMT_AWQ else Q.gptq_linear)(x, layer, bias=bias)
+
+
+def _ref(x, w_kn, bias=None):
+    r = x.float().cpu().numpy().astype(np.float64) @ w_kn.astype(np.float64)
+    if bias is not None:
+        r = r + bias.float().cpu().numpy()
+    return r
+
+
+def _row_err(y, ref):
+    yf = y.float().cpu().numpy().astype(np.float64)
+    assert np.isfinite(yf).all()
+    return (np.linalg.norm(yf - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
+def test_pack_kernel_matches_reference_small(fmt):
+    torch = _torch()
+    rng = np.random.default_rng(7 + fmt)
+    k, n, g = 512, 768, 128
+    with _w4("on"):
+        layer, _ = _layer(torch, fmt, n, k, g, torch.float16, rng)
+    assert layer.gemv is not None and layer.gemv.w4_ptr != 0
+    qw = layer.qweight.cpu().numpy()
+    q = Q.unpack_awq(qw) if fmt == Q.FMT_AWQ else Q.unpack_rows(qw)
+    got = layer.gemv.w4_weight.cpu().numpy().view(np.uint32)
+    assert np.array_equal(got, Q.w4wgmma_pack_reference(q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
+@pytest.mark.parametrize("m,n,k,g,override", [
+    (17, 512, 1024, 128, {}), (33, 768, 2048, 256, {}), (100, 256, 640, 128, {"splits": 3}),
+    (257, 1024, 1024, 128, {}), (1000, 512, 512, 128, {}), (64, 4096, 4096, 128, {}), (40, 256, 128, 128, {}),
+    (300, 2048, 2048, 128, {"splits": 4}), (64, 8192, 1024, 1024, {"mt": 128})])
+def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
+    """Odd M (x rows past M zero-filled by TMA, masked stores; several m tiles), split-K (chosen and forced),
+    groups of one and several stages, one-stage-per-split K, both tile heights; against float64 x @ W (per-row
+    rel err 1e-2), outputs poisoned with NaN, three calls (tickets left zeroed), a strided 3-D view of x with bias,
+    and the same layer through today's dispatch (switch off at call time)."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 31 + n + k + fmt)
+    with _w4("on", **override):
+        layer, w_kn = _layer(torch, fmt, n, k, g, td, rng)
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        ref = _ref(x, w_kn)
+        for _ in range(3):
+            poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+            del poison
+            with _launched() as names:
+                y = _linear(fmt, x, layer)
+            assert any("w4_wgmma_kernel" in nm for nm in names), names
+            assert _row_err(y, ref) < 1e-2
+        xb = torch.randn(m, k + 64, device="cuda", dtype=td)[:, 32:32 + k]
+        bias = torch.randn(n, device="cuda", dtype=td)
+        with _launched() as names:
+            y3 = _linear(fmt, xb.reshape(1, m, k), layer, bias)
+        assert any("w4_wgmma_kernel" in nm for nm in names), names
+        assert y3.shape == (1, m, n)
+        assert _row_err(y3.reshape(m, n), _ref(xb, w_kn, bias)) < 1e-2
+    with _w4("off"):
+        y_old = _linear(fmt, x, layer)
+    assert (y.float() - y_old.float()).abs().max().item() <= 2e-2 * y_old.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("override", [{}, {"splits": 3}])
+def test_w4wgmma_exact_rows_small(override):
+    """x = one-hot rows pick rows of W exactly (every nibble, zero point, power-of-two scale), fp16 and bf16."""
+    torch = _torch()
+    rng = np.random.default_rng(31)
+    k, n, g = 1024, 512, 128
+    with _w4("on", **override):
+        for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ):
+            for td in (torch.float16, torch.bfloat16):
+                q = rng.integers(0, 16, (k, n))
+                z = rng.integers(0, 16, (k // g, n))
+                s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
+                s_f = s.float().cpu().numpy()
+                t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+                if fmt == Q.FMT_AWQ:
+                    layer = Q.prepack_awq(t(Q.pack_awq(q)), t(Q.pack_awq(z)), s, group_size=g)
+                    w_kn = Q.dequantize_awq_reference(Q.pack_awq(q), Q.pack_awq(z), s_f, g)
+                else:
+                    layer = Q.prepack_gptq(t(Q.pack_rows(q)), t(Q.pack_cols(z)), s, group_size=g)
+                    w_kn = Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(z), s_f, None, g)
+                for rows in (slice(0, 17), slice(960, 1024), slice(101, 230)):
+                    eye = torch.eye(k, device="cuda", dtype=td)[rows]
+                    with _launched() as names:
+                        y = _linear(fmt, eye, layer)
+                    assert any("w4_wgmma_kernel" in nm for nm in names), names
+                    expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
+                    assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m", [17, 257])
+def test_w4wgmma_gptq_act_order_small(dtype, m):
+    """Act-order GPTQ: prepack_gptq repacks the rows in group order (the wgmma-major copy is built from that), x is
+    gathered per call, then w4_wgmma_kernel; against float64 x @ W with the checkpoint's g_idx."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    n, k, g = 512, 1024, 128
+    rng = np.random.default_rng(m + 9)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=rng.permutation(k), sym=False)
+    s_t = torch.from_numpy((s.astype(np.float32) * 0.05).astype(np.float16)).cuda().to(td)
+    ref_w = Q.dequantize_gptq_reference(qw, qz, s_t.float().cpu().numpy(), g_idx, g)
+    args = (torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, torch.from_numpy(g_idx).cuda())
+    with _w4("on"):
+        packed = Q.prepack_gptq(*args, group_size=g)
+        assert packed.perm is not None and packed.gemv is not None and packed.gemv.w4_ptr != 0
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        with _launched() as names:
+            y = Q.gptq_linear(x, packed)
+        assert any("w4_wgmma_kernel" in nm for nm in names), names
+    assert _row_err(y, _ref(x, ref_w)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_w4wgmma_memcheck_case_small():
+    """Two small launches for compute-sanitizer (benchmarks/_quant_w4wgmma_gpu.sh): split-K with a partial m tile,
+    and a 2-m-tile direct store."""
+    torch = _torch()
+    rng = np.random.default_rng(5)
+    for (m, n, k, override) in ((33, 512, 512, {"splits": 2}), (150, 256, 256, {})):
+        with _w4("on", **override):
+            layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, torch.bfloat16, rng)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            with _launched() as names:
+                y = Q.awq_linear(x, layer)
+            assert any("w4_wgmma_kernel" in nm for nm in names), names
+            torch.cuda.synchronize()
+        assert _row_err(y, _ref(x, w_kn)) < 1e-2
