@@ -22,10 +22,11 @@ large layers on sm_90+ (``use_bulk``), else ``gemv_kernel`` or the tile-major ke
 H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kernel`` at 17 <= M <= 128 (a
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
 measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
-``SPEEDCORE_QUANT_W4WGMMA=1`` (off by default, not yet measured) makes prepack also build a wgmma-major INT4 copy
-(the weight's size again) and routes INT4 layers at 17 <= M <= 8192 with N % 256 == 0, K and G multiples of 128 to
-``w4_wgmma_kernel`` (kernels/quant_sm90.cu: wgmma with the dequantized weights as the register A operand, TMA x
-tiles, split-K where the tiles do not fill the GPU), before every other choice including the dense path.  Split-K
+prepack also builds a wgmma-major INT4 copy (the packed weight's size again) and INT4 layers with N % 256 == 0, K
+and G multiples of 128 take ``w4_wgmma_kernel`` at 64 <= M <= 1024 (kernels/quant_sm90.cu: wgmma with the
+dequantized weights as the register A operand, TMA x tiles, split-K where the tiles do not fill the GPU), before
+every other choice including the dense path (``use_w4wgmma``, where it measured ahead;
+``SPEEDCORE_QUANT_W4WGMMA=1`` extends it to 17 <= M <= 8192, ``0`` turns it and the copy off).  Split-K
 launches use a per-stream scratch buffer and zeroed counters kept by this module; when capturing a CUDA graph,
 run the largest M once first so that the scratch does not grow (and move) afterwards.
 
@@ -1164,7 +1165,7 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     """Allocate y (rows, N) and run quant_mma_kernel, or, when the layer has the fragment-major copy (``gemv``)
     for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128) or a streaming
     kernel for M <= 16; returns y (the caller's library).  Before all of these: w4_wgmma_kernel where
-    _w4_applies (SPEEDCORE_QUANT_W4WGMMA=1, sm_90, 17 <= M <= 8192)."""
+    _w4_applies (use_w4wgmma: sm_90, 64 <= M <= 1024 by default)."""
     if rows and _w4_applies(gemv, xa, rows, n, k):
         return _launch_w4wgmma(gemv, xa, rows, k, ldx, bias_ptr, n)
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
@@ -1231,17 +1232,26 @@ def use_marlin(m: int, n: int, k: int, group: int) -> bool:
 # measured on the GPU; SPEEDCORE_QUANT_W4WGMMA=1 (read at import) turns it on.  It must be on when the layer is
 # prepacked (prepack then also builds the wgmma-major copy, the weight's size again).  _W4WGMMA_OVERRIDE: keyword
 # overrides of w4wgmma_config (splits, mt), for measurements.
-_W4WGMMA_MODE = {"1": "on", "on": "on", "true": "on"}.get(os.environ.get("SPEEDCORE_QUANT_W4WGMMA", "0").lower(),
-                                                          "off")
+_W4WGMMA_MODE = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}.get(
+    os.environ.get("SPEEDCORE_QUANT_W4WGMMA", "auto").lower(), "auto")
+# "auto" takes w4_wgmma_kernel where it measured ahead of every other path (H200, bf16, same-process probe
+# benchmarks/_quant_w4wgmma_probe.py at 1aa8f37, us, w4wgmma / previous dispatch / cuBLAS): 8192 x 8192 M = 64
+# 37.9 / 62.8 / 38.6, M = 128 53.4 / 80.8 / 37.6, M = 256 76.1 / 117.8 / 47.6, M = 1024 215 / 239 / 178;
+# 28672 x 8192 M = 64 98.1 / 138.2 / 119.6, M = 128 112 / 236 / 130, M = 256 215 / 399 / 183, M = 1024
+# 764 / 829 / 618.  At M = 2048 dequantize + cuBLAS stays ahead (407 vs 420, 1520 vs 1648 us); below M = 64 it
+# was not measured (quant_marlin_kernel keeps 17 <= M < 64).
+W4WGMMA_AUTO_M = (64, 1024)
 _W4WGMMA_OVERRIDE: dict = {}
 
 
 def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
     """Dispatch for prepacked INT4 layers (a pure function but for the _W4WGMMA_MODE switch): w4_wgmma_kernel on
-    compute capability 9.0 for M in W4WGMMA_M_RANGE where w4wgmma_supported holds."""
-    lo, hi = W4WGMMA_M_RANGE
-    return (_W4WGMMA_MODE == "on" and tuple(cc) == (9, 0) and lo <= m <= hi
-            and w4wgmma_supported(k, n, group))
+    compute capability 9.0 where w4wgmma_supported holds, for M in W4WGMMA_AUTO_M ("auto", the default) or in
+    W4WGMMA_M_RANGE ("on")."""
+    if _W4WGMMA_MODE == "off" or tuple(cc) != (9, 0) or not w4wgmma_supported(k, n, group):
+        return False
+    lo, hi = W4WGMMA_M_RANGE if _W4WGMMA_MODE == "on" else W4WGMMA_AUTO_M
+    return lo <= m <= hi
 
 
 def _w4_applies(gl, xa, rows: int, n: int, k: int) -> bool:
@@ -1415,7 +1425,7 @@ def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n):
 
 def _w4wgmma_pack(fmt, qa, k, n, group):
     """The wgmma-major INT4 copy (w4wgmma_pack_kernel), or None where w4_wgmma_kernel cannot run."""
-    if (_W4WGMMA_MODE != "on" or device_info(qa.device).cc != (9, 0) or not w4wgmma_supported(k, n, group)):
+    if (_W4WGMMA_MODE == "off" or device_info(qa.device).cc != (9, 0) or not w4wgmma_supported(k, n, group)):
         return None
     words = A.empty(qa, (n * k // 8,), "int32", name="w4wgmma_weight")
     total = words.shape[0]
@@ -1653,7 +1663,8 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     copy instead: ``gemv_stream_kernel`` / ``gemv_bulk_kernel`` where K and G are multiples of 128
     (:func:`use_stream`, :func:`use_bulk`), else ``gemv_kernel`` (:func:`use_gemv`; K % 32 == 0 and
     G % 32 == 0).  Where :func:`use_marlin` says so (INT4, 17 <= M <= 128), such a layer
-    takes ``quant_marlin_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernels need N % 64 == 0 and
+    takes ``quant_marlin_kernel``; on sm_90, where :func:`use_w4wgmma` says so (INT4, 64 <= M <= 1024, N % 256
+    == 0), ``w4_wgmma_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernels need N % 64 == 0 and
     G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy float16).
     """
     if isinstance(qweight, AWQWeight) and qweight.fast is not None and qzeros is None and scales is None:

@@ -403,6 +403,12 @@ def _rel_err(y, ref):
     return np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30), np.isfinite(y).all()
 
 
+def _other_copy(torch, m, n, k, g):
+    """Whether a prepacked INT4 layer at this M takes a kernel on another copy than the tile-major one
+    (quant_marlin_kernel or w4_wgmma_kernel), so its bits may differ from the as-stored call's."""
+    return Q.use_marlin(m, n, k, g) or Q.use_w4wgmma(m, n, k, g, torch.cuda.get_device_capability())
+
+
 def _ref(x, w_kn, bias=None):
     r = x.float().cpu().numpy().astype(np.float64) @ w_kn.astype(np.float64)
     if bias is not None:
@@ -434,9 +440,9 @@ def test_awq_linear_small(dtype, m, n, k, g):
     assert torch.equal(y, y2)
     packed = Q.prepack_awq(torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, group_size=g)
     assert packed.packed is not None
-    if packed.gemv is not None and (m <= Q.GEMV_MAX_M or Q.use_marlin(m, n, k, k if g == -1 else g)):
-        # M <= 16 takes gemv_kernel on the fragment-major copy, 17 <= M <= 128 quant_marlin_kernel when it is on
-        # (split-K order differs: compare values)
+    if packed.gemv is not None and (m <= Q.GEMV_MAX_M or _other_copy(torch, m, n, k, k if g == -1 else g)):
+        # M <= 16 takes gemv_kernel on the fragment-major copy, larger M quant_marlin_kernel or w4_wgmma_kernel
+        # where they apply (split-K order differs: compare values)
         err, finite = _rel_err(Q.awq_linear(x, packed, bias=bias), _ref(x, ref_w, bias))
         assert finite and err < 1e-2, err
     else:
@@ -473,7 +479,7 @@ def test_gptq_linear_small(dtype, act_order, m, n, k, g):
     if not act_order:
         y3 = Q.gptq_linear(x, *args[:3], group_size=g)
         assert torch.equal(y, y3)
-        if (packed.gemv is None or m > Q.GEMV_MAX_M) and not Q.use_marlin(m, n, k, k if g == -1 else g):
+        if (packed.gemv is None or m > Q.GEMV_MAX_M) and not _other_copy(torch, m, n, k, k if g == -1 else g):
             assert torch.equal(y, y2)
 
 
@@ -1089,9 +1095,12 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
 
 @contextlib.contextmanager
 def _marlin(mode="on", m_range=None, **override):
-    """Force quant_marlin_kernel on ("on") or off for prepacked INT4 layers, its M range and launch overrides."""
-    old = (Q._MARLIN_MODE, Q._MARLIN_M_RANGE, dict(Q._MARLIN_OVERRIDE))
+    """Force quant_marlin_kernel on ("on") or off for prepacked INT4 layers, its M range and launch overrides.
+    "on" also turns w4_wgmma_kernel off, which would otherwise come first at 64 <= M <= 1024 on sm_90."""
+    old = (Q._MARLIN_MODE, Q._MARLIN_M_RANGE, dict(Q._MARLIN_OVERRIDE), Q._W4WGMMA_MODE)
     Q._MARLIN_MODE = mode
+    if mode == "on":
+        Q._W4WGMMA_MODE = "off"
     if m_range is not None:
         Q._MARLIN_M_RANGE = m_range
     Q._MARLIN_OVERRIDE.clear()
@@ -1099,7 +1108,7 @@ def _marlin(mode="on", m_range=None, **override):
     try:
         yield
     finally:
-        Q._MARLIN_MODE, Q._MARLIN_M_RANGE = old[0], old[1]
+        Q._MARLIN_MODE, Q._MARLIN_M_RANGE, Q._W4WGMMA_MODE = old[0], old[1], old[3]
         Q._MARLIN_OVERRIDE.clear()
         Q._MARLIN_OVERRIDE.update(old[2])
 

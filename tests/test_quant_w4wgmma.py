@@ -297,6 +297,10 @@ def test_supported_shapes_and_switch():
     assert not Q.w4wgmma_supported(8192, 8192, 64)         # G % 128 (the group records of the streaming copy)
     with _w4("off"):
         assert not Q.use_w4wgmma(64, 8192, 8192, 128)
+    with _w4("auto"):
+        assert Q.use_w4wgmma(64, 8192, 8192, 128) and Q.use_w4wgmma(1024, 28672, 8192, 128)
+        assert not Q.use_w4wgmma(63, 8192, 8192, 128) and not Q.use_w4wgmma(1025, 8192, 8192, 128)
+        assert not Q.use_w4wgmma(256, 8192, 8192, 128, cc=(8, 0))
     with _w4("on"):
         assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(8192, 8192, 8192, 128)
         assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(8193, 8192, 8192, 128)
@@ -310,7 +314,7 @@ def test_switch_reads_the_environment():
     import sys
 
     code = "from speedcore import quant; print(quant._W4WGMMA_MODE)"
-    for env, expect in (("1", "on"), ("0", "off"), ("", "off")):
+    for env, expect in (("1", "on"), ("0", "off"), ("", "auto"), ("auto", "auto")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**__import__("os").environ, "SPEEDCORE_QUANT_W4WGMMA": env})
         assert out.stdout.strip() == expect, out.stderr
@@ -393,7 +397,7 @@ def fake_gpu(monkeypatch):
 
     def gemv_pack(fmt, qa, za, sa, k, n, group):
         w = _Fake((n * k // 8,), "int32")
-        w4 = _Fake((n * k // 8,), "int32") if Q._W4WGMMA_MODE == "on" and Q.w4wgmma_supported(k, n, group) else None
+        w4 = _Fake((n * k // 8,), "int32") if Q._W4WGMMA_MODE != "off" and Q.w4wgmma_supported(k, n, group) else None
         return Q._GemvLayer(Q.KIND_INT4, sa.dtype, w, None, w.ptr, 0x9000, group // 32, k // group, w4,
                             w4.ptr if w4 is not None else 0)
 
