@@ -6,8 +6,11 @@ dense path (dequantize + cuBLAS) above) and cuBLAS (F.linear with a bf16 weight 
 256 ("s<S> <us>", "mt<MT> <us>"); one fp16 and one GPTQ row.  Each output is checked against the current dispatch
 (rel diff; "!!" above 1e-2).  One line per case, the summary table last.
 
-    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py
+    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py [M ...]
+
+With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x8192 (fp16), no sweeps.
 """
+import sys
 import time
 
 import torch
@@ -92,9 +95,13 @@ def case(fmt, n, k, dt, ms, sweep=()):
 bf, fp = torch.bfloat16, torch.float16
 tiny = torch.ones(1, device=b.device)
 print(f"launch floor: tiny add_ {b.time_ms(lambda: tiny.add_(1.0)) * 1e3:.1f} us", flush=True)
-for args, kw in ((("awq", 8192, 8192, bf, [64, 128, 256, 1024, 2048]), {"sweep": (64, 128, 256)}),
-                 (("awq", 28672, 8192, bf, [64, 128, 256, 1024, 2048]), {}),
-                 (("awq", 8192, 8192, fp, [64]), {}), (("gptq", 8192, 8192, bf, [64]), {})):
+CASES = ((("awq", 8192, 8192, bf, [64, 128, 256, 1024, 2048]), {"sweep": (64, 128, 256)}),
+         (("awq", 28672, 8192, bf, [64, 128, 256, 1024, 2048]), {}),
+         (("awq", 8192, 8192, fp, [64]), {}), (("gptq", 8192, 8192, bf, [64]), {}))
+if sys.argv[1:]:
+    MS = [int(a) for a in sys.argv[1:]]
+    CASES = ((("awq", 8192, 8192, bf, MS), {}), (("awq", 28672, 8192, bf, MS), {}), (("awq", 8192, 8192, fp, MS), {}))
+for args, kw in CASES:
     try:
         case(*args, **kw)
     except Exception as e:  # keep the rest of the table: one failing case must not hide the others

@@ -23,7 +23,8 @@ H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kern
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
 measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
 prepack also builds a wgmma-major INT4 copy (the packed weight's size again) and INT4 layers with N % 256 == 0, K
-and G multiples of 128 take ``w4_wgmma_kernel`` at 64 <= M <= 1024 (kernels/quant_sm90.cu: wgmma with the
+and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (from M = 48 on layers larger than 8192 x 8192;
+kernels/quant_sm90.cu: wgmma with the
 dequantized weights as the register A operand, TMA x tiles, split-K where the tiles do not fill the GPU), before
 every other choice including the dense path (``use_w4wgmma``, where it measured ahead;
 ``SPEEDCORE_QUANT_W4WGMMA=1`` extends it to 17 <= M <= 8192, ``0`` turns it and the copy off).  Split-K
@@ -1165,7 +1166,7 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     """Allocate y (rows, N) and run quant_mma_kernel, or, when the layer has the fragment-major copy (``gemv``)
     for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128) or a streaming
     kernel for M <= 16; returns y (the caller's library).  Before all of these: w4_wgmma_kernel where
-    _w4_applies (use_w4wgmma: sm_90, 64 <= M <= 1024 by default)."""
+    _w4_applies (use_w4wgmma: sm_90, 17 <= M <= 1024 by default)."""
     if rows and _w4_applies(gemv, xa, rows, n, k):
         return _launch_w4wgmma(gemv, xa, rows, k, ldx, bias_ptr, n)
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
@@ -1234,23 +1235,27 @@ def use_marlin(m: int, n: int, k: int, group: int) -> bool:
 # overrides of w4wgmma_config (splits, mt), for measurements.
 _W4WGMMA_MODE = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}.get(
     os.environ.get("SPEEDCORE_QUANT_W4WGMMA", "auto").lower(), "auto")
-# "auto" takes w4_wgmma_kernel where it measured ahead of every other path (H200, bf16, same-process probe
-# benchmarks/_quant_w4wgmma_probe.py at 1aa8f37, us, w4wgmma / previous dispatch / cuBLAS): 8192 x 8192 M = 64
-# 37.9 / 62.8 / 38.6, M = 128 53.4 / 80.8 / 37.6, M = 256 76.1 / 117.8 / 47.6, M = 1024 215 / 239 / 178;
-# 28672 x 8192 M = 64 98.1 / 138.2 / 119.6, M = 128 112 / 236 / 130, M = 256 215 / 399 / 183, M = 1024
-# 764 / 829 / 618.  At M = 2048 dequantize + cuBLAS stays ahead (407 vs 420, 1520 vs 1648 us); below M = 64 it
-# was not measured (quant_marlin_kernel keeps 17 <= M < 64).
-W4WGMMA_AUTO_M = (64, 1024)
+# "auto" takes w4_wgmma_kernel where it measured ahead of every other path (H200, same-process probe
+# benchmarks/_quant_w4wgmma_probe.py, us, w4wgmma / previous dispatch / cuBLAS, bf16): 8192 x 8192 M = 17
+# 31.9 / 35.6 / 36.0, M = 32 33.4 / 41.6 / 37.1, M = 48 35.3 / 56.3 / 36.4, M = 64 37.9 / 62.8 / 38.6, M = 128
+# 53.4 / 80.8 / 37.6, M = 256 76.1 / 117.8 / 47.6, M = 1024 215 / 239 / 178 (fp16 alike); 28672 x 8192 M = 17
+# 113.3 / 88.7 / 110.9 and M = 32 94.9 / 93.8 / 113.0 (quant_marlin_kernel ahead or level: larger layers start at
+# M = 48), M = 48 95.6 / 130.0 / 119.4, M = 64 98.1 / 138.2 / 119.6, M = 256 215 / 399 / 183, M = 1024 764 / 829
+# / 618.  At M = 2048 dequantize + cuBLAS stays ahead (407 vs 420, 1520 vs 1648 us).
+W4WGMMA_AUTO_M = (17, 1024)
+W4WGMMA_AUTO_LARGE_MIN_M = 48   # layers with N K > 8192 x 8192
 _W4WGMMA_OVERRIDE: dict = {}
 
 
 def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
     """Dispatch for prepacked INT4 layers (a pure function but for the _W4WGMMA_MODE switch): w4_wgmma_kernel on
-    compute capability 9.0 where w4wgmma_supported holds, for M in W4WGMMA_AUTO_M ("auto", the default) or in
-    W4WGMMA_M_RANGE ("on")."""
+    compute capability 9.0 where w4wgmma_supported holds, for M in W4WGMMA_AUTO_M ("auto", the default; from
+    W4WGMMA_AUTO_LARGE_MIN_M on layers larger than 8192 x 8192) or in W4WGMMA_M_RANGE ("on")."""
     if _W4WGMMA_MODE == "off" or tuple(cc) != (9, 0) or not w4wgmma_supported(k, n, group):
         return False
     lo, hi = W4WGMMA_M_RANGE if _W4WGMMA_MODE == "on" else W4WGMMA_AUTO_M
+    if _W4WGMMA_MODE == "auto" and n * k > 8192 * 8192:
+        lo = max(lo, W4WGMMA_AUTO_LARGE_MIN_M)
     return lo <= m <= hi
 
 
@@ -1663,7 +1668,7 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     copy instead: ``gemv_stream_kernel`` / ``gemv_bulk_kernel`` where K and G are multiples of 128
     (:func:`use_stream`, :func:`use_bulk`), else ``gemv_kernel`` (:func:`use_gemv`; K % 32 == 0 and
     G % 32 == 0).  Where :func:`use_marlin` says so (INT4, 17 <= M <= 128), such a layer
-    takes ``quant_marlin_kernel``; on sm_90, where :func:`use_w4wgmma` says so (INT4, 64 <= M <= 1024, N % 256
+    takes ``quant_marlin_kernel``; on sm_90, where :func:`use_w4wgmma` says so (INT4, 17 <= M <= 1024, N % 256
     == 0), ``w4_wgmma_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernels need N % 64 == 0 and
     G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy float16).
     """

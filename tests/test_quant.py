@@ -1096,7 +1096,7 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
 @contextlib.contextmanager
 def _marlin(mode="on", m_range=None, **override):
     """Force quant_marlin_kernel on ("on") or off for prepacked INT4 layers, its M range and launch overrides.
-    "on" also turns w4_wgmma_kernel off, which would otherwise come first at 64 <= M <= 1024 on sm_90."""
+    "on" also turns w4_wgmma_kernel off, which would otherwise come first at 17 <= M <= 1024 on sm_90."""
     old = (Q._MARLIN_MODE, Q._MARLIN_M_RANGE, dict(Q._MARLIN_OVERRIDE), Q._W4WGMMA_MODE)
     Q._MARLIN_MODE = mode
     if mode == "on":

@@ -298,8 +298,9 @@ def test_supported_shapes_and_switch():
     with _w4("off"):
         assert not Q.use_w4wgmma(64, 8192, 8192, 128)
     with _w4("auto"):
-        assert Q.use_w4wgmma(64, 8192, 8192, 128) and Q.use_w4wgmma(1024, 28672, 8192, 128)
-        assert not Q.use_w4wgmma(63, 8192, 8192, 128) and not Q.use_w4wgmma(1025, 8192, 8192, 128)
+        assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(1024, 28672, 8192, 128)
+        assert Q.use_w4wgmma(48, 28672, 8192, 128) and not Q.use_w4wgmma(47, 28672, 8192, 128)
+        assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(1025, 8192, 8192, 128)
         assert not Q.use_w4wgmma(256, 8192, 8192, 128, cc=(8, 0))
     with _w4("on"):
         assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(8192, 8192, 8192, 128)
