@@ -13,11 +13,12 @@ kernels = [attention._kernel_sm90("bfloat16", *attention.flash_attn_sm90_config(
            for d in (64, 128, 256) for masked in (False, True)]
 kernels += [k for k in gemm.all_kernels() if k.hopper][:2]
 failed = 0
+allowances = _registry.spill_allowances(kernels)
 for k in dict.fromkeys(kernels):
     c = compile_kernel(k, "sm_90a")
     for name, text in _sass.sass(c.cubin, "sm_90a").items():
         hgmma, local = _sass.count(text, "HGMMA"), _sass.count(text, "STL") + _sass.count(text, "LDL")
-        allowed = _registry.spills_allowed(k) != (0, 0)  # documented by the family (attention.spills_allowed)
+        allowed = allowances[k] != (0, 0)  # documented by the family (attention.spills_allowed)
         failed += hgmma == 0 or (local > 0 and not allowed)
         print(f"{k.name}: {hgmma} HGMMA, {local} local-memory instructions{' (allowed)' if local and allowed else ''}, "
               f"{c.resources['registers']} registers")

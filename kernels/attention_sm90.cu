@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
       const unsigned char* const v_tile = sV + st * KV_BYTES;
 #pragma unroll
       for (int kk = 0; kk < KP; ++kk)
-        sc::WgmmaRS<D, T>::mma(o, p[kk], sc::wgmma_desc_mn128(v_tile + kk * 16 * 128, BN * 128));
+        sc::WgmmaRS<D, T, 1>::mma(o, p[kk], sc::wgmma_desc_mn128(v_tile + kk * 16 * 128, BN * 128));
       sc::wgmma_commit();
     };
     auto fence_s = [&]() {

@@ -21,8 +21,14 @@
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/tma.cuh"
+#include "common/int4.cuh"
 
 namespace quant {
+
+using sc::and_or;
+using sc::Bits;
+using sc::fma2;
+using sc::is_half;
 
 enum : int { AWQ = 0, GPTQ = 1, INT8 = 2 };
 constexpr int kThreads = 256;
@@ -47,34 +53,6 @@ template <int FMT, int MT> struct Smem {
   static constexpr int TOTAL = STAGE * kStages;
 };
 
-template <typename T> struct is_half { static constexpr bool value = false; };
-template <> struct is_half<__half> { static constexpr bool value = true; };
-
-__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c, __half*) {
-  unsigned d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c, __nv_bfloat16*) {
-  unsigned d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-template <typename T> __device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
-  return fma2(a, b, c, static_cast<T*>(nullptr));
-}
-
-template <typename T> struct Bits;
-template <> struct Bits<__half> {
-  static constexpr unsigned ONE = 0x3c003c00u;
-  static constexpr unsigned NEG_ZERO = 0x80008000u;
-  static constexpr unsigned SIXTEENTH = 0x2c002c00u;
-};
-template <> struct Bits<__nv_bfloat16> {
-  static constexpr unsigned ONE = 0x3f803f80u;
-  static constexpr unsigned NEG_ZERO = 0x80008000u;
-};
-
 // Per-channel dequant constants of one group, as 2x16-bit words with both halves equal.
 struct GroupConst {
   unsigned scale[8];
@@ -85,13 +63,6 @@ struct GroupConst {
 
 // Pair P (0..3) of a packed word: the 4-bit values at bits [4P, 4P+4) and [16+4P, 16+4P+4) become (q - z) in
 // the low and high half, exactly, then are scaled (one rounding, as (q - z) * s rounded to T).
-// (a & b) | c in one instruction; with the constants in registers (an immediate operand would split it in two).
-__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
-  unsigned d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
 // SCALED false: (q - z) only, exact small integers; the scale is applied to the fp32 sums of the group.
 template <typename T, int P, bool SCALED = true>
 __device__ __forceinline__ unsigned dequant_pair(unsigned v, unsigned scale, unsigned zlo, unsigned zhi) {
@@ -143,6 +114,18 @@ __device__ __forceinline__ void load_group(GroupConst& gc, const unsigned char* 
       gc.zlo[o] = (0xc300u | z) * 0x10001u;  // -(128 + z)
       gc.zhi[o] = 0u;
     }
+  }
+}
+
+// The lane's constants from a fragment-major group record (sv: the scales of its channels, zv: their zero bytes,
+// GPTQ's +1 applied), o = 2 t + h for row g + 8 h of mma tile t: scales in both halves, and the zero terms
+// (odd o: the nibbles fp16 reads as (1024 + 16 q) / 16).
+template <typename T>
+__device__ __forceinline__ void int4_group_consts(uint4 sv, uint2 zv, unsigned (&scl)[8], unsigned (&zc)[8]) {
+#pragma unroll
+  for (int o = 0; o < 8; ++o) {
+    scl[o] = __byte_perm(sc::word(sv, o / 2), 0u, (o & 1) ? 0x3232u : 0x1010u);
+    zc[o] = sc::int4_zero_term<T>(((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu, o & 1);
   }
 }
 
@@ -894,7 +877,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, SC_GEMV_MIN_CTAS) gemv_kernel
     if (bias != nullptr) v += sc::to_float(bias[n]);
     y[(long long)row * N + n] = sc::from_float<T>(v);
   };
-  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+  constexpr unsigned MAGIC = sc::int4_magic<T>;
   // fp16 high nibbles come out as 1024 + 16 q: (.) / 16 + 960 = 1024 + q; no-XSUM: (.) / 16 - (64 + z).
   const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u, magic = MAGIC;
   const unsigned ones[4] = {Bits<T>::ONE, Bits<T>::ONE, Bits<T>::ONE, Bits<T>::ONE};
@@ -929,11 +912,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, SC_GEMV_MIN_CTAS) gemv_kernel
             const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
             if constexpr (XSUM) {
               zf[o] = (float)z + (is_half<T>::value ? 1024.f : 128.f);
-            } else if constexpr (is_half<T>::value) {
-              // channel g (even o): -(1024 + z) for (1024 + q); channel g + 8 (odd o): -(64 + z) for (1024 + 16 q) / 16
-              zc[o] = ((o & 1) ? (0xd400u + (z << 4)) : (0xe400u | z)) * 0x10001u;
             } else {
-              zc[o] = (0xc300u | z) * 0x10001u;  // -(128 + z)
+              zc[o] = sc::int4_zero_term<T>(z, o & 1);  // channel g + 8 (odd o) is read as (1024 + 16 q) / 16
             }
           }
         }
@@ -1226,7 +1206,7 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
   constexpr int NT = INT4 ? 4 : 2, U = kStreamChunkSteps;
   constexpr bool XSUM = INT4 && MT <= SC_QUANT_XSUM_MT;
   constexpr bool HALF = is_half<T>::value;
-  constexpr unsigned MAGIC = HALF ? 0x64006400u : 0x43004300u;
+  constexpr unsigned MAGIC = sc::int4_magic<T>;
   const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u;
   const unsigned magic = MAGIC | dep;
   if constexpr (XSUM) {
@@ -1304,17 +1284,7 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
       }
   } else if constexpr (INT4) {
     unsigned scl[8], zc[8];
-#pragma unroll
-    for (int o = 0; o < 8; ++o) {
-      scl[o] = __byte_perm(sc::word(sv, o / 2), 0u, (o & 1) ? 0x3232u : 0x1010u);
-      const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
-      if constexpr (is_half<T>::value) {
-        // channel g (even o): -(1024 + z) for (1024 + q); channel g + 8 (odd o): -(64 + z) for (1024 + 16 q) / 16
-        zc[o] = ((o & 1) ? (0xd400u + (z << 4)) : (0xe400u | z)) * 0x10001u;
-      } else {
-        zc[o] = (0xc300u | z) * 0x10001u;  // -(128 + z)
-      }
-    }
+    int4_group_consts<T>(sv, zv, scl, zc);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -1327,21 +1297,7 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
         for (int t = 0; t < NT; ++t) {
           const unsigned wd = sc::word(wu, t);
           unsigned a[4];
-          if constexpr (is_half<T>::value) {
-            const unsigned w8 = wd >> 8;
-            a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-            a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
-            a[2] = fma2<T>(and_or(w8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-            a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
-          } else {
-            a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-            a[1] = fma2<T>(and_or(wd >> 4, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
-            a[2] = fma2<T>(and_or(wd >> 8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-            a[3] = fma2<T>(and_or(wd >> 12, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
-          }
-          // (q - z) * s rounded once to T, as the references do.
-#pragma unroll
-          for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[2 * t + (i & 1)], Bits<T>::NEG_ZERO);
+          sc::int4_fragment<T>(a, wd, scl[2 * t], scl[2 * t + 1], zc[2 * t], zc[2 * t + 1], magic);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             const unsigned bx[2] = {xw[mt].x, xw[mt].y};
@@ -1617,13 +1573,6 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
 constexpr int kBulkXPitch = 288;
 constexpr int kBulkMaxWarps = 16;
 
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   sc::smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(sc::smem_addr(bar))
-               : "memory");
-}
-
 // Dynamic shared memory: align128(W S 8) bytes of mbarriers, then W rings of S stages of
 // 4096 + (INT4 ? 192 : 0) + 288 M bytes (the epilogue's reduction rows reuse the rings).
 template <typename T, int KIND, int MT>
@@ -1661,11 +1610,11 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
     if (lane == 0) sc::mbar_arrive_expect_tx(bars + slot, tx);
     __syncwarp();  // the expected bytes are registered before any copy can complete
     if (lane == 0) {
-      bulk_copy_g2s(st, wsrc + (long long)cc * 4096, 4096, bars + slot);
+      sc::bulk_copy_g2s(st, wsrc + (long long)cc * 4096, 4096, bars + slot);
     } else if (INT4 && lane == 1) {
-      bulk_copy_g2s(st + G_OFF, gsrc + (long long)((U * cc) / SPG) * 192, 192, bars + slot);
+      sc::bulk_copy_g2s(st + G_OFF, gsrc + (long long)((U * cc) / SPG) * 192, 192, bars + slot);
     } else if (lane >= 2 && lane < 2 + M) {
-      bulk_copy_g2s(st + X_OFF + (lane - 2) * kBulkXPitch, xsrc + 128LL * cc, 256, bars + slot);
+      sc::bulk_copy_g2s(st + X_OFF + (lane - 2) * kBulkXPitch, xsrc + 128LL * cc, 256, bars + slot);
     }
   };
 
@@ -1759,42 +1708,6 @@ template <int MT> struct Marlin {
   static_assert(STAGE % 16 == 0, "stages stay 16-byte aligned");
 };
 
-// The lane's scale / (magic + zero point) constants of one group record (as stream_chunk_math's INT4 path).
-template <typename T>
-__device__ __forceinline__ void int4_group_consts(uint4 sv, uint2 zv, unsigned (&scl)[8], unsigned (&zc)[8]) {
-#pragma unroll
-  for (int o = 0; o < 8; ++o) {
-    scl[o] = __byte_perm(sc::word(sv, o / 2), 0u, (o & 1) ? 0x3232u : 0x1010u);
-    const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
-    if constexpr (is_half<T>::value) {
-      zc[o] = ((o & 1) ? (0xd400u + (z << 4)) : (0xe400u | z)) * 0x10001u;
-    } else {
-      zc[o] = (0xc300u | z) * 0x10001u;
-    }
-  }
-}
-
-// The A fragment of mma tile t from the lane's word wd: (q - z) s in T, rounded once.
-template <typename T>
-__device__ __forceinline__ void int4_fragment(unsigned (&a)[4], unsigned wd, const unsigned (&scl)[8],
-                                              const unsigned (&zc)[8], int t, unsigned magic) {
-  const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u;
-  if constexpr (is_half<T>::value) {
-    const unsigned w8 = wd >> 8;
-    a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-    a[1] = fma2<T>(and_or(wd, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
-    a[2] = fma2<T>(and_or(w8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-    a[3] = fma2<T>(and_or(w8, mask_hi, magic), Bits<T>::SIXTEENTH, zc[2 * t + 1]);
-  } else {
-    a[0] = fma2<T>(and_or(wd, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-    a[1] = fma2<T>(and_or(wd >> 4, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
-    a[2] = fma2<T>(and_or(wd >> 8, mask_lo, magic), Bits<T>::ONE, zc[2 * t]);
-    a[3] = fma2<T>(and_or(wd >> 12, mask_lo, magic), Bits<T>::ONE, zc[2 * t + 1]);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[2 * t + (i & 1)], Bits<T>::NEG_ZERO);
-}
-
 // The first unit of CTA c's stream-K range: units [unit_begin(c), unit_begin(c + 1)) of U over P CTAs.
 __device__ __forceinline__ int marlin_unit_begin(int c, int U, int P) { return (int)((long long)c * U / P); }
 // The CTA whose range holds unit v.
@@ -1830,7 +1743,7 @@ __global__ void __launch_bounds__(kMarlinWarps * 32, 1) quant_marlin_kernel(
   const int KC = KS / kStreamChunkSteps;
   const int U = n_tiles * m_chunks * KC, P = gridDim.x, cta = blockIdx.x;
   const int u_begin = marlin_unit_begin(cta, U, P), u_end = marlin_unit_begin(cta + 1, U, P);
-  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+  constexpr unsigned MAGIC = sc::int4_magic<T>;
   unsigned magic = MAGIC;
   asm volatile("" : "+r"(magic));  // kept in a register: lop3 takes it as an operand (see and_or)
 
@@ -1905,7 +1818,8 @@ __global__ void __launch_bounds__(kMarlinWarps * 32, 1) quant_marlin_kernel(
             const uint4 wu = lds128(wb + up * 1024 + h * 512);
             unsigned a[4][4];
 #pragma unroll
-            for (int t = 0; t < 4; ++t) int4_fragment<T>(a[t], sc::word(wu, t), scl, zc, t, magic);
+            for (int t = 0; t < 4; ++t)
+              sc::int4_fragment<T>(a[t], sc::word(wu, t), scl[2 * t], scl[2 * t + 1], zc[2 * t], zc[2 * t + 1], magic);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
               const uint2 xw = lds64(xb + mt * 8 * kMarlinXPitch + up * 64 + h * 32);

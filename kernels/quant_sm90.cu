@@ -32,6 +32,7 @@
 #include "common/types.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
+#include "common/int4.cuh"
 
 namespace quant_sm90 {
 
@@ -49,77 +50,16 @@ template <int MT, int BLK> struct W4Tile {
   static_assert(X_BYTES % 1024 == 0, "x tiles keep the 1024-byte alignment of the 128-byte swizzle");
 };
 
-template <typename T> struct is_half { static constexpr bool value = false; };
-template <> struct is_half<__half> { static constexpr bool value = true; };
-
-__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c, __half*) {
-  unsigned d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c, __nv_bfloat16*) {
-  unsigned d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-template <typename T> __device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
-  return fma2(a, b, c, static_cast<T*>(nullptr));
-}
-// (a & b) | c in one instruction (constants in registers: an immediate operand would split it in two).
-__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
-  unsigned d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-constexpr unsigned kHalfOne = 0x3c003c00u, kHalfSixteenth = 0x2c002c00u, kBf16One = 0x3f803f80u;
-constexpr unsigned kNegZero = 0x80008000u;
-
 // The lane's constants of one group: scales of its rows g (scl[0]) and g + 8 (scl[1]) in both halves, and the
 // (magic + zero point) terms to subtract.  sw: the two 16-bit scales, zw: the two zero bytes (GPTQ's +1 applied).
 template <typename T>
 __device__ __forceinline__ void group_consts(unsigned sw, unsigned zw, unsigned (&scl)[2], unsigned (&zc)[2]) {
   scl[0] = __byte_perm(sw, 0u, 0x1010u);
   scl[1] = __byte_perm(sw, 0u, 0x3232u);
-  const unsigned z0 = zw & 0xffu, z1 = (zw >> 8) & 0xffu;
-  if constexpr (is_half<T>::value) {
-    zc[0] = (0xe400u | z0) * 0x10001u;          // -(1024 + z): nibbles read at bits 0-3 as 1024 + q
-    zc[1] = (0xd400u + (z1 << 4)) * 0x10001u;   // -(64 + z): nibbles read at bits 4-7 as (1024 + 16 q) / 16
-  } else {
-    zc[0] = (0xc300u | z0) * 0x10001u;  // -(128 + z)
-    zc[1] = (0xc300u | z1) * 0x10001u;
-  }
+  zc[0] = sc::int4_zero_term<T>(zw & 0xffu, false);
+  zc[1] = sc::int4_zero_term<T>((zw >> 8) & 0xffu, true);  // row g + 8: fp16 reads its nibbles at bits 4-7
 }
 
-// The wgmma A fragment (m16n8k16 A layout) of one word: register r = nibbles (r, r + 4) in its (low, high) half;
-// registers 0 and 2 are row g, 1 and 3 row g + 8 (k columns 2c, 2c+1 for r < 2, 2c+8, 2c+9 for r >= 2).
-template <typename T>
-__device__ __forceinline__ void dequant_word(unsigned (&a)[4], unsigned wd, const unsigned (&scl)[2],
-                                             const unsigned (&zc)[2]) {
-  const unsigned mask_lo = 0x000f000fu;
-  if constexpr (is_half<T>::value) {
-    const unsigned magic = 0x64006400u, mask_hi = 0x00f000f0u, w8 = wd >> 8;
-    a[0] = fma2<T>(and_or(wd, mask_lo, magic), kHalfOne, zc[0]);
-    a[1] = fma2<T>(and_or(wd, mask_hi, magic), kHalfSixteenth, zc[1]);
-    a[2] = fma2<T>(and_or(w8, mask_lo, magic), kHalfOne, zc[0]);
-    a[3] = fma2<T>(and_or(w8, mask_hi, magic), kHalfSixteenth, zc[1]);
-  } else {
-    const unsigned magic = 0x43004300u;
-    a[0] = fma2<T>(and_or(wd, mask_lo, magic), kBf16One, zc[0]);
-    a[1] = fma2<T>(and_or(wd >> 4, mask_lo, magic), kBf16One, zc[1]);
-    a[2] = fma2<T>(and_or(wd >> 8, mask_lo, magic), kBf16One, zc[0]);
-    a[3] = fma2<T>(and_or(wd >> 12, mask_lo, magic), kBf16One, zc[1]);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) a[i] = fma2<T>(a[i], scl[i & 1], kNegZero);
-}
-
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   sc::smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(sc::smem_addr(bar))
-               : "memory");
-}
 // Keep the compiler from moving an A-fragment register's reuse across wgmma issue / wait points.
 __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
 
@@ -174,9 +114,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         const int grp = kb / SPG;
 #pragma unroll
         for (int b = 0; b < L::BLOCKS; ++b) {
-          bulk_copy_g2s(ring_w + stage * L::W_BYTES + b * kBlockBytes,
+          sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + b * kBlockBytes,
                         wq + ((long long)(nb0 + b) * KB + kb) * kBlockBytes, kBlockBytes, &full[stage]);
-          bulk_copy_g2s(ring_g + stage * L::G_BYTES + b * kRecBytes,
+          sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES + b * kRecBytes,
                         grec + ((long long)(nb0 + b) * NG + grp) * kRecBytes, kRecBytes, &full[stage]);
         }
         if (++stage == STAGES) {
@@ -218,7 +158,8 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     for (int s = 0; s < 4; ++s) {
 #pragma unroll
       for (int blk = 0; blk < BLK; ++blk) {
-        dequant_word<T>(afrag[s & 1][blk], sc::word(wv[blk], s), scl[blk], zc[blk]);
+        sc::int4_fragment<T>(afrag[s & 1][blk], sc::word(wv[blk], s), scl[blk][0], scl[blk][1], zc[blk][0],
+                             zc[blk][1], sc::int4_magic<T>);
 #pragma unroll
         for (int i = 0; i < 4; ++i) fence_reg(afrag[s & 1][blk][i]);
       }
@@ -229,7 +170,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       sc::wgmma_fence();
       const unsigned long long db = sc::wgmma_desc_k128(xs + s * 32);
 #pragma unroll
-      for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRSK<MT, T>::mma(acc[blk], afrag[s & 1][blk], db);
+      for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRS<MT, T, 0>::mma(acc[blk], afrag[s & 1][blk], db);
       sc::wgmma_commit();
 #pragma unroll
       for (int blk = 0; blk < BLK; ++blk)

@@ -37,13 +37,11 @@ def all_kernels(families=None) -> list:
     return out
 
 
-def spills_allowed(kernel) -> tuple:
-    """(spill store bytes, spill load bytes) a family accepts for one of its variants (``spills_allowed`` in the
-    family module, documented there); (0, 0) for every other variant."""
-    for mod in op_modules().values():
-        fn = getattr(mod, "spills_allowed", None)
-        if fn is not None:
-            allowed = fn(kernel)
-            if allowed != (0, 0):
-                return tuple(allowed)
-    return (0, 0)
+def spill_allowances(kernels) -> dict:
+    """kernel -> (spill store bytes, spill load bytes) its family accepts (``spills_allowed`` in the family
+    module, documented there); (0, 0) for every other variant.  The families are looked up once."""
+    fns = [mod.spills_allowed for mod in op_modules().values() if hasattr(mod, "spills_allowed")]
+    out = {}
+    for k in kernels:
+        out[k] = next((tuple(a) for a in (fn(k) for fn in fns) if tuple(a) != (0, 0)), (0, 0))
+    return out

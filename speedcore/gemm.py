@@ -65,8 +65,8 @@ class MmaConfig:
 # 388-398 for 256 x 128; 128 x 128 / 6 stages 326-367.  Three stages (144 KB) also fit an A100; tiles whose ring
 # does not fit the SM (sm_86 / sm_89: 100 KB) are skipped.  The old kernel (no fragment double buffering, index
 # math per load) reached 272-309.  With the cp.asyncs interleaved into the mma.syncs (67ecf92) 128 x 256 leads
-# for both B layouts (mma_config).
-MMA_LARGE = (MmaConfig(256, 128, 64, 4, 2, 1, 3), MmaConfig(128, 256, 64, 2, 4, 1, 3),
+# for both B layouts (mma_config); ties go to the earlier tile.
+MMA_LARGE = (MmaConfig(128, 256, 64, 2, 4, 1, 3), MmaConfig(256, 128, 64, 4, 2, 1, 3),
              MmaConfig(128, 128, 64, 2, 4, 1, 4), MmaConfig(64, 128, 64, 2, 2, 1, 4))
 # Skinny: one row tile covers all of M; 32 columns per CTA so that N = 4096 already gives ~one CTA per SM;
 # 8 warps split each stage's K slice.
@@ -173,8 +173,7 @@ def mma_config(m: int, n: int, k: int, sms: int, smem_per_sm: int, skinny: bool,
     # ties go to the earlier tile: 128 x 256 (H200, forced Ampere path at 8192^3, benchmarks/_gemm_ab.py
     # ampere_cfgs, two rounds: K-major B 0.567 / 0.574x cuBLAS against 0.553 / 0.532 for 256 x 128, N-major
     # 0.685 / 0.687 against 0.585 / 0.529)
-    order = (MMA_LARGE[1], MMA_LARGE[0]) + MMA_LARGE[2:]
-    fits = [c for c in order if c.smem + 1024 <= smem_per_sm] or [MMA_LARGE[-1]]
+    fits = [c for c in MMA_LARGE if c.smem + 1024 <= smem_per_sm] or [MMA_LARGE[-1]]
     best, best_cost = None, None
     for cfg in fits:
         per_sm = max(1, min(2, smem_per_sm // (cfg.smem + 1024)))

@@ -756,7 +756,7 @@ def w4wgmma_pack_reference(q) -> np.ndarray:
 def w4wgmma_unpack_reference(words, k: int, n: int) -> np.ndarray:
     """Inverse of w4wgmma_pack_reference written from the consumer's side (mirrors w4_wgmma_kernel's reads): warp t
     of a consumer warpgroup loads 16 bytes per lane at byte 16 (32 t + lane) of its block's 2 KB stage chunk (b, kb);
-    word s is the A fragment of k16 step s; dequant_word makes register r from nibbles (r, r + 4), and the m16n8k16
+    word s is the A fragment of k16 step s; sc::int4_fragment makes register r from nibbles (r, r + 4), and the m16n8k16
     A layout puts register r at row g + 8 (r % 2), columns 2 c + 8 (r // 2) + (0, 1).  Raises if any (k, n) is
     read twice or never."""
     w = np.asarray(words, np.uint32).reshape(n // 64, k // 64, 4 * 32 * 4)
@@ -1050,7 +1050,7 @@ class _GemvLayer:
     g_ptr: int
     spg: int
     ng: int
-    w4_weight: object = None  # the wgmma-major INT4 copy for w4_wgmma_kernel (SPEEDCORE_QUANT_W4WGMMA=1, sm_90)
+    w4_weight: object = None  # the wgmma-major INT4 copy for w4_wgmma_kernel (sm_90, unless switched off)
     w4_ptr: int = 0
 
 
@@ -1194,6 +1194,13 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     return y
 
 
+def _env_switch(name: str) -> str:
+    """A dispatch switch read from the environment at import: "on" (1, on, true), "off" (0, off, false), else
+    "auto"."""
+    v = os.environ.get(name, "auto").lower()
+    return "on" if v in ("1", "on", "true") else "off" if v in ("0", "off", "false") else "auto"
+
+
 # "auto": use_gemv decides; "on": gemv_kernel wherever the layer has its layout (prepack builds it for every
 # format); "off": quant_mma_kernel only.  Tests and benchmarks switch it to run both kernels on one layer.
 _GEMV_MODE = "auto"
@@ -1207,11 +1214,10 @@ _STREAM_OVERRIDE: dict = {}
 _BULK_MODE = "auto"
 _BULK_OVERRIDE: dict = {}
 # quant_marlin_kernel for prepacked INT4 layers at M in _MARLIN_M_RANGE (inclusive), where the shape fits
-# (marlin_supported), before every other choice.  "auto" (default; see use_marlin), "on" or "off"; the environment
-# variable SPEEDCORE_QUANT_MARLIN=1 / 0 (read at import) forces it on / off.  _MARLIN_OVERRIDE: keyword overrides
-# of marlin_config (ctas).
-_MARLIN_MODE = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}.get(
-    os.environ.get("SPEEDCORE_QUANT_MARLIN", "auto").lower(), "auto")
+# (marlin_supported), before every choice but w4_wgmma_kernel.  "auto" (default; see use_marlin), "on" or "off"; the
+# environment variable SPEEDCORE_QUANT_MARLIN=1 / 0 (read at import) forces it on / off.  _MARLIN_OVERRIDE: keyword
+# overrides of marlin_config (ctas).
+_MARLIN_MODE = _env_switch("SPEEDCORE_QUANT_MARLIN")
 _MARLIN_M_RANGE = (17, 128)
 _MARLIN_OVERRIDE: dict = {}
 
@@ -1233,8 +1239,7 @@ def use_marlin(m: int, n: int, k: int, group: int) -> bool:
 # measured on the GPU; SPEEDCORE_QUANT_W4WGMMA=1 (read at import) turns it on.  It must be on when the layer is
 # prepacked (prepack then also builds the wgmma-major copy, the weight's size again).  _W4WGMMA_OVERRIDE: keyword
 # overrides of w4wgmma_config (splits, mt), for measurements.
-_W4WGMMA_MODE = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}.get(
-    os.environ.get("SPEEDCORE_QUANT_W4WGMMA", "auto").lower(), "auto")
+_W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # "auto" takes w4_wgmma_kernel where it measured ahead of every other path (H200, same-process probe
 # benchmarks/_quant_w4wgmma_probe.py, us, w4wgmma / previous dispatch / cuBLAS, bf16): 8192 x 8192 M = 17
 # 31.9 / 35.6 / 36.0, M = 32 33.4 / 41.6 / 37.1, M = 48 35.3 / 56.3 / 36.4, M = 64 37.9 / 62.8 / 38.6, M = 128

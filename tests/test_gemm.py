@@ -45,9 +45,9 @@ def test_mma_config_fits(mnk):
 
 
 def test_mma_config_large_problem_uses_largest_tile():
-    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False) == gemm.MMA_LARGE[1]
-    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False, False) == gemm.MMA_LARGE[1]
-    assert gemm.mma_config(8192, 8192, 8192, 108, 167936, False) == gemm.MMA_LARGE[1]
+    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False) == gemm.MmaConfig(128, 256, 64, 2, 4, 1, 3)
+    assert gemm.mma_config(8192, 8192, 8192, 132, 233472, False, False) == gemm.MmaConfig(128, 256, 64, 2, 4, 1, 3)
+    assert gemm.mma_config(8192, 8192, 8192, 108, 167936, False) == gemm.MmaConfig(128, 256, 64, 2, 4, 1, 3)
     # sm_86 / sm_89: 100 KB of shared memory per SM, only the 64 x 128 ring fits
     cfg = gemm.mma_config(8192, 8192, 8192, 84, 102400, False)
     assert cfg.smem + 1024 <= 102400 and cfg in gemm.MMA_LARGE

@@ -8,6 +8,8 @@ import pytest
 
 from speedcore import quant as Q
 
+from quant_fakes import FakeTensor, install_fake_gpu, launched
+
 RNG = np.random.default_rng(1234)
 
 
@@ -544,6 +546,17 @@ def _gemv_layer(torch, fmt, n, k, g, td, rng):
             Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(z), s_f, None, gg), args)
 
 
+def _pow2_scaled(torch, fmt, layer, k, n, g, td, rng):
+    """The INT4 layer's weights again with power-of-two scales (every (q - z) s exact in T), prepacked, and their
+    reference dequantization (K, N): one-hot rows of x must then give exact outputs."""
+    s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
+    qw, qz = (layer.qweight, layer.qzeros)
+    layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
+    ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
+    args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
+    return layer, ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
+
+
 def _linear(fmt, x, layer, bias=None):
     f = {Q.FMT_AWQ: Q.awq_linear, Q.FMT_GPTQ: Q.gptq_linear, Q.FMT_INT8: Q.int8_linear}[fmt]
     return f(x, layer, bias=bias)
@@ -682,12 +695,7 @@ def test_stream_exact_rows_small(override, bulk):
                 k, n, g = 1024, 512, 128
                 layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
                 if fmt != Q.FMT_INT8:
-                    s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
-                    qw, qz = (layer.qweight, layer.qzeros)
-                    layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
-                    ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
-                    args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
-                    w_kn = ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
+                    layer, w_kn = _pow2_scaled(torch, fmt, layer, k, n, g, td, rng)
                 for rows in (slice(0, 16), slice(101, 106), slice(1000, 1001)):
                     eye = torch.eye(k, device="cuda", dtype=td)[rows]
                     y = _linear(fmt, eye, layer)
@@ -977,62 +985,9 @@ def test_bad_input_small():
 
 # ------------------------------------------------------------------------------------------------ launch arguments (CPU)
 
-class _FakeTensor:
-    """Stands in for a CUDA tensor so that the Python launch paths can run without a GPU."""
-    _next = [1 << 20]
-
-    def __init__(self, shape, dtype, strides=None):
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        st, acc = [], 1
-        for d in reversed(self.shape):
-            st.append(acc)
-            acc *= max(d, 1)
-        self.strides = tuple(strides) if strides is not None else tuple(reversed(st))
-        self.ptr = _FakeTensor._next[0]
-        _FakeTensor._next[0] += 1 << 24
-
-    def new_empty(self, shape):
-        t = _FakeTensor(shape, self.dtype)
-        t.ptr = 0xABC000
-        return t
-
-    def data_ptr(self):
-        return self.ptr
-
-    def reshape(self, shape):
-        return _FakeTensor(shape, self.dtype)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    from speedcore import _arrays as A
-
-    real_wrap = A.wrap
-
-    def wrap(x, name, *, optional=False):
-        if isinstance(x, _FakeTensor):
-            return A.Array(x, "torch", x.ptr, x.shape, x.strides, x.dtype, 0, name)
-        return real_wrap(x, name, optional=optional)
-
-    calls = []
-    monkeypatch.setattr(A, "wrap", wrap)
-    monkeypatch.setattr(A, "stream_of", lambda ref: type("S", (), {"ptr": 0})())
-    monkeypatch.setattr(Q, "device_info", lambda i: type("D", (), {"sms": 132, "cc": (9, 0)})())
-    monkeypatch.setattr(Q, "launch", lambda kernel, cfg, args, device, stream: calls.append((kernel, cfg, args)))
-    monkeypatch.setattr(Q, "_workspace_ptr", lambda xa, stream, nbytes: 0x5000)
-    monkeypatch.setattr(Q, "_ticket_buffer", lambda xa, stream, count: type("T", (), {"ptr": 0x6000})())
-    monkeypatch.setattr(Q, "_pack", lambda fmt, qa, k, n: wrap(_FakeTensor(Q.packed_shape(fmt, k, n), "int32"), "p"))
-    monkeypatch.setattr(Q, "_gemv_scratch", lambda xa, stream, floats, tickets: (0x7000, 0x8000))
-
-    def gemv_pack(fmt, qa, za, sa, k, n, group):
-        w = _FakeTensor((n * k // 8,), "int32")
-        kind = Q.KIND_INT8 if fmt == Q.FMT_INT8 else Q.KIND_INT4
-        return Q._GemvLayer(kind, None if kind == Q.KIND_INT8 else sa.dtype, w, None, w.ptr, 0x9000,
-                            max(group // 32, 1), -(-k // group) if group else 1)
-
-    monkeypatch.setattr(Q, "_gemv_pack", gemv_pack)
-    return calls
+    return install_fake_gpu(monkeypatch, w4_copy=False)[0]
 
 
 def _same_launch(a, b):
@@ -1051,10 +1006,10 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
 
     calls = fake_gpu
     k, n, g = 1024, 1536, 128
-    x = _FakeTensor((m, k), "bfloat16")
-    bias = _FakeTensor((n,), "bfloat16")
-    pw = Q.prepack_awq(_FakeTensor((k, n // 8), "int32"), _FakeTensor((k // g, n // 8), "int32"),
-                       _FakeTensor((k // g, n), "bfloat16"), group_size=g)
+    x = FakeTensor((m, k), "bfloat16")
+    bias = FakeTensor((n,), "bfloat16")
+    pw = Q.prepack_awq(FakeTensor((k, n // 8), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                       FakeTensor((k // g, n), "bfloat16"), group_size=g)
     assert pw.fast is not None
     Q.awq_linear(x, pw, bias=bias)
     Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
@@ -1077,18 +1032,18 @@ def test_prepacked_fast_path_launches_like_the_checked_path(fake_gpu, m):
         assert args[4] == pw.fast.qw_ptr and int(args[-1]) == 1
     if not Q.use_marlin(m, n, k, g):
         assert args[7] == bias.ptr and int(args[8]) == m
-    pg = Q.prepack_gptq(_FakeTensor((k // 8, n), "int32"), _FakeTensor((k // g, n // 8), "int32"),
-                        _FakeTensor((k // g, n), "bfloat16"), group_size=g)
+    pg = Q.prepack_gptq(FakeTensor((k // 8, n), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                        FakeTensor((k // g, n), "bfloat16"), group_size=g)
     Q.gptq_linear(x, pg)
     Q.gptq_linear(x, dataclasses.replace(pg, fast=None))
     _same_launch(calls[2], calls[3])
-    p8 = Q.prepack_int8(_FakeTensor((n, k), "int8"), _FakeTensor((n,), "bfloat16"))
+    p8 = Q.prepack_int8(FakeTensor((n, k), "int8"), FakeTensor((n,), "bfloat16"))
     Q.int8_linear(x, p8, bias=bias)
     Q.int8_linear(x, dataclasses.replace(p8, fast=None), bias=bias)
     _same_launch(calls[4], calls[5])
     # a dtype mismatch leaves the fast path (the checked path converts or raises)
     with pytest.raises(TypeError, match="bias"):
-        Q.awq_linear(x, pw, bias=_FakeTensor((n,), "float16"))
+        Q.awq_linear(x, pw, bias=FakeTensor((n,), "float16"))
 
 
 # ------------------------------------------------------------------------------------ quant_marlin_kernel (CPU)
@@ -1197,15 +1152,15 @@ def test_marlin_dispatch_launch_arguments(fake_gpu, m):
 
     calls = fake_gpu
     k, n, g = 1024, 1536, 128
-    x = _FakeTensor((m, k), "bfloat16")
-    bias = _FakeTensor((n,), "bfloat16")
-    pw = Q.prepack_awq(_FakeTensor((k, n // 8), "int32"), _FakeTensor((k // g, n // 8), "int32"),
-                       _FakeTensor((k // g, n), "bfloat16"), group_size=g)
+    x = FakeTensor((m, k), "bfloat16")
+    bias = FakeTensor((n,), "bfloat16")
+    pw = Q.prepack_awq(FakeTensor((k, n // 8), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                       FakeTensor((k // g, n), "bfloat16"), group_size=g)
     with _marlin("on"):
         Q.awq_linear(x, pw, bias=bias)
         Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
-        pg = Q.prepack_gptq(_FakeTensor((k // 8, n), "int32"), _FakeTensor((k // g, n // 8), "int32"),
-                            _FakeTensor((k // g, n), "bfloat16"), group_size=g)
+        pg = Q.prepack_gptq(FakeTensor((k // 8, n), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                            FakeTensor((k // g, n), "bfloat16"), group_size=g)
         Q.gptq_linear(x, pg)
         # fp16 x with bf16 scales records: not this kernel (the checked path converts the scales)
     with _marlin("off"):
@@ -1385,23 +1340,6 @@ def test_marlin_mirror_matches_x_at_w(m, n, k, g, ctas):
 
 # ------------------------------------------------------------------------------------ quant_marlin_kernel (GPU)
 
-@contextlib.contextmanager
-def _launched():
-    """The kernel names launched inside the block (Q.launch wrapped)."""
-    names = []
-    real = Q.launch
-
-    def spy(kernel, cfg, args, **kw):
-        names.append(kernel.name)
-        return real(kernel, cfg, args, **kw)
-
-    Q.launch = spy
-    try:
-        yield names
-    finally:
-        Q.launch = real
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
@@ -1425,7 +1363,7 @@ def test_marlin_small(dtype, fmt, m, n, k, g, override):
         for _ in range(3):
             poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
             del poison
-            with _launched() as names:
+            with launched() as names:
                 y = _linear(fmt, x, layer)
             assert any("quant_marlin_kernel" in nm for nm in names), names
             yf = y.float().cpu().numpy().astype(np.float64)
@@ -1455,15 +1393,10 @@ def test_marlin_exact_rows_small(override):
             for td in (torch.float16, torch.bfloat16):
                 k, n, g = 1024, 512, 128
                 layer, _, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
-                s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
-                qw, qz = (layer.qweight, layer.qzeros)
-                layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
-                ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
-                args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
-                w_kn = ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
+                layer, w_kn = _pow2_scaled(torch, fmt, layer, k, n, g, td, rng)
                 for rows in (slice(0, 17), slice(960, 1024), slice(101, 165)):
                     eye = torch.eye(k, device="cuda", dtype=td)[rows]
-                    with _launched() as names:
+                    with launched() as names:
                         y = _linear(fmt, eye, layer)
                     assert any("quant_marlin_kernel" in nm for nm in names), names
                     expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
@@ -1489,7 +1422,7 @@ def test_marlin_gptq_act_order_small(dtype, m):
         packed = Q.prepack_gptq(*args, group_size=g)
         assert packed.perm is not None and packed.gemv is not None
         x = torch.randn(m, k, device="cuda", dtype=td)
-        with _launched() as names:
+        with launched() as names:
             y = Q.gptq_linear(x, packed)
         assert any("quant_marlin_kernel" in nm for nm in names), names
     err, finite = _rel_err(y, _ref(x, ref_w))

@@ -13,6 +13,8 @@ import pytest
 
 from speedcore import quant as Q
 
+from quant_fakes import FakeTensor, install_fake_gpu, launched
+
 
 @contextlib.contextmanager
 def _w4(mode="on", **override):
@@ -99,8 +101,9 @@ def _to_half_bits(v, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_dequant_word_constants_emulated(dtype):
-    """dequant_word / group_consts of kernels/quant_sm90.cu on bit patterns: the magic-number nibble extraction
+def test_int4_fragment_constants_emulated(dtype):
+    """sc::int4_fragment / int4_zero_term (kernels/common/int4.cuh) as group_consts of kernels/quant_sm90.cu
+    feeds them, on bit patterns: the magic-number nibble extraction
     (fp16 odd registers read at bits 4-7 as (1024 + 16 q) and scaled by 1/16), -(magic + z) for every z in 0..16
     (GPTQ's 16), then one rounding of (q - z) s; registers 0 / 2 take row g's constants, 1 / 3 row g + 8's."""
     rng = np.random.default_rng(11)
@@ -347,63 +350,9 @@ def test_compiled_variants_use_wgmma_without_spills():
 
 # ---------------------------------------------------------------------------------- launch arguments (CPU)
 
-class _Fake:
-    """Stands in for a contiguous CUDA tensor so that the Python launch paths run without a GPU."""
-    _next = [1 << 20]
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), dtype
-        st, acc = [], 1
-        for d in reversed(self.shape):
-            st.append(acc)
-            acc *= max(d, 1)
-        self.strides = tuple(reversed(st))
-        self.ptr = _Fake._next[0]
-        _Fake._next[0] += 1 << 24
-
-    def new_empty(self, shape):
-        t = _Fake(shape, self.dtype)
-        t.ptr = 0xABC000
-        return t
-
-    def data_ptr(self):
-        return self.ptr
-
-    def reshape(self, shape):
-        return _Fake(shape, self.dtype)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    from speedcore import _arrays as A
-    from speedcore import _tma
-
-    real_wrap = A.wrap
-
-    def wrap(x, name, *, optional=False):
-        if isinstance(x, _Fake):
-            return A.Array(x, "torch", x.ptr, x.shape, x.strides, x.dtype, 0, name)
-        return real_wrap(x, name, optional=optional)
-
-    calls, maps = [], []
-    monkeypatch.setattr(A, "wrap", wrap)
-    monkeypatch.setattr(A, "stream_of", lambda ref: type("S", (), {"ptr": 0})())
-    monkeypatch.setattr(Q, "device_info", lambda i: type("D", (), {"sms": 132, "cc": (9, 0)})())
-    monkeypatch.setattr(Q, "launch", lambda kernel, cfg, args, device, stream: calls.append((kernel, cfg, args)))
-    monkeypatch.setattr(Q, "_workspace_ptr", lambda xa, stream, nbytes: 0x5000)
-    monkeypatch.setattr(Q, "_ticket_buffer", lambda xa, stream, count: type("T", (), {"ptr": 0x6000})())
-    monkeypatch.setattr(Q, "_pack", lambda fmt, qa, k, n: wrap(_Fake(Q.packed_shape(fmt, k, n), "int32"), "p"))
-    monkeypatch.setattr(Q, "_gemv_scratch", lambda xa, stream, floats, tickets: (0x7000, 0x8000))
-    monkeypatch.setattr(_tma, "tile_map_2d", lambda *a, **kw: maps.append((a, kw)) or "tmap")
-
-    def gemv_pack(fmt, qa, za, sa, k, n, group):
-        w = _Fake((n * k // 8,), "int32")
-        w4 = _Fake((n * k // 8,), "int32") if Q._W4WGMMA_MODE != "off" and Q.w4wgmma_supported(k, n, group) else None
-        return Q._GemvLayer(Q.KIND_INT4, sa.dtype, w, None, w.ptr, 0x9000, group // 32, k // group, w4,
-                            w4.ptr if w4 is not None else 0)
-
-    monkeypatch.setattr(Q, "_gemv_pack", gemv_pack)
-    return calls, maps
+    return install_fake_gpu(monkeypatch, w4_copy=True)
 
 
 @pytest.mark.parametrize("m", [17, 64, 257, 1000])
@@ -415,16 +364,16 @@ def test_dispatch_launch_arguments(fake_gpu, m):
 
     calls, maps = fake_gpu
     k, n, g = 1024, 1536, 128
-    x = _Fake((m, k), "bfloat16")
-    bias = _Fake((n,), "bfloat16")
+    x = FakeTensor((m, k), "bfloat16")
+    bias = FakeTensor((n,), "bfloat16")
     with _w4("on"):
-        pw = Q.prepack_awq(_Fake((k, n // 8), "int32"), _Fake((k // g, n // 8), "int32"),
-                           _Fake((k // g, n), "bfloat16"), group_size=g)
+        pw = Q.prepack_awq(FakeTensor((k, n // 8), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                           FakeTensor((k // g, n), "bfloat16"), group_size=g)
         assert pw.gemv.w4_ptr != 0
         Q.awq_linear(x, pw, bias=bias)
         Q.awq_linear(x, dataclasses.replace(pw, fast=None), bias=bias)
-        pg = Q.prepack_gptq(_Fake((k // 8, n), "int32"), _Fake((k // g, n // 8), "int32"),
-                            _Fake((k // g, n), "bfloat16"), group_size=g)
+        pg = Q.prepack_gptq(FakeTensor((k // 8, n), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                            FakeTensor((k // g, n), "bfloat16"), group_size=g)
         Q.gptq_linear(x, pg)
     cfg = Q.w4wgmma_config(m, n, k, 132)
     assert len(calls) == 3
@@ -446,8 +395,8 @@ def test_dispatch_launch_arguments(fake_gpu, m):
             Q.awq_linear(x, pw, bias=bias)
         assert calls and "w4_wgmma" not in calls[0][0].name
     with _w4("off"):
-        p_off = Q.prepack_awq(_Fake((k, n // 8), "int32"), _Fake((k // g, n // 8), "int32"),
-                              _Fake((k // g, n), "bfloat16"), group_size=g)
+        p_off = Q.prepack_awq(FakeTensor((k, n // 8), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                              FakeTensor((k // g, n), "bfloat16"), group_size=g)
     assert p_off.gemv.w4_ptr == 0  # prepacked with the switch off: no wgmma-major copy
 
 
@@ -455,22 +404,6 @@ def test_dispatch_launch_arguments(fake_gpu, m):
 
 def _torch():
     return pytest.importorskip("torch")
-
-
-@contextlib.contextmanager
-def _launched():
-    names = []
-    real = Q.launch
-
-    def spy(kernel, cfg, args, **kw):
-        names.append(kernel.name)
-        return real(kernel, cfg, args, **kw)
-
-    Q.launch = spy
-    try:
-        yield names
-    finally:
-        Q.launch = real
 
 
 def _layer(torch, fmt, n, k, g, td, rng):
@@ -543,13 +476,13 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
         for _ in range(3):
             poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
             del poison
-            with _launched() as names:
+            with launched() as names:
                 y = _linear(fmt, x, layer)
             assert any("w4_wgmma_kernel" in nm for nm in names), names
             assert _row_err(y, ref) < 1e-2
         xb = torch.randn(m, k + 64, device="cuda", dtype=td)[:, 32:32 + k]
         bias = torch.randn(n, device="cuda", dtype=td)
-        with _launched() as names:
+        with launched() as names:
             y3 = _linear(fmt, xb.reshape(1, m, k), layer, bias)
         assert any("w4_wgmma_kernel" in nm for nm in names), names
         assert y3.shape == (1, m, n)
@@ -582,7 +515,7 @@ def test_w4wgmma_exact_rows_small(override):
                     w_kn = Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(z), s_f, None, g)
                 for rows in (slice(0, 17), slice(960, 1024), slice(101, 230)):
                     eye = torch.eye(k, device="cuda", dtype=td)[rows]
-                    with _launched() as names:
+                    with launched() as names:
                         y = _linear(fmt, eye, layer)
                     assert any("w4_wgmma_kernel" in nm for nm in names), names
                     expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
@@ -608,7 +541,7 @@ def test_w4wgmma_gptq_act_order_small(dtype, m):
         packed = Q.prepack_gptq(*args, group_size=g)
         assert packed.perm is not None and packed.gemv is not None and packed.gemv.w4_ptr != 0
         x = torch.randn(m, k, device="cuda", dtype=td)
-        with _launched() as names:
+        with launched() as names:
             y = Q.gptq_linear(x, packed)
         assert any("w4_wgmma_kernel" in nm for nm in names), names
     assert _row_err(y, _ref(x, ref_w)) < 1e-2
@@ -624,7 +557,7 @@ def test_w4wgmma_memcheck_case_small():
         with _w4("on", **override):
             layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, torch.bfloat16, rng)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            with _launched() as names:
+            with launched() as names:
                 y = Q.awq_linear(x, layer)
             assert any("w4_wgmma_kernel" in nm for nm in names), names
             torch.cuda.synchronize()

@@ -66,6 +66,15 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const TmaMap* map, i
       : "memory");
 }
 
+// Copy `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory with the bulk copy
+// engine, completing on mbarrier `bar` like a TMA load (its expect_tx must count them).
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
 // Store the box at (x, y) of a 2-D tensor map from shared memory (elements outside the map are not written), as
 // part of this thread's current bulk async-group.  Shared-memory writes by other threads must be ordered
 // before it by fence_proxy_async() in each writer and a barrier.

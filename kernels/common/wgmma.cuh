@@ -54,9 +54,11 @@ template <int N, typename T, int TRANS_B = 0> struct Wgmma;
 // ---- A from registers (RS): d (N/2 floats) = A(64x16, 4 registers per thread) * B(16xN, descriptor) + d.
 // A's fragment per warp w is the m16n8k16 A fragment of rows 16w..16w+15, which is also the accumulator layout
 // of two adjacent 8-column blocks of an m64nNk16 result packed to 16 bits: an S = Q K^T accumulator becomes
-// the P operand of P V without leaving registers.  B is read N-major (transposed), as a V tile stored row by
-// row (key-major) is.  The accumulator is always added to (zero it first).
-template <int N, typename T> struct WgmmaRS;
+// the P operand of P V without leaving registers.  B is read N-major (TB = 1, transposed), as a V tile stored
+// row by row (key-major) is, or K-major (TB = 0: rows n, 128-byte rows along k, wgmma_desc_k128), as a row-major
+// (N, K) activation tile written by TMA is (the INT4 GEMM, kernels/quant_sm90.cu: A = dequantized weights).  The
+// accumulator is always added to (zero it first).
+template <int N, typename T, int TB> struct WgmmaRS;
 
 #define SC_WGMMA_D176 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 #define SC_WGMMA_ACC176 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
@@ -76,49 +78,33 @@ template <int N, typename T> struct WgmmaRS;
 #define SC_WGMMA_ACC224 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111])
 #define SC_WGMMA_D80 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define SC_WGMMA_ACC80 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
-#define SC_DEFINE_WGMMA_RS(N, T, TY, A0, A1, A2, A3, B)                                                      \
-  template <> struct WgmmaRS<N, T> {                                                                          \
+#define SC_DEFINE_WGMMA_RS(N, T, TY, TB, A0, A1, A2, A3, B)                                                  \
+  template <> struct WgmmaRS<N, T, TB> {                                                                      \
     static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned long long desc_b) {      \
       asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                                              \
                    " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " SC_WGMMA_D##N             \
-                   ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, 1;\n}\n"                        \
+                   ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, " #TB ";\n}\n"                  \
                    : SC_WGMMA_ACC##N                                                                          \
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                                \
     }                                                                                                         \
   };
-SC_DEFINE_WGMMA_RS(64, __half, "f16", 32, 33, 34, 35, 36)
-SC_DEFINE_WGMMA_RS(64, __nv_bfloat16, "bf16", 32, 33, 34, 35, 36)
-SC_DEFINE_WGMMA_RS(128, __half, "f16", 64, 65, 66, 67, 68)
-SC_DEFINE_WGMMA_RS(128, __nv_bfloat16, "bf16", 64, 65, 66, 67, 68)
-SC_DEFINE_WGMMA_RS(192, __half, "f16", 96, 97, 98, 99, 100)
-SC_DEFINE_WGMMA_RS(192, __nv_bfloat16, "bf16", 96, 97, 98, 99, 100)
-SC_DEFINE_WGMMA_RS(256, __half, "f16", 128, 129, 130, 131, 132)
-SC_DEFINE_WGMMA_RS(256, __nv_bfloat16, "bf16", 128, 129, 130, 131, 132)
+SC_DEFINE_WGMMA_RS(64, __half, "f16", 1, 32, 33, 34, 35, 36)
+SC_DEFINE_WGMMA_RS(64, __nv_bfloat16, "bf16", 1, 32, 33, 34, 35, 36)
+SC_DEFINE_WGMMA_RS(128, __half, "f16", 1, 64, 65, 66, 67, 68)
+SC_DEFINE_WGMMA_RS(128, __nv_bfloat16, "bf16", 1, 64, 65, 66, 67, 68)
+SC_DEFINE_WGMMA_RS(192, __half, "f16", 1, 96, 97, 98, 99, 100)
+SC_DEFINE_WGMMA_RS(192, __nv_bfloat16, "bf16", 1, 96, 97, 98, 99, 100)
+SC_DEFINE_WGMMA_RS(256, __half, "f16", 1, 128, 129, 130, 131, 132)
+SC_DEFINE_WGMMA_RS(256, __nv_bfloat16, "bf16", 1, 128, 129, 130, 131, 132)
+SC_DEFINE_WGMMA_RS(32, __half, "f16", 0, 16, 17, 18, 19, 20)
+SC_DEFINE_WGMMA_RS(32, __nv_bfloat16, "bf16", 0, 16, 17, 18, 19, 20)
+SC_DEFINE_WGMMA_RS(64, __half, "f16", 0, 32, 33, 34, 35, 36)
+SC_DEFINE_WGMMA_RS(64, __nv_bfloat16, "bf16", 0, 32, 33, 34, 35, 36)
+SC_DEFINE_WGMMA_RS(128, __half, "f16", 0, 64, 65, 66, 67, 68)
+SC_DEFINE_WGMMA_RS(128, __nv_bfloat16, "bf16", 0, 64, 65, 66, 67, 68)
+SC_DEFINE_WGMMA_RS(256, __half, "f16", 0, 128, 129, 130, 131, 132)
+SC_DEFINE_WGMMA_RS(256, __nv_bfloat16, "bf16", 0, 128, 129, 130, 131, 132)
 #undef SC_DEFINE_WGMMA_RS
-
-// ---- A from registers, B K-major (RS, no transpose): the same A fragment as WgmmaRS, with B(k, n) read from a
-// tile whose rows are n and whose 128-byte rows run along k (wgmma_desc_k128), as a row-major (N, K) activation
-// tile written by TMA is.  Used by the INT4 weight-only GEMM (kernels/quant_sm90.cu): A = dequantized weights.
-template <int N, typename T> struct WgmmaRSK;
-#define SC_DEFINE_WGMMA_RSK(N, T, TY, A0, A1, A2, A3, B)                                                     \
-  template <> struct WgmmaRSK<N, T> {                                                                         \
-    static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned long long desc_b) {      \
-      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                                              \
-                   " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " SC_WGMMA_D##N             \
-                   ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, 0;\n}\n"                        \
-                   : SC_WGMMA_ACC##N                                                                          \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                                \
-    }                                                                                                         \
-  };
-SC_DEFINE_WGMMA_RSK(32, __half, "f16", 16, 17, 18, 19, 20)
-SC_DEFINE_WGMMA_RSK(32, __nv_bfloat16, "bf16", 16, 17, 18, 19, 20)
-SC_DEFINE_WGMMA_RSK(64, __half, "f16", 32, 33, 34, 35, 36)
-SC_DEFINE_WGMMA_RSK(64, __nv_bfloat16, "bf16", 32, 33, 34, 35, 36)
-SC_DEFINE_WGMMA_RSK(128, __half, "f16", 64, 65, 66, 67, 68)
-SC_DEFINE_WGMMA_RSK(128, __nv_bfloat16, "bf16", 64, 65, 66, 67, 68)
-SC_DEFINE_WGMMA_RSK(256, __half, "f16", 128, 129, 130, 131, 132)
-SC_DEFINE_WGMMA_RSK(256, __nv_bfloat16, "bf16", 128, 129, 130, 131, 132)
-#undef SC_DEFINE_WGMMA_RSK
 
 
 // The A-and-B-from-shared-memory shapes: N = 64, 128, 256 with B K-major (TB = 0) or N-major (TB = 1), and the
