@@ -9,6 +9,13 @@ dense path (dequantize + cuBLAS) above) and cuBLAS (F.linear with a bf16 weight 
     SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py [M ...]
 
 With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x8192 (fp16), no sweeps.
+
+    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py --tune [M ...]
+
+--tune: the launch-shape sweep instead (AWQ bf16, 8192x8192 and 28672x8192, M = 64, 128, 256, 1024, 2048 unless
+given): today's default shape ("def", blk 2) against the blk = 1 shapes forced through _W4WGMMA_OVERRIDE (b1m<MT>
+with the heuristic's splits, b1m<MT>s<S> other split counts), each output checked against the current dispatch;
+one line per (layer, M), then a table of the best shape per case.
 """
 import sys
 import time
@@ -92,7 +99,74 @@ def case(fmt, n, k, dt, ms, sweep=()):
     torch.cuda.empty_cache()
 
 
+def tune_variants(m, n, k, sms):
+    """(tag, override, config) of the shapes the sweep times at M: blk = 1 at each tile height up to 2 M (mt 256
+    from M = 128; from M = 1024 not mt 64, which reads the weights once per 64 rows), with the heuristic's splits
+    and, up to M = 256, 1 and 2; plus blk = 2 without split-K; duplicates of today's default launch dropped."""
+    base = Q.w4wgmma_config(m, n, k, sms)
+    seen = {(base.blk, base.mt, base.splits)}
+    out = []
+    cands = [(1, mt) for mt in Q.W4WGMMA_SHAPES[1] if mt <= max(64, 2 * m) and (m < 1024 or mt >= 128)]
+    cands.append((2, base.mt))
+    for blk, mt in cands:
+        heur = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt).splits
+        for s in ([heur, 1, 2] if blk == 1 and m <= 256 else [heur] if blk == 1 else [1]):
+            cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt, splits=s)
+            key = (cfg.blk, cfg.mt, cfg.splits)
+            if key in seen:
+                continue
+            seen.add(key)
+            tag = f"b{blk}m{mt}" + ("" if s == heur and blk == 1 else f"s{cfg.splits}")
+            out.append((tag, {"blk": blk, "mt": mt, "splits": cfg.splits}, cfg))
+    return base, out
+
+
+def tune_case(n, k, ms, dt=torch.bfloat16):
+    call = layer_of("awq", n, k, dt)
+    w = torch.randn(n, k, device=b.device, dtype=dt) * 0.01
+    sms = torch.cuda.get_device_properties(b.device).multi_processor_count
+    for m in ms:
+        x = torch.randn(m, k, device=b.device, dtype=dt)
+        cur, y_cur = timed(call, x, "off")
+        base, variants = tune_variants(m, n, k, sms)
+        ours, y = timed(call, x, "on")
+        e = rel(y, y_cur)
+        results = [(f"def(b{base.blk}m{base.mt}s{base.splits})", ours, base.grid, e)]
+        for tag, ov, cfg in variants:
+            try:
+                t, ys = timed(call, x, "on", **ov)
+                results.append((tag, t, cfg.grid, rel(ys, y_cur)))
+            except Exception as ex:  # one failing shape must not hide the others
+                print(f"!! {tag} M={m} {n}x{k} failed: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                torch.cuda.synchronize()
+        cub = b.time_ms(lambda: F.linear(x, w))
+        bad = [f"{tag}({er:.1e})" for tag, _, _, er in results if not er < 1e-2]
+        best = min(results, key=lambda r: r[1])
+        label = f"M={m:<4d} {n:>5d}x{k:<5d}"
+        print(f"{label} cuBLAS {cub * 1e3:7.1f} current {cur * 1e3:7.1f} | "
+              + " ".join(f"{tag} {t * 1e3:.1f}/g{g}" for tag, t, g, _ in results)
+              + (f"  !! rel diff vs current: {' '.join(bad)}" if bad else ""), flush=True)
+        summary.append((label, ours, best, cur, cub, bad))
+    del w
+    torch.cuda.empty_cache()
+
+
 bf, fp = torch.bfloat16, torch.float16
+if sys.argv[1:2] == ["--tune"]:
+    MS = [int(a) for a in sys.argv[2:]] or [64, 128, 256, 1024, 2048]
+    for n, k in ((8192, 8192), (28672, 8192)):
+        try:
+            tune_case(n, k, MS)
+        except Exception as e:
+            print(f"!! tune {n}x{k} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            torch.cuda.synchronize()
+    print(f"\ntune summary ({time.time() - t0:.0f} s): us; x = cuBLAS / time (same run); best of the swept shapes")
+    print(f"{'case':20s} {'default':>8s} {'x':>5s} {'best shape':>16s} {'best':>8s} {'x':>5s} {'current':>8s} "
+          f"{'cuBLAS':>8s}")
+    for label, ours, (tag, t, g, _), cur, cub, bad in summary:
+        print(f"{label:20s} {ours * 1e3:8.1f} {cub / ours:5.2f} {tag:>16s} {t * 1e3:8.1f} {cub / t:5.2f} "
+              f"{cur * 1e3:8.1f} {cub * 1e3:8.1f}" + ("  !! " + " ".join(bad) if bad else ""))
+    sys.exit(0)
 tiny = torch.ones(1, device=b.device)
 print(f"launch floor: tiny add_ {b.time_ms(lambda: tiny.add_(1.0)) * 1e3:.1f} us", flush=True)
 CASES = ((("awq", 8192, 8192, bf, [64, 128, 256, 1024, 2048]), {"sweep": (64, 128, 256)}),

@@ -91,6 +91,10 @@ W4WGMMA_BK = 64               # k per ring stage
 W4WGMMA_BLOCK_BYTES = 2048    # INT4 weights of one 64-channel block x 64 k in the wgmma-major layout
 W4WGMMA_BLK = 2               # 64-channel blocks per consumer warpgroup (CTA: 2 x 64 x BLK = 256 channels)
 W4WGMMA_MT_CHOICES = (64, 128)  # rows of x per tile (the wgmma N): M <= 64, else 128
+# Every compiled (mt, blk) shape: the default two, and for measurements (_W4WGMMA_OVERRIDE blk=1) 128-channel CTAs
+# (twice the tiles of small-M layers without split-K) with mt up to 256 (a 64 x 256 fp32 accumulator: 128
+# registers per consumer thread, which fits the 232 of setmaxnreg only with one block per warpgroup).
+W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
 W4WGMMA_MAX_STAGES = 8
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 W4WGMMA_M_RANGE = (17, 8192)
@@ -668,8 +672,9 @@ def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0) -> int:
 
 
 def w4wgmma_supported(k: int, n: int, group: int) -> bool:
-    """Shapes w4_wgmma_kernel covers: N % 256 == 0 (whole CTA tiles), and the fragment-major layout's streaming
-    shapes for the group records (K % 128 == 0, G % 128 == 0, K % G == 0)."""
+    """Shapes w4_wgmma_kernel covers: N % 256 == 0 (whole CTA tiles of the default blk = 2, hence of blk = 1 too),
+    and the fragment-major layout's streaming shapes for the group records (K % 128 == 0, G % 128 == 0,
+    K % G == 0)."""
     return n % (128 * W4WGMMA_BLK) == 0 and stream_supported(KIND_INT4, k, n, group) and k % group == 0
 
 
@@ -696,17 +701,19 @@ def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float)
 
 
 @lru_cache(maxsize=8192)
-def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0) -> W4WgmmaConfig:
-    """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count; ``splits`` / ``mt``
-    override, for measurements).  mt = 64 for M <= 64, else 128.  Split-K s (1..16, at least 4 stages per CTA)
-    minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1.  Not tuned
-    on a GPU yet."""
+def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0) -> W4WgmmaConfig:
+    """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count; ``splits`` / ``mt`` /
+    ``blk`` override, for measurements: blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk]).  By default blk = 2 and
+    mt = 64 for M <= 64, else 128.  Split-K s (1..16, at least 4 stages per CTA) minimizes _w4wgmma_cost, e.g.
+    M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
-    blk = W4WGMMA_BLK
+    blk = blk or W4WGMMA_BLK
+    if blk not in W4WGMMA_SHAPES:
+        raise ValueError(f"w4wgmma_config: blk must be one of {tuple(W4WGMMA_SHAPES)}, got {blk}")
     mt = mt or (64 if m <= 64 else 128)
-    if mt not in W4WGMMA_MT_CHOICES:
-        raise ValueError(f"w4wgmma_config: mt must be one of {W4WGMMA_MT_CHOICES}, got {mt}")
+    if mt not in W4WGMMA_SHAPES[blk]:
+        raise ValueError(f"w4wgmma_config: mt must be one of {W4WGMMA_SHAPES[blk]} with blk = {blk}, got {mt}")
     m_tiles = -(-m // mt)
     n_tiles = -(-n // (128 * blk))
     kb = max(1, k // W4WGMMA_BK)
@@ -968,8 +975,9 @@ def all_kernels() -> list:
                 out.append(_bulk_kernel(dtype, kind, mt))
         for mt in MARLIN_MT_CHOICES:
             out.append(_marlin_kernel(dtype, mt))
-        for mt in W4WGMMA_MT_CHOICES:
-            out.append(_w4wgmma_kernel(dtype, mt))
+        for blk, mts in W4WGMMA_SHAPES.items():
+            for mt in mts:
+                out.append(_w4wgmma_kernel(dtype, mt, blk))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
@@ -1238,7 +1246,7 @@ def use_marlin(m: int, n: int, k: int, group: int) -> bool:
 # (w4wgmma_supported), before every other choice, including the dense path above MAX_MMA_M.  "off" by default until
 # measured on the GPU; SPEEDCORE_QUANT_W4WGMMA=1 (read at import) turns it on.  It must be on when the layer is
 # prepacked (prepack then also builds the wgmma-major copy, the weight's size again).  _W4WGMMA_OVERRIDE: keyword
-# overrides of w4wgmma_config (splits, mt), for measurements.
+# overrides of w4wgmma_config (splits, mt, blk), for measurements (benchmarks/_quant_w4wgmma_probe.py).
 _W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # "auto" takes w4_wgmma_kernel where it measured ahead of every other path (H200, same-process probe
 # benchmarks/_quant_w4wgmma_probe.py, us, w4wgmma / previous dispatch / cuBLAS, bf16): 8192 x 8192 M = 17

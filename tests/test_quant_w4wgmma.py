@@ -225,7 +225,10 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("m,n,k,g,override", [
     (17, 256, 256, 128, {}), (100, 512, 512, 256, {"splits": 3}), (64, 256, 1024, 128, {"splits": 4}),
-    (129, 256, 128, 128, {}), (40, 768, 384, 128, {"mt": 128, "splits": 2})])
+    (129, 256, 128, 128, {}), (40, 768, 384, 128, {"mt": 128, "splits": 2}),
+    # blk = 1 (128-channel CTAs) at every tile height, direct and split
+    (33, 384, 256, 128, {"blk": 1, "mt": 64}), (130, 256, 512, 256, {"blk": 1, "splits": 3}),
+    (300, 640, 256, 128, {"blk": 1, "mt": 256}), (257, 256, 512, 128, {"blk": 1, "mt": 256, "splits": 2})])
 def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
     rng = np.random.default_rng(m + n + k + fmt)
     q = rng.integers(0, 16, (k, n)).astype(np.uint8)
@@ -279,6 +282,19 @@ def test_config_heuristic_choices():
         Q.w4wgmma_config(0, 8192, 8192, 132)
     with pytest.raises(ValueError):
         Q.w4wgmma_config(64, 8192, 8192, 132, mt=32)
+    with pytest.raises(ValueError):
+        Q.w4wgmma_config(64, 8192, 8192, 132, mt=256)           # 256 rows only with one block per warpgroup
+    with pytest.raises(ValueError):
+        Q.w4wgmma_config(64, 8192, 8192, 132, blk=4)
+    # blk = 1 (the override the probe sweeps): twice the channel tiles, so fewer splits for the same fill
+    c = Q.w4wgmma_config(64, 28672, 8192, 132, blk=1)
+    assert (c.blk, c.mt, c.n_tiles, c.splits, c.grid) == (1, 64, 224, 1, 224)
+    c = Q.w4wgmma_config(256, 8192, 8192, 132, blk=1)
+    assert (c.mt, c.m_tiles, c.n_tiles, c.splits, c.grid) == (128, 2, 64, 1, 128)   # M = 256 without split-K
+    c = Q.w4wgmma_config(256, 8192, 8192, 132, blk=1, mt=256)
+    assert (c.mt, c.m_tiles, c.n_tiles, c.splits, c.stages) == (256, 1, 64, 2, 6)
+    c = Q.w4wgmma_config(2048, 8192, 8192, 132, blk=1, mt=256)
+    assert (c.m_tiles, c.n_tiles, c.splits, c.grid) == (8, 64, 1, 512)
 
 
 def test_smem_budget_matches_the_kernel_layout():
@@ -291,6 +307,16 @@ def test_smem_budget_matches_the_kernel_layout():
     for mt in Q.W4WGMMA_MT_CHOICES:
         assert Q.w4wgmma_smem_bytes(mt) <= 232448
         assert (mt * 128) % 1024 == 0  # x tiles keep the 128-byte swizzle's 1024-byte alignment
+    # blk = 1: 2 blocks a stage
+    assert Q.w4wgmma_stage_bytes(64, 1) == 8192 + 2 * 2240 == 12672
+    assert Q.w4wgmma_stage_bytes(128, 1) == 16384 + 2 * 2240 == 20864
+    assert Q.w4wgmma_stage_bytes(256, 1) == 32768 + 2 * 2240 == 37248
+    assert Q.w4wgmma_stages(64, 1) == Q.w4wgmma_stages(128, 1) == 8 and Q.w4wgmma_stages(256, 1) == 6
+    assert Q.w4wgmma_smem_bytes(256, 1) == 1024 + 6 * (37248 + 16) + 16 == 224624
+    for blk, mts in Q.W4WGMMA_SHAPES.items():
+        for mt in mts:
+            assert Q.w4wgmma_smem_bytes(mt, blk) <= Q.W4WGMMA_SMEM_LIMIT and Q.w4wgmma_stages(mt, blk) >= 4
+            assert (mt * 128) % 1024 == 0 and mt <= 256  # 1024-byte swizzle alignment; the TMA box's 256 rows
 
 
 def test_supported_shapes_and_switch():
@@ -327,10 +353,12 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 6 and all(k.hopper for k in ks)
+    assert len(ks) == 12 and all(k.hopper for k in ks)
     for dt in ("__half", "__nv_bfloat16"):
         for mt in Q.W4WGMMA_MT_CHOICES:
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 2, 8>" in names
+        for mt, stages in ((64, 8), (128, 8), (256, 6)):
+            assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 1, {stages}>" in names
     assert {"quant_sm90::w4wgmma_pack_kernel<0>", "quant_sm90::w4wgmma_pack_kernel<1>"} <= names
 
 
@@ -338,13 +366,13 @@ def test_compiled_variants_use_wgmma_without_spills():
     """sm_90a: 0 spills, no serialized wgmma, and (with nvdisasm) HGMMA in the main loop and no local memory."""
     from speedcore import _compile, _sass
 
-    for mt in Q.W4WGMMA_MT_CHOICES:
-        c = _compile.compile_kernel(Q._w4wgmma_kernel("bfloat16", mt), "sm_90a")
+    for blk, mt in [(blk, mt) for blk, mts in Q.W4WGMMA_SHAPES.items() for mt in mts]:
+        c = _compile.compile_kernel(Q._w4wgmma_kernel("bfloat16", mt, blk), "sm_90a")
         assert c.resources["spill_stores"] == c.resources["spill_loads"] == 0, c.resources
         assert not c.resources.get("wgmma_serialized"), c.log
         if _sass.find_nvdisasm() is not None:
             text = next(iter(_sass.sass(c.cubin, "sm_90a").values()))
-            assert _sass.count(text, "HGMMA") >= 8
+            assert _sass.count(text, "HGMMA") >= 4 * blk  # 4 k16 steps x blk blocks per stage
             assert _sass.count(text, "STL") == 0 and _sass.count(text, "LDL") == 0
 
 
@@ -398,6 +426,30 @@ def test_dispatch_launch_arguments(fake_gpu, m):
         p_off = Q.prepack_awq(FakeTensor((k, n // 8), "int32"), FakeTensor((k // g, n // 8), "int32"),
                               FakeTensor((k // g, n), "bfloat16"), group_size=g)
     assert p_off.gemv.w4_ptr == 0  # prepacked with the switch off: no wgmma-major copy
+
+
+@pytest.mark.parametrize("m,override,name", [
+    (100, {"blk": 1}, "w4_wgmma_kernel<__half, 128, 1, 8>"),
+    (300, {"blk": 1, "mt": 256, "splits": 2}, "w4_wgmma_kernel<__half, 256, 1, 6>")])
+def test_override_blk1_launch_arguments(fake_gpu, m, override, name):
+    """_W4WGMMA_OVERRIDE reaches the launch: the blk = 1 variant, twice the channel tiles, its tile height in the
+    x tensor map's box, and the default shape again once the override is gone."""
+    calls, maps = fake_gpu
+    k, n, g = 1024, 1536, 128
+    x = _Fake((m, k), "float16")
+    with _w4("on", **override):
+        pw = Q.prepack_awq(_Fake((k, n // 8), "int32"), _Fake((k // g, n // 8), "int32"),
+                           _Fake((k // g, n), "float16"), group_size=g)
+        Q.awq_linear(x, pw)
+    with _w4("on"):
+        Q.awq_linear(x, pw)
+    cfg = Q.w4wgmma_config(m, n, k, 132, **override)
+    assert cfg.blk == 1 and cfg.n_tiles == n // 128
+    (kernel, lcfg, args), (kernel2, _, _) = calls
+    assert kernel.name == "quant_sm90::" + name and tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
+    assert [int(a) for a in args[7:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
+    assert maps[0][1]["box_rows"] == cfg.mt
+    assert ", 2, 8>" in kernel2.name
 
 
 # -------------------------------------------------------------------------------------------------- GPU tests
@@ -493,6 +545,44 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
+@pytest.mark.parametrize("m,n,k,g,override", [
+    (17, 512, 1024, 128, {"blk": 1}), (100, 256, 640, 128, {"blk": 1, "splits": 3}),
+    (257, 768, 1024, 256, {"blk": 1, "mt": 128}), (300, 512, 2048, 128, {"blk": 1, "mt": 256}),
+    (513, 256, 1024, 128, {"blk": 1, "mt": 256, "splits": 4}), (40, 1024, 512, 128, {"blk": 1, "mt": 256})])
+def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
+    """The blk = 1 variants (128-channel CTAs; mt 64 / 128 / 256) forced through _W4WGMMA_OVERRIDE: odd M (partial
+    m tiles, a 256-row box over 40 rows), split-K, both dtypes, AWQ and GPTQ; against float64 x @ W with NaN-poisoned
+    outputs, twice (tickets left zeroed), a strided view with bias, and against today's default shape (blk = 2) on
+    the same layer (within 2e-2 of the largest output)."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 17 + n + k + fmt)
+    with _w4("on", **override):
+        layer, w_kn = _layer(torch, fmt, n, k, g, td, rng)
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        ref = _ref(x, w_kn)
+        for _ in range(2):
+            poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+            del poison  # the output is allocated from this freed NaN block
+            with _launched() as names:
+                y = _linear(fmt, x, layer)
+            cfg = Q.w4wgmma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, **override)
+            assert any(f"w4_wgmma_kernel<{Q.A.CTYPE[dtype]}, {cfg.mt}, 1, " in nm for nm in names), names
+            assert _row_err(y, ref) < 1e-2
+        xb = torch.randn(m, k + 64, device="cuda", dtype=td)[:, 64:64 + k]
+        bias = torch.randn(n, device="cuda", dtype=td)
+        y3 = _linear(fmt, xb, layer, bias)
+        assert _row_err(y3, _ref(xb, w_kn, bias)) < 1e-2
+    with _w4("on"):
+        with _launched() as names:
+            y_def = _linear(fmt, x, layer)
+        assert any(", 2, 8>" in nm for nm in names), names
+    assert (y.float() - y_def.float()).abs().max().item() <= 2e-2 * y_def.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("override", [{}, {"splits": 3}])
 def test_w4wgmma_exact_rows_small(override):
     """x = one-hot rows pick rows of W exactly (every nibble, zero point, power-of-two scale), fp16 and bf16."""
@@ -549,11 +639,13 @@ def test_w4wgmma_gptq_act_order_small(dtype, m):
 
 @pytest.mark.gpu
 def test_w4wgmma_memcheck_case_small():
-    """Two small launches for compute-sanitizer (benchmarks/_quant_w4wgmma_gpu.sh): split-K with a partial m tile,
-    and a 2-m-tile direct store."""
+    """Small launches for compute-sanitizer (benchmarks/_quant_w4wgmma_gpu.sh, benchmarks/_quant_w4tune_gpu.sh):
+    split-K with a partial m tile, a 2-m-tile direct store, and the blk = 1 variants (mt 256 split over 70 rows;
+    mt 64 direct)."""
     torch = _torch()
     rng = np.random.default_rng(5)
-    for (m, n, k, override) in ((33, 512, 512, {"splits": 2}), (150, 256, 256, {})):
+    for (m, n, k, override) in ((33, 512, 512, {"splits": 2}), (150, 256, 256, {}),
+                                (70, 256, 512, {"blk": 1, "mt": 256, "splits": 2}), (33, 512, 256, {"blk": 1})):
         with _w4("on", **override):
             layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, torch.bfloat16, rng)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
