@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the launch-shape sweep of w4_wgmma_kernel (kernels/quant_sm90.cu): every w4wgmma variant
-# (default blk = 2 shapes and the blk = 1 shapes mt 64 / 128 / 256 that _W4WGMMA_OVERRIDE reaches) compiled for
-# sm_90a with the device NVRTC (resources printed; the rest of the quant family for sm_90 beside them, which the
-# tests' "current" comparisons launch), the GPU tests of tests/test_quant_w4wgmma.py (the blk = 1 ones included)
-# || a compute-sanitizer memcheck of the small cases (blk = 1 mt 256 split-K and mt 64 among them), then
-# `benchmarks/_quant_w4wgmma_probe.py --tune` (default shape vs the blk = 1 shapes vs current dispatch vs cuBLAS,
-# outputs cross-checked) with its table last.  Every step is timeout-wrapped; worst case 60 + 120 + 100 = 280 s.
+# (the default blk = 2 shapes, the blk = 1 shapes mt 64 / 128 / 256, each also as stream-K: what _W4WGMMA_OVERRIDE
+# reaches) compiled for sm_90a with the device NVRTC (resources printed; the rest of the quant family for sm_90
+# beside them, which the tests' "current" comparisons launch), the GPU tests of tests/test_quant_w4wgmma.py (blk = 1
+# and stream-K ones included) || a compute-sanitizer memcheck of the small cases (blk = 1 mt 256 split-K, mt 64,
+# stream-K over 3 / 5 CTAs among them), then `benchmarks/_quant_w4wgmma_probe.py --tune` (default shape vs the
+# other shapes vs current dispatch vs cuBLAS, outputs cross-checked) with its table last.  Every step is
+# timeout-wrapped; worst case 50 + 130 + 100 = 280 s.
 #
 #   SPEEDCORE_COMMIT=<hash> bash benchmarks/_quant_w4tune_gpu.sh
 #
@@ -18,19 +19,20 @@ O=${OUT:-/tmp/out}; mkdir -p $O; t0=$SECONDS
 echo "commit ${SPEEDCORE_COMMIT:-?}; $(python3 -m speedcore info 2>&1 | grep -i nvrtc | head -n 1)"
 NV=$(python3 -c "from speedcore import quant as Q; print(sum(k.source == Q.W4WGMMA_SOURCE for k in Q.all_kernels()))")
 for i in $(seq 0 $((NV - 1))); do
-  timeout ${T_COMPILE:-60} python3 -c "
+  timeout ${T_COMPILE:-50} python3 -c "
 from speedcore import quant as Q, _compile
 k = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE][$i]
 c = _compile.compile_kernel(k, 'sm_90a')
-print(k.name, c.resources)" >> $O/compile.log 2>&1 &
+print(k.name, c.resources)" > $O/compile_$i.tmp 2>&1 &
 done
-timeout ${T_COMPILE:-60} python3 -m speedcore compile --arch sm_90 --family quant > $O/compile_family.log 2>&1 &
+timeout ${T_COMPILE:-50} python3 -m speedcore compile --arch sm_90 --family quant > $O/compile_family.log 2>&1 &
 wait; echo "compile $((SECONDS-t0))s ($NV w4wgmma variants): $(tail -n 1 $O/compile_family.log)"
+cat $O/compile_*.tmp > $O/compile.log; rm -f $O/compile_*.tmp
 grep -E "registers|Error|error" $O/compile.log | sed -E "s/'warnings': \[\], //" | cut -c1-200
-( timeout ${T_TEST:-120} python3 -m pytest -q -rs -m gpu --maxfail=10 tests/test_quant_w4wgmma.py > $O/pytest.log 2>&1
+( timeout ${T_TEST:-130} python3 -m pytest -q -rs -m gpu --maxfail=10 tests/test_quant_w4wgmma.py > $O/pytest.log 2>&1
   echo "pytest rc=$? $((SECONDS-t0))s" > $O/rc ) &
 p1=$!
-timeout ${T_SAN:-120} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 python3 -m pytest -q -x \
+timeout ${T_SAN:-130} compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 python3 -m pytest -q -x \
   -m gpu tests/test_quant_w4wgmma.py -k "memcheck_case" > $O/memcheck.log 2>&1 &
 p2=$!
 wait $p1; cat $O/rc; grep -hE "^(FAILED|ERROR)|passed|failed" $O/pytest.log | cut -c1-240 | tail -n 14

@@ -13,9 +13,10 @@ With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x819
     SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py --tune [M ...]
 
 --tune: the launch-shape sweep instead (AWQ bf16, 8192x8192 and 28672x8192, M = 64, 128, 256, 1024, 2048 unless
-given): today's default shape ("def", blk 2) against the blk = 1 shapes forced through _W4WGMMA_OVERRIDE (b1m<MT>
-with the heuristic's splits, b1m<MT>s<S> other split counts), each output checked against the current dispatch;
-one line per (layer, M), then a table of the best shape per case.
+given): today's default shape ("def", blk 2) against shapes forced through _W4WGMMA_OVERRIDE: b<BLK>m<MT> (blk = 1:
+128-channel CTAs; the heuristic's split-K), b<BLK>m<MT>s<S> (S splits), b<BLK>m<MT>sk (stream-K on one CTA per SM);
+"/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
+the best shape per case.
 """
 import sys
 import time
@@ -102,7 +103,8 @@ def case(fmt, n, k, dt, ms, sweep=()):
 def tune_variants(m, n, k, sms):
     """(tag, override, config) of the shapes the sweep times at M: blk = 1 at each tile height up to 2 M (mt 256
     from M = 128; from M = 1024 not mt 64, which reads the weights once per 64 rows), with the heuristic's splits
-    and, up to M = 256, 1 and 2; plus blk = 2 without split-K; duplicates of today's default launch dropped."""
+    and, up to M = 256, 1 and 2; plus blk = 2 without split-K; duplicates of today's default launch dropped; then
+    each of these tile shapes (and the default's) as stream-K on one CTA per SM ("...sk")."""
     base = Q.w4wgmma_config(m, n, k, sms)
     seen = {(base.blk, base.mt, base.splits)}
     out = []
@@ -118,6 +120,9 @@ def tune_variants(m, n, k, sms):
             seen.add(key)
             tag = f"b{blk}m{mt}" + ("" if s == heur and blk == 1 else f"s{cfg.splits}")
             out.append((tag, {"blk": blk, "mt": mt, "splits": cfg.splits}, cfg))
+    for blk, mt in [(base.blk, base.mt)] + [c for c in cands if c != (base.blk, base.mt)]:
+        cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt, streamk=1)
+        out.append((f"b{blk}m{mt}sk", {"blk": blk, "mt": mt, "streamk": 1}, cfg))
     return base, out
 
 

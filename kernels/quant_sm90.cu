@@ -24,6 +24,14 @@
 //   read its x tile has retired.
 // * Split-K over `splits` CTAs per tile where the tiles alone do not fill the SMs (fp32 partials in ws, summed in
 //   split order by the tile's last CTA: deterministic), else y is written straight from the accumulators.
+// * STREAMK (for measurements: speedcore.quant's _W4WGMMA_OVERRIDE streamk): a persistent grid of P CTAs splits the
+//   tiles x KB (tile, k stage) units, tile-major, into P equal ranges, so that e.g. 112 tiles use all 132 SMs and
+//   1.9 waves become one.  A CTA runs its range as segments (one per tile it touches, the ring continuing across
+//   them; the last stage of a segment is released before its epilogue so the producer runs ahead): whole tiles
+//   are stored directly, partial ones go to fp32 slot 2 p (the CTA's first segment) or 2 p + 1 (its last) and
+//   the tile's last CTA to arrive sums its contributors' slots in CTA order (deterministic).
+// * BLK = 1 (128-channel CTAs: twice the tiles of BLK = 2) allows MT = 256 (a 64 x 256 fp32 accumulator is 128
+//   registers per consumer thread).
 // * Accumulator (blk, r) of a consumer thread (warp w, lane 4 g + c) is channel 64 (cw BLK + blk) + 16 w + g
 //   (+ 8 when r % 4 >= 2) of the CTA and row 8 (r / 4) + 2 c + (r % 2) of its x tile.  Rows >= M: TMA zero-fills
 //   x there and the stores are masked.
@@ -63,12 +71,19 @@ __device__ __forceinline__ void group_consts(unsigned sw, unsigned zw, unsigned 
 // Keep the compiler from moving an A-fragment register's reuse across wgmma issue / wait points.
 __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
 
+// Stream-K: the first unit of CTA p of P over `units` (tile-major (tile, k stage) units), and the CTA owning unit u
+// (32-bit: the launch checks units x P < 2^31).
+__device__ __forceinline__ int streamk_begin(int p, int P, int units) { return p * units / P; }
+__device__ __forceinline__ int streamk_owner(int u, int P, int units) { return ((u + 1) * P - 1) / units; }
+
 // y (M, N) = x (M, K) @ W (+ bias) for a layer in the wgmma-major INT4 layout (wq) with group records (grec).
 // Grid: m_tiles x splits x (N / (128 BLK)) CTAs, m tile fastest (CTAs reading the same weights run together).
 // CTA (m tile, split, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
 // [split KB / splits, (split + 1) KB / splits).  KB = K / 64, SPG = G / 64, NG = K / G.
 // splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
-template <typename T, int MT, int BLK, int STAGES>
+// STREAMK: any grid P <= tiles x KB; tile = n tile x m_tiles + m tile; splits is ignored; ws holds 2 P slots of
+// MT x 128 BLK floats (row-major in the tile), tickets one zeroed int32 per tile (left zeroed).
+template <typename T, int MT, int BLK, int STAGES, bool STREAMK = false>
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
     const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
@@ -90,6 +105,10 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int m0 = m_tile * MT, nb0 = n_tile * L::BLOCKS;
   const int kb_begin = (int)((long long)split * KB / splits);
   const int kb_end = (int)((long long)(split + 1) * KB / splits);
+  // Stream-K: this CTA's units [u_begin, u_end) of `units`.
+  const int units = m_tiles * (N / (64 * L::BLOCKS)) * KB;
+  const int u_begin = STREAMK ? streamk_begin(blockIdx.x, gridDim.x, units) : 0;
+  const int u_end = STREAMK ? streamk_begin(blockIdx.x + 1, gridDim.x, units) : 0;
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -107,22 +126,30 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       sc::tma_prefetch_map(&tmap_x);
       int stage = 0;
       unsigned phase = 0;
-      for (int kb = kb_begin; kb < kb_end; ++kb) {
+      auto produce = [&](int kb, int pm0, int pnb0) {
         sc::mbar_wait(&empty[stage], phase ^ 1);
         sc::mbar_arrive_expect_tx(&full[stage], L::STAGE);
-        sc::tma_load_2d(ring_x + stage * L::X_BYTES, &tmap_x, kb * kBK, m0, &full[stage]);
+        sc::tma_load_2d(ring_x + stage * L::X_BYTES, &tmap_x, kb * kBK, pm0, &full[stage]);
         const int grp = kb / SPG;
 #pragma unroll
         for (int b = 0; b < L::BLOCKS; ++b) {
           sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + b * kBlockBytes,
-                        wq + ((long long)(nb0 + b) * KB + kb) * kBlockBytes, kBlockBytes, &full[stage]);
+                        wq + ((long long)(pnb0 + b) * KB + kb) * kBlockBytes, kBlockBytes, &full[stage]);
           sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES + b * kRecBytes,
-                        grec + ((long long)(nb0 + b) * NG + grp) * kRecBytes, kRecBytes, &full[stage]);
+                        grec + ((long long)(pnb0 + b) * NG + grp) * kRecBytes, kRecBytes, &full[stage]);
         }
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
         }
+      };
+      if constexpr (STREAMK) {
+        for (int u = u_begin; u < u_end; ++u) {
+          const int tile = u / KB;
+          produce(u - tile * KB, (tile % m_tiles) * MT, (tile / m_tiles) * L::BLOCKS);
+        }
+      } else {
+        for (int kb = kb_begin; kb < kb_end; ++kb) produce(kb, m0, nb0);
       }
     }
     return;
@@ -132,70 +159,173 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int cw = wg - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
   float acc[BLK][NACC];
+  auto zero_acc = [&]() {
 #pragma unroll
-  for (int blk = 0; blk < BLK; ++blk)
+    for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[blk][i] = 0.f;
+      for (int i = 0; i < NACC; ++i) acc[blk][i] = 0.f;
+  };
+  zero_acc();
   unsigned afrag[2][BLK][4];
   int stage = 0, prev_stage = -1;
   unsigned phase = 0;
-  for (int kb = kb_begin; kb < kb_end; ++kb) {
-    sc::mbar_wait(&full[stage], phase);
-    const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16;
-    const unsigned char* gst = ring_g + stage * L::G_BYTES + cw * BLK * kRecBytes;
-    uint4 wv[BLK];
-    unsigned scl[BLK][2], zc[BLK][2];
-#pragma unroll
-    for (int blk = 0; blk < BLK; ++blk) {
-      wv[blk] = *reinterpret_cast<const uint4*>(wst + blk * kBlockBytes);
-      const unsigned char* rec = gst + blk * kRecBytes;
-      const unsigned sw = *reinterpret_cast<const unsigned*>(rec + 16 * g + 4 * warp);
-      const unsigned zw = *reinterpret_cast<const unsigned short*>(rec + 128 + 8 * g + 2 * warp);
-      group_consts<T>(sw, zw, scl[blk], zc[blk]);
-    }
-    const unsigned char* xs = ring_x + stage * L::X_BYTES;
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
+  // acc += the product over k stages [kb0, kb1) of the tile whose stages the producer queued next.
+  auto consume = [&](int kb0, int kb1) {
+    for (int kb = kb0; kb < kb1; ++kb) {
+      sc::mbar_wait(&full[stage], phase);
+      const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16;
+      const unsigned char* gst = ring_g + stage * L::G_BYTES + cw * BLK * kRecBytes;
+      uint4 wv[BLK];
+      unsigned scl[BLK][2], zc[BLK][2];
 #pragma unroll
       for (int blk = 0; blk < BLK; ++blk) {
-        sc::int4_fragment<T>(afrag[s & 1][blk], sc::word(wv[blk], s), scl[blk][0], scl[blk][1], zc[blk][0],
-                             zc[blk][1], sc::int4_magic<T>);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) fence_reg(afrag[s & 1][blk][i]);
+        wv[blk] = *reinterpret_cast<const uint4*>(wst + blk * kBlockBytes);
+        const unsigned char* rec = gst + blk * kRecBytes;
+        const unsigned sw = *reinterpret_cast<const unsigned*>(rec + 16 * g + 4 * warp);
+        const unsigned zw = *reinterpret_cast<const unsigned short*>(rec + 128 + 8 * g + 2 * warp);
+        group_consts<T>(sw, zw, scl[blk], zc[blk]);
       }
+      const unsigned char* xs = ring_x + stage * L::X_BYTES;
 #pragma unroll
-      for (int blk = 0; blk < BLK; ++blk)
+      for (int s = 0; s < 4; ++s) {
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
-      sc::wgmma_fence();
-      const unsigned long long db = sc::wgmma_desc_k128(xs + s * 32);
+        for (int blk = 0; blk < BLK; ++blk) {
+          sc::int4_fragment<T>(afrag[s & 1][blk], sc::word(wv[blk], s), scl[blk][0], scl[blk][1], zc[blk][0],
+                               zc[blk][1], sc::int4_magic<T>);
 #pragma unroll
-      for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRS<MT, T, 0>::mma(acc[blk], afrag[s & 1][blk], db);
-      sc::wgmma_commit();
+          for (int i = 0; i < 4; ++i) fence_reg(afrag[s & 1][blk][i]);
+        }
 #pragma unroll
-      for (int blk = 0; blk < BLK; ++blk)
+        for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
-      // At most this step's group is pending: the previous one (the other A buffer, and at s = 0 the last reader
-      // of the previous stage's x tile) has retired.
-      sc::wgmma_wait<1>();
+          for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+        sc::wgmma_fence();
+        const unsigned long long db = sc::wgmma_desc_k128(xs + s * 32);
 #pragma unroll
-      for (int blk = 0; blk < BLK; ++blk)
+        for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRS<MT, T, 0>::mma(acc[blk], afrag[s & 1][blk], db);
+        sc::wgmma_commit();
 #pragma unroll
-        for (int i = 0; i < 4; ++i) fence_reg(afrag[(s + 1) & 1][blk][i]);
-      if (s == 0 && prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
+        for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+          for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+        // At most this step's group is pending: the previous one (the other A buffer, and at s = 0 the last reader
+        // of the previous stage's x tile) has retired.
+        sc::wgmma_wait<1>();
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) fence_reg(afrag[(s + 1) & 1][blk][i]);
+        if (s == 0 && prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
+      }
+      prev_stage = stage;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
     }
-    prev_stage = stage;
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1;
+    sc::wgmma_wait<0>();
+#pragma unroll
+    for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+  };
+  if constexpr (STREAMK) {
+    constexpr int CH = 64 * L::BLOCKS;  // channels of a tile: the row length of a slot
+    const int P = gridDim.x, p = blockIdx.x;
+    const int row_lane = 2 * c, ch_lane = cw * BLK * 64 + 16 * warp + g;
+    for (int u = u_begin; u < u_end;) {
+      const int tile = u / KB, kb0 = u - tile * KB;
+      const int kb1 = min(KB, kb0 + (u_end - u));
+      if (u != u_begin) zero_acc();
+      consume(kb0, kb1);
+      // Every wgmma has retired: release the segment's last stage now, so the producer fills the ring with the
+      // next segment's stages while this one's epilogue runs.
+      if (prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
+      prev_stage = -1;
+      const int sm0 = (tile % m_tiles) * MT, snb0 = (tile / m_tiles) * L::BLOCKS;
+      const int n_lane = snb0 * 64 + ch_lane, m_lane = sm0 + row_lane;
+      const bool whole = kb0 == 0 && kb1 == KB;
+      // The tile's contributors, CTAs q_first..q_last: slot 2 q in CTA order, but for the first, whose range may
+      // have begun in an earlier tile (then this is its last segment: slot 2 q + 1).
+      const int q_first = streamk_owner(tile * KB, P, units), q_last = streamk_owner(tile * KB + KB - 1, P, units);
+      if (!whole) {
+        // This CTA's first segment (u == u_begin) goes to slot 2 p, its last to 2 p + 1.
+        float* wrow = ws + (2ll * p + (u == u_begin ? 0 : 1)) * (MT * CH) + row_lane * CH + ch_lane;
+#pragma unroll
+        for (int j = 0; j < MT / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if (m_lane + 8 * j + e < M) {
+#pragma unroll
+              for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) wrow[e * CH + 64 * blk + 8 * h] = acc[blk][4 * j + 2 * h + e];
+            }
+          }
+          wrow += 8 * CH;
+        }
+        __threadfence();
+        sc::named_bar_sync(1, 256);
+        if (threadIdx.x == 128) {
+          const int done = atomicAdd(&tickets[tile], 1);
+          *s_last = done == q_last - q_first;
+          if (done == q_last - q_first) tickets[tile] = 0;
+        }
+        sc::named_bar_sync(1, 256);
+        if (!*s_last) {
+          u += kb1 - kb0;
+          continue;
+        }
+        __threadfence();
+      }
+      const float* slot0 = ws + (2ll * q_first + (streamk_begin(q_first, P, units) < tile * KB ? 1 : 0)) * (MT * CH)
+                           + row_lane * CH + ch_lane;
+      float bv[BLK][2];
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          bv[blk][h] = bias != nullptr ? sc::to_float<T>(bias[n_lane + 64 * blk + 8 * h]) : 0.f;
+      T* yrow = y + (long long)m_lane * N + n_lane;
+#pragma unroll
+      for (int j = 0; j < MT / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (m_lane + 8 * j + e < M) {
+            float v[BLK][2];
+#pragma unroll
+            for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) v[blk][h] = acc[blk][4 * j + 2 * h + e];
+            if (!whole) {
+              // The sum in CTA order (this CTA's own partial included): the same bits whichever CTA is last.
+#pragma unroll
+              for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) v[blk][h] = 0.f;
+              const float* sp = slot0 + (8 * j + e) * CH;
+              for (int q = q_first; q <= q_last; ++q) {
+#pragma unroll
+                for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+                  for (int h = 0; h < 2; ++h) v[blk][h] += __ldcg(sp + 64 * blk + 8 * h);
+                sp = ws + 2ll * (q + 1) * (MT * CH) + (row_lane + 8 * j + e) * CH + ch_lane;
+              }
+            }
+#pragma unroll
+            for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                yrow[(long long)e * N + 64 * blk + 8 * h] = sc::from_float<T>(v[blk][h] + bv[blk][h]);
+          }
+        }
+        yrow += 8ll * N;
+      }
+      u += kb1 - kb0;
     }
+    return;
   }
-  sc::wgmma_wait<0>();
-#pragma unroll
-  for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+  consume(kb_begin, kb_end);
 
   // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; x row of (j, e): m0 + 8 j + 2 c + e.
   const int n_lane = (nb0 + cw * BLK) * 64 + 16 * warp + g;
