@@ -547,10 +547,10 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
     once the override is gone."""
     calls, maps = fake_gpu
     k, n, g = 1024, 1536, 128
-    x = _Fake((m, k), "float16")
+    x = FakeTensor((m, k), "float16")
     with _w4("on", **override):
-        pw = Q.prepack_awq(_Fake((k, n // 8), "int32"), _Fake((k // g, n // 8), "int32"),
-                           _Fake((k // g, n), "float16"), group_size=g)
+        pw = Q.prepack_awq(FakeTensor((k, n // 8), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                           FakeTensor((k // g, n), "float16"), group_size=g)
         Q.awq_linear(x, pw)
     with _w4("on"):
         Q.awq_linear(x, pw)
@@ -680,7 +680,7 @@ def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
         for _ in range(2):
             poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
             del poison  # the output is allocated from this freed NaN block
-            with _launched() as names:
+            with launched() as names:
                 y = _linear(fmt, x, layer)
             cfg = Q.w4wgmma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, **override)
             assert any(f"w4_wgmma_kernel<{Q.A.CTYPE[dtype]}, {cfg.mt}, 1, " in nm for nm in names), names
@@ -690,7 +690,7 @@ def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
         y3 = _linear(fmt, xb, layer, bias)
         assert _row_err(y3, _ref(xb, w_kn, bias)) < 1e-2
     with _w4("on"):
-        with _launched() as names:
+        with launched() as names:
             y_def = _linear(fmt, x, layer)
         assert any(", 2, 8>" in nm for nm in names), names
     assert (y.float() - y_def.float()).abs().max().item() <= 2e-2 * y_def.float().abs().max().item() + 1e-3
@@ -720,7 +720,7 @@ def test_w4wgmma_streamk_small(dtype, fmt, m, n, k, g, override):
         for _ in range(3):
             poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
             del poison
-            with _launched() as names:
+            with launched() as names:
                 outs.append(_linear(fmt, x, layer, bias))
             assert any(nm.endswith(", true>") and "w4_wgmma_kernel" in nm for nm in names), names
             assert _row_err(outs[-1], ref) < 1e-2
