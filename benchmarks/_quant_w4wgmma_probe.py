@@ -12,7 +12,7 @@ With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x819
 
     SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py --tune [M ...]
 
---tune: the launch-shape sweep instead (AWQ bf16, 8192x8192 and 28672x8192, M = 64, 128, 256, 1024, 2048 unless
+--tune: the launch-shape sweep instead (AWQ bf16, 8192x8192, 28672x8192, 4096x4096 and 8192x28672, M = 64, 128, 256, 1024, 2048 unless
 given): today's default shape ("def", blk 2) against shapes forced through _W4WGMMA_OVERRIDE: b<BLK>m<MT> (blk = 1:
 128-channel CTAs; the heuristic's split-K), b<BLK>m<MT>s<S> (S splits), b<BLK>m<MT>sk (stream-K on one CTA per SM);
 "/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
@@ -159,7 +159,7 @@ def tune_case(n, k, ms, dt=torch.bfloat16):
 bf, fp = torch.bfloat16, torch.float16
 if sys.argv[1:2] == ["--tune"]:
     MS = [int(a) for a in sys.argv[2:]] or [64, 128, 256, 1024, 2048]
-    for n, k in ((8192, 8192), (28672, 8192)):
+    for n, k in ((8192, 8192), (28672, 8192), (4096, 4096), (8192, 28672)):
         try:
             tune_case(n, k, MS)
         except Exception as e:
