@@ -15,7 +15,7 @@ With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x819
 --tune: the launch-shape sweep instead (AWQ bf16, 8192x8192, 28672x8192, 4096x4096 and 8192x28672, M = 64, 128, 256, 1024, 2048 unless
 given): today's default shape ("def", blk 2) against shapes forced through _W4WGMMA_OVERRIDE: b<BLK>m<MT> (blk = 1:
 128-channel CTAs; the heuristic's split-K), b<BLK>m<MT>s<S> (S splits), b<BLK>m<MT>sk (stream-K on one CTA per SM);
-"/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
+"...g<GS>": wgmma groups of GS k16 steps; "/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
 the best shape per case.
 """
 import sys
@@ -120,6 +120,13 @@ def tune_variants(m, n, k, sms):
             seen.add(key)
             tag = f"b{blk}m{mt}" + ("" if s == heur and blk == 1 else f"s{cfg.splits}")
             out.append((tag, {"blk": blk, "mt": mt, "splits": cfg.splits}, cfg))
+    grouped = []
+    for tag, ov, cfg in [(f"b{base.blk}m{base.mt}s{base.splits}", {"blk": base.blk, "mt": base.mt,
+                                                                    "splits": base.splits}, base)] + out:
+        for gs in Q.W4WGMMA_GROUP_STEPS:
+            if gs != cfg.gs:
+                grouped.append((f"{tag}g{gs}", {**ov, "gs": gs}, Q.w4wgmma_config(m, n, k, sms, **ov, gs=gs)))
+    out += grouped
     for blk, mt in [(base.blk, base.mt)] + [c for c in cands if c != (base.blk, base.mt)]:
         cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt, streamk=1)
         out.append((f"b{blk}m{mt}sk", {"blk": blk, "mt": mt, "streamk": 1}, cfg))

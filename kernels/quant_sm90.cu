@@ -83,13 +83,14 @@ __device__ __forceinline__ int streamk_owner(int u, int P, int units) { return (
 // splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
 // STREAMK: any grid P <= tiles x KB; tile = n tile x m_tiles + m tile; splits is ignored; ws holds 2 P slots of
 // MT x 128 BLK floats (row-major in the tile), tickets one zeroed int32 per tile (left zeroed).
-template <typename T, int MT, int BLK, int STAGES, bool STREAMK = false>
+template <typename T, int MT, int BLK, int STAGES, bool STREAMK = false, int GS = 1>
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
     const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
     int N, int KB, int SPG, int NG, int m_tiles, int splits) {
   using L = W4Tile<MT, BLK>;
   constexpr int NACC = MT / 2;
+  static_assert(GS == 1 || GS == 2 || GS == 4, "a wgmma group is 1, 2 or 4 of a stage's k16 steps");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (sc::smem_addr(smem_raw) & 1023u)) & 1023u);
   unsigned char* ring_x = smem;
@@ -166,62 +167,77 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       for (int i = 0; i < NACC; ++i) acc[blk][i] = 0.f;
   };
   zero_acc();
-  unsigned afrag[2][BLK][4];
+  // A fragments: two sets of GS k16 steps (the group in flight and the one being dequantized).
+  unsigned afrag[2][GS][BLK][4];
   int stage = 0, prev_stage = -1;
   unsigned phase = 0;
+  // One ring stage (4 k16 steps) as 4 / GS wgmma groups.  PAR: the stage's parity, which picks the A set of a group
+  // when GS = 4 (one group per stage); the calls pass it as a literal, so that once inlined the set index is a
+  // compile-time constant (NVRTC 13.0 takes a generic lambda for a host function).
+  auto stage_body = [&](const int PAR) {
+    sc::mbar_wait(&full[stage], phase);
+    const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16;
+    const unsigned char* gst = ring_g + stage * L::G_BYTES + cw * BLK * kRecBytes;
+    uint4 wv[BLK];
+    unsigned scl[BLK][2], zc[BLK][2];
+#pragma unroll
+    for (int blk = 0; blk < BLK; ++blk) {
+      wv[blk] = *reinterpret_cast<const uint4*>(wst + blk * kBlockBytes);
+      const unsigned char* rec = gst + blk * kRecBytes;
+      const unsigned sw = *reinterpret_cast<const unsigned*>(rec + 16 * g + 4 * warp);
+      const unsigned zw = *reinterpret_cast<const unsigned short*>(rec + 128 + 8 * g + 2 * warp);
+      group_consts<T>(sw, zw, scl[blk], zc[blk]);
+    }
+    const unsigned char* xs = ring_x + stage * L::X_BYTES;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int set = ((4 * PAR + s) / GS) & 1, j = s % GS;
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk) {
+        sc::int4_fragment<T>(afrag[set][j][blk], sc::word(wv[blk], s), scl[blk][0], scl[blk][1], zc[blk][0],
+                             zc[blk][1], sc::int4_magic<T>);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fence_reg(afrag[set][j][blk][i]);
+      }
+      if (j != GS - 1) continue;
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+      sc::wgmma_fence();
+#pragma unroll
+      for (int jj = 0; jj < GS; ++jj) {
+        const unsigned long long db = sc::wgmma_desc_k128(xs + (s - GS + 1 + jj) * 32);
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRS<MT, T, 0>::mma(acc[blk], afrag[set][jj][blk], db);
+      }
+      sc::wgmma_commit();
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
+      // At most this group is pending: the previous one (the other A set, and at the stage's first group the last
+      // reader of the previous stage's x tile) has retired.
+      sc::wgmma_wait<1>();
+#pragma unroll
+      for (int jj = 0; jj < GS; ++jj)
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) fence_reg(afrag[set ^ 1][jj][blk][i]);
+      if (s == GS - 1 && prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
+    }
+    prev_stage = stage;
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
   // acc += the product over k stages [kb0, kb1) of the tile whose stages the producer queued next.
   auto consume = [&](int kb0, int kb1) {
     for (int kb = kb0; kb < kb1; ++kb) {
-      sc::mbar_wait(&full[stage], phase);
-      const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16;
-      const unsigned char* gst = ring_g + stage * L::G_BYTES + cw * BLK * kRecBytes;
-      uint4 wv[BLK];
-      unsigned scl[BLK][2], zc[BLK][2];
-#pragma unroll
-      for (int blk = 0; blk < BLK; ++blk) {
-        wv[blk] = *reinterpret_cast<const uint4*>(wst + blk * kBlockBytes);
-        const unsigned char* rec = gst + blk * kRecBytes;
-        const unsigned sw = *reinterpret_cast<const unsigned*>(rec + 16 * g + 4 * warp);
-        const unsigned zw = *reinterpret_cast<const unsigned short*>(rec + 128 + 8 * g + 2 * warp);
-        group_consts<T>(sw, zw, scl[blk], zc[blk]);
-      }
-      const unsigned char* xs = ring_x + stage * L::X_BYTES;
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-#pragma unroll
-        for (int blk = 0; blk < BLK; ++blk) {
-          sc::int4_fragment<T>(afrag[s & 1][blk], sc::word(wv[blk], s), scl[blk][0], scl[blk][1], zc[blk][0],
-                               zc[blk][1], sc::int4_magic<T>);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) fence_reg(afrag[s & 1][blk][i]);
-        }
-#pragma unroll
-        for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-          for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
-        sc::wgmma_fence();
-        const unsigned long long db = sc::wgmma_desc_k128(xs + s * 32);
-#pragma unroll
-        for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRS<MT, T, 0>::mma(acc[blk], afrag[s & 1][blk], db);
-        sc::wgmma_commit();
-#pragma unroll
-        for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-          for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
-        // At most this step's group is pending: the previous one (the other A buffer, and at s = 0 the last reader
-        // of the previous stage's x tile) has retired.
-        sc::wgmma_wait<1>();
-#pragma unroll
-        for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) fence_reg(afrag[(s + 1) & 1][blk][i]);
-        if (s == 0 && prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
-      }
-      prev_stage = stage;
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
+      if (GS == 4 && (kb & 1)) stage_body(1);
+      else stage_body(0);
     }
     sc::wgmma_wait<0>();
 #pragma unroll

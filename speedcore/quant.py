@@ -96,6 +96,7 @@ W4WGMMA_MT_CHOICES = (64, 128)  # rows of x per tile (the wgmma N): M <= 64, els
 # registers per consumer thread, which fits the 232 of setmaxnreg only with one block per warpgroup).
 W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
 W4WGMMA_MAX_STAGES = 8
+W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 W4WGMMA_M_RANGE = (17, 8192)
 
@@ -689,6 +690,7 @@ class W4WgmmaConfig:
     smem: int
     streamk: int = 0  # > 0: the persistent stream-K grid (CTAs splitting the tiles x K/64 units); splits is 1
     kb: int = 0       # K / 64 (stream-K's units per tile)
+    gs: int = 1       # k16 steps per wgmma group (W4WGMMA_GROUP_STEPS)
 
     @property
     def grid(self) -> int:
@@ -709,7 +711,7 @@ def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float)
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
-                   streamk: int = 0) -> W4WgmmaConfig:
+                   streamk: int = 0, gs: int = 0) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count; ``splits`` / ``mt`` /
     ``blk`` / ``streamk`` override, for measurements: blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk]; streamk = 1:
     the stream-K variant on ``sms`` CTAs, streamk = P > 1: on P CTAs (at most one per unit)).  By default blk = 2,
@@ -717,6 +719,9 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
+    gs = gs or W4WGMMA_GROUP_STEPS[0]
+    if gs not in W4WGMMA_GROUP_STEPS or (streamk and gs != 1):
+        raise ValueError(f"w4wgmma_config: gs must be one of {W4WGMMA_GROUP_STEPS} (1 with stream-K), got {gs}")
     blk = blk or W4WGMMA_BLK
     if blk not in W4WGMMA_SHAPES:
         raise ValueError(f"w4wgmma_config: blk must be one of {tuple(W4WGMMA_SHAPES)}, got {blk}")
@@ -741,7 +746,7 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         cands = range(1, max(1, min(16, kb // 4)) + 1)
         s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
     stages = w4wgmma_stages(mt, blk)
-    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages), 0, kb)
+    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages), 0, kb, gs)
 
 
 def w4wgmma_streamk_segments(cfg: W4WgmmaConfig) -> list:
@@ -997,9 +1002,10 @@ def _marlin_kernel(dtype: str, mt: int, defines: tuple = ()) -> Kernel:
 
 
 @lru_cache(maxsize=None)
-def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, streamk: bool = False) -> Kernel:
+def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, streamk: bool = False,
+                    gs: int = 1) -> Kernel:
     stages = stages or w4wgmma_stages(mt, blk)
-    tail = ", true" if streamk else ""
+    tail = (", true" if streamk else "") if gs == 1 else f", {'true' if streamk else 'false'}, {gs}"
     return Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4_wgmma_kernel<{A.CTYPE[dtype]}, {mt}, {blk}, {stages}{tail}>",
                   hopper=True)
 
@@ -1029,6 +1035,8 @@ def all_kernels() -> list:
             for mt in mts:
                 out.append(_w4wgmma_kernel(dtype, mt, blk))
                 out.append(_w4wgmma_kernel(dtype, mt, blk, streamk=True))
+                for gs in W4WGMMA_GROUP_STEPS[1:]:
+                    out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
@@ -1468,7 +1476,7 @@ def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, o
     cfg = w4wgmma_config(rows, n, k, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(k // W4WGMMA_BK), np.int32(group // W4WGMMA_BK),
                np.int32(k // group), np.int32(cfg.m_tiles), np.int32(cfg.splits))
-    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, streamk=cfg.streamk > 0)
+    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, streamk=cfg.streamk > 0, gs=cfg.gs)
     return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem), scalars
 
 

@@ -457,7 +457,7 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 22 and all(k.hopper for k in ks)
+    assert len(ks) == 42 and all(k.hopper for k in ks)
     for dt in ("__half", "__nv_bfloat16"):
         for mt in Q.W4WGMMA_MT_CHOICES:
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 2, 8>" in names
@@ -466,6 +466,9 @@ def test_variants_listed_and_hopper_only():
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 1, {stages}, true>" in names
         for mt in Q.W4WGMMA_MT_CHOICES:
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 2, 8, true>" in names
+        for blk, mt, stages in ((2, 64, 8), (2, 128, 8), (1, 64, 8), (1, 128, 8), (1, 256, 6)):
+            for gs in (2, 4):  # wgmma groups of gs k16 steps, without stream-K
+                assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, {blk}, {stages}, false, {gs}>" in names
     assert {"quant_sm90::w4wgmma_pack_kernel<0>", "quant_sm90::w4wgmma_pack_kernel<1>"} <= names
 
 
@@ -694,6 +697,37 @@ def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
             y_def = _linear(fmt, x, layer)
         assert any(", 2, 8>" in nm for nm in names), names
     assert (y.float() - y_def.float()).abs().max().item() <= 2e-2 * y_def.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k,g,override", [
+    (17, 512, 1024, 128, {"gs": 2}), (100, 256, 640, 128, {"gs": 4, "splits": 3}),
+    (70, 768, 1408, 128, {"gs": 4, "mt": 64, "splits": 4}), (300, 512, 2048, 128, {"gs": 4, "blk": 1, "mt": 256}),
+    (257, 256, 1152, 384, {"gs": 2, "blk": 1, "mt": 128, "splits": 2}), (129, 256, 768, 256, {"gs": 4, "splits": 5})])
+def test_w4wgmma_group_steps_small(dtype, m, n, k, g, override):
+    """wgmma groups of 2 / 4 k16 steps (gs) forced through _W4WGMMA_OVERRIDE, with odd stage counts and split-K
+    ranges that begin on odd stages (the A set of gs = 4 follows the stage's parity): against float64 x @ W with
+    NaN-poisoned outputs, and bit-identical to gs = 1 of the same shape (the same wgmmas in the same order)."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 7 + n + k)
+    base = {**override, "gs": 1}
+    with _w4("on", **override):
+        layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, g, td, rng)
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        bias = torch.randn(n, device="cuda", dtype=td)
+        poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+        del poison
+        with launched() as names:
+            y = _linear(Q.FMT_AWQ, x, layer, bias)
+        assert any(nm.endswith(f", false, {override['gs']}>") for nm in names), names
+        assert _row_err(y, _ref(x, w_kn, bias)) < 1e-2
+    with _w4("on", **base):
+        with launched() as names:
+            y1 = _linear(Q.FMT_AWQ, x, layer, bias)
+        assert not any(", false, " in nm for nm in names), names
+    assert torch.equal(y, y1)
 
 
 @pytest.mark.gpu
