@@ -23,8 +23,8 @@ H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kern
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
 measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
 prepack also builds a wgmma-major INT4 copy (the packed weight's size again) and INT4 layers with N % 256 == 0, K
-and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (from M = 48 on layers larger than 8192 x 8192;
-kernels/quant_sm90.cu: wgmma with the
+and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (from M = 48 on layers larger than 8192 x 8192,
+up to M = 8192 from N = 8192; tile shape per problem: ``w4wgmma_shape``; kernels/quant_sm90.cu: wgmma with the
 dequantized weights as the register A operand, TMA x tiles, split-K where the tiles do not fill the GPU), before
 every other choice including the dense path (``use_w4wgmma``, where it measured ahead;
 ``SPEEDCORE_QUANT_W4WGMMA=1`` extends it to 17 <= M <= 8192, ``0`` turns it and the copy off).  Split-K
@@ -710,15 +710,44 @@ def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float)
 
 
 @lru_cache(maxsize=8192)
+def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
+    """The default (blk, mt, gs) of w4_wgmma_kernel for an (M, N, K) problem (pure).  From the H200 sweep
+    (benchmarks/_quant_w4wgmma_probe.py --tune, AWQ bf16, us; the runner-up in brackets):
+    * M <= 64: 64-row tiles in groups of 4 k16 steps: 8192^2 M = 64 35.9 (37.9 with gs 1), 28672 x 8192 88.3
+      (98.9); 128-channel CTAs below N = 8192, where 256-channel ones leave too few tiles: 4096^2 22.6-23.2 (29.8).
+    * M <= 128: 128-row tiles of 256 channels (52.7 at 8192^2, 110.7 at 28672 x 8192; gs makes no difference);
+      below N = 8192 64-row tiles of 128 channels (4096^2 28.5-29.4 against 44.6).
+    * M <= 512: 256-row tiles of 128 channels where they fill the SMs (1.5 waves) or K is long enough (>= 16384) to
+      bury the split-K epilogue (28672 x 8192 M = 256 195.0 against 211.6, 8192 x 28672 198.9 against 200.7),
+      else 128-row tiles of 128 channels in groups of 4 (8192^2 72.5 against 76.7), or below N = 8192 64-row
+      ones (4096^2 34.5 against 40.4).
+    * M > 512: 256-row tiles of 128 channels, groups of 2 (8192^2 M = 2048 380.3 against 426.2, 28672 x 8192
+      1357 against 1712), but below N = 8192 128-row tiles of 256 channels (4096^2 M = 1024 58.7 against 68.7)."""
+    if m <= 64:
+        return (2 if n >= 8192 else 1), 64, 4
+    if m <= 128:
+        return (2, 128, 1) if n >= 8192 else (1, 64, 4)
+    if n < 8192:
+        return (1, 64, 4) if m <= 512 else (2, 128, 1)
+    if m <= 512:
+        tiles = -(-n // 128) * -(-m // 256)
+        return (1, 256, 2) if (2 * tiles >= 3 * sms or k >= 16384) else (1, 128, 4)
+    return 1, 256, 2
+
+
+@lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
                    streamk: int = 0, gs: int = 0) -> W4WgmmaConfig:
-    """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count; ``splits`` / ``mt`` /
-    ``blk`` / ``streamk`` override, for measurements: blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk]; streamk = 1:
-    the stream-K variant on ``sms`` CTAs, streamk = P > 1: on P CTAs (at most one per unit)).  By default blk = 2,
-    mt = 64 for M <= 64, else 128, no stream-K.  Split-K s (1..16, at least 4 stages per CTA) minimizes
-    _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
+    """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs)
+    from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others default
+    to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
+    W4WGMMA_GROUP_STEPS); ``splits`` / ``streamk`` override the K split (streamk = 1: the stream-K variant on
+    ``sms`` CTAs, streamk = P > 1: on P CTAs, at most one per unit).  Split-K s (1..16, at least 4 stages per CTA)
+    minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
+    if not (blk or mt or gs or streamk):
+        blk, mt, gs = w4wgmma_shape(m, n, k, sms)
     gs = gs or W4WGMMA_GROUP_STEPS[0]
     if gs not in W4WGMMA_GROUP_STEPS or (streamk and gs != 1):
         raise ValueError(f"w4wgmma_config: gs must be one of {W4WGMMA_GROUP_STEPS} (1 with stream-K), got {gs}")
@@ -1313,8 +1342,11 @@ _W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # 53.4 / 80.8 / 37.6, M = 256 76.1 / 117.8 / 47.6, M = 1024 215 / 239 / 178 (fp16 alike); 28672 x 8192 M = 17
 # 113.3 / 88.7 / 110.9 and M = 32 94.9 / 93.8 / 113.0 (quant_marlin_kernel ahead or level: larger layers start at
 # M = 48), M = 48 95.6 / 130.0 / 119.4, M = 64 98.1 / 138.2 / 119.6, M = 256 215 / 399 / 183, M = 1024 764 / 829
-# / 618.  At M = 2048 dequantize + cuBLAS stays ahead (407 vs 420, 1520 vs 1648 us).
+# / 618.  With w4wgmma_shape's tiles (--tune sweep) M = 2048 is ahead of dequantize + cuBLAS from N = 8192 on
+# (8192^2 380 / 404, 28672 x 8192 1357 / 1490, 8192 x 28672 1330 / 1479), not at 4096^2 (115 / 111).
 W4WGMMA_AUTO_M = (17, 1024)
+W4WGMMA_AUTO_WIDE_MAX_M = 8192  # the upper end on layers with N >= W4WGMMA_AUTO_WIDE_N
+W4WGMMA_AUTO_WIDE_N = 8192
 W4WGMMA_AUTO_LARGE_MIN_M = 48   # layers with N K > 8192 x 8192
 _W4WGMMA_OVERRIDE: dict = {}
 
@@ -1322,12 +1354,15 @@ _W4WGMMA_OVERRIDE: dict = {}
 def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
     """Dispatch for prepacked INT4 layers (a pure function but for the _W4WGMMA_MODE switch): w4_wgmma_kernel on
     compute capability 9.0 where w4wgmma_supported holds, for M in W4WGMMA_AUTO_M ("auto", the default; from
-    W4WGMMA_AUTO_LARGE_MIN_M on layers larger than 8192 x 8192) or in W4WGMMA_M_RANGE ("on")."""
+    W4WGMMA_AUTO_LARGE_MIN_M on layers larger than 8192 x 8192, up to W4WGMMA_AUTO_WIDE_MAX_M where N >=
+    W4WGMMA_AUTO_WIDE_N) or in W4WGMMA_M_RANGE ("on")."""
     if _W4WGMMA_MODE == "off" or tuple(cc) != (9, 0) or not w4wgmma_supported(k, n, group):
         return False
     lo, hi = W4WGMMA_M_RANGE if _W4WGMMA_MODE == "on" else W4WGMMA_AUTO_M
     if _W4WGMMA_MODE == "auto" and n * k > 8192 * 8192:
         lo = max(lo, W4WGMMA_AUTO_LARGE_MIN_M)
+    if _W4WGMMA_MODE == "auto" and n >= W4WGMMA_AUTO_WIDE_N:
+        hi = W4WGMMA_AUTO_WIDE_MAX_M
     return lo <= m <= hi
 
 

@@ -323,9 +323,10 @@ def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
 @pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (256, 128), (768, 384)])
 def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
     cfg = Q.w4wgmma_config(m, n, k, 132)
-    assert cfg.mt == (64 if m <= 64 else 128) and cfg.blk == Q.W4WGMMA_BLK
+    assert (cfg.blk, cfg.mt, cfg.gs) == Q.w4wgmma_shape(m, n, k, 132) and cfg.streamk == 0
+    assert cfg.mt in Q.W4WGMMA_SHAPES[cfg.blk] and cfg.gs in Q.W4WGMMA_GROUP_STEPS
     assert cfg.m_tiles * cfg.mt >= m > (cfg.m_tiles - 1) * cfg.mt
-    assert cfg.n_tiles * 256 == n
+    assert cfg.n_tiles * 128 * cfg.blk == n
     kbs = k // 64
     assert 1 <= cfg.splits <= max(1, min(16, kbs // 4))
     assert cfg.smem == Q.w4wgmma_smem_bytes(cfg.mt, cfg.blk, cfg.stages) <= Q.W4WGMMA_SMEM_LIMIT
@@ -333,7 +334,7 @@ def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
         seen = np.zeros((cfg.m_tiles, n // 64, kbs), np.int64)
         for (m_tile, split, n_tile, nb0, kb0, kb1) in Q.w4wgmma_work(cfg, k):
             assert kb1 > kb0  # every split has at least one stage (the ring and the ticket count on it)
-            seen[m_tile, nb0:nb0 + 4, kb0:kb1] += 1
+            seen[m_tile, nb0:nb0 + 2 * cfg.blk, kb0:kb1] += 1
         assert (seen == 1).all()
 
 
@@ -370,8 +371,22 @@ def test_streamk_segments_cover_every_unit_once(m, n, k, override):
 def test_config_heuristic_choices():
     assert Q.w4wgmma_config(64, 8192, 8192, 132).splits == 4       # 32 tiles x 4 = 128 CTAs
     assert Q.w4wgmma_config(64, 28672, 8192, 132).splits == 1      # 112 tiles: the partials would cost more
-    assert Q.w4wgmma_config(256, 8192, 8192, 132).splits == 2      # 2 m tiles x 32
+    assert Q.w4wgmma_config(256, 8192, 8192, 132).splits == 1      # 2 m tiles x 64 (128-channel CTAs)
+    assert Q.w4wgmma_config(256, 8192, 8192, 132, blk=2).splits == 2  # 2 m tiles x 32
     assert Q.w4wgmma_config(2048, 8192, 8192, 132).splits == 1
+    # tile shapes (w4wgmma_shape): (blk, mt, gs) by M and layer
+    shape = lambda m, n, k: Q.w4wgmma_shape(m, n, k, 132)  # noqa: E731
+    assert shape(17, 8192, 8192) == shape(64, 28672, 8192) == (2, 64, 4)
+    assert shape(64, 4096, 4096) == shape(128, 4096, 4096) == shape(300, 4096, 4096) == (1, 64, 4)
+    assert shape(65, 8192, 8192) == shape(128, 28672, 8192) == (2, 128, 1)
+    assert shape(256, 8192, 8192) == (1, 128, 4)              # 64 tiles of 256 rows: too few, K too short
+    assert shape(256, 28672, 8192) == shape(256, 8192, 28672) == (1, 256, 2)  # 224 tiles / K = 28672
+    assert shape(513, 8192, 8192) == shape(8192, 28672, 8192) == (1, 256, 2)
+    assert shape(1024, 4096, 4096) == (2, 128, 1)
+    c = Q.w4wgmma_config(64, 8192, 8192, 132, splits=2)   # splits alone keep the heuristic's tile shape
+    assert (c.blk, c.mt, c.gs, c.splits) == (2, 64, 4, 2)
+    c = Q.w4wgmma_config(300, 8192, 8192, 132, blk=1)     # a tile override: the others at blk 2's defaults
+    assert (c.blk, c.mt, c.gs) == (1, 128, 1)
     assert Q.w4wgmma_config(64, 8192, 8192, 132, splits=3).splits == 3
     assert Q.w4wgmma_config(64, 256, 128, 132, splits=9).splits == 2  # at most one split per stage
     assert Q.w4wgmma_config(20, 8192, 8192, 132, mt=128).mt == 128
@@ -433,7 +448,9 @@ def test_supported_shapes_and_switch():
     with _w4("auto"):
         assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(1024, 28672, 8192, 128)
         assert Q.use_w4wgmma(48, 28672, 8192, 128) and not Q.use_w4wgmma(47, 28672, 8192, 128)
-        assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(1025, 8192, 8192, 128)
+        assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(1025, 4096, 4096, 128)
+        assert Q.use_w4wgmma(1024, 4096, 4096, 128)
+        assert Q.use_w4wgmma(8192, 8192, 8192, 128) and not Q.use_w4wgmma(8193, 8192, 8192, 128)  # from N = 8192
         assert not Q.use_w4wgmma(256, 8192, 8192, 128, cc=(8, 0))
     with _w4("on"):
         assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(8192, 8192, 8192, 128)
@@ -517,7 +534,8 @@ def test_dispatch_launch_arguments(fake_gpu, m):
     cfg = Q.w4wgmma_config(m, n, k, 132)
     assert len(calls) == 3
     for kernel, lcfg, args in calls:
-        assert kernel.name == f"quant_sm90::w4_wgmma_kernel<__nv_bfloat16, {cfg.mt}, 2, 8>" and kernel.hopper
+        assert kernel.name == Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs).name
+        assert kernel.hopper and kernel.name.startswith(f"quant_sm90::w4_wgmma_kernel<__nv_bfloat16, {cfg.mt}, ")
         assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (384,) and lcfg.smem == cfg.smem
         assert len(args) == 14 and args[0] == "tmap"
         assert [int(a) for a in args[7:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
@@ -566,7 +584,8 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
     if cfg.streamk:
         assert cfg.grid == min(132, cfg.units) and cfg.splits == 1
     assert maps[0][1]["box_rows"] == cfg.mt
-    assert ", 2, 8>" in kernel2.name
+    d = Q.w4wgmma_config(m, n, k, 132)
+    assert kernel2.name == Q._w4wgmma_kernel("float16", d.mt, d.blk, d.stages, gs=d.gs).name
 
 
 # -------------------------------------------------------------------------------------------------- GPU tests
@@ -692,7 +711,7 @@ def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
         bias = torch.randn(n, device="cuda", dtype=td)
         y3 = _linear(fmt, xb, layer, bias)
         assert _row_err(y3, _ref(xb, w_kn, bias)) < 1e-2
-    with _w4("on"):
+    with _w4("on", blk=2):
         with launched() as names:
             y_def = _linear(fmt, x, layer)
         assert any(", 2, 8>" in nm for nm in names), names
