@@ -124,7 +124,7 @@ def tune_variants(m, n, k, sms):
     for tag, ov, cfg in [(f"b{base.blk}m{base.mt}s{base.splits}", {"blk": base.blk, "mt": base.mt,
                                                                     "splits": base.splits}, base)] + out:
         for gs in Q.W4WGMMA_GROUP_STEPS:
-            if gs != cfg.gs:
+            if gs != cfg.gs and not (gs == 4 and (cfg.blk, cfg.mt) in Q.W4WGMMA_NO_GS4):
                 grouped.append((f"{tag}g{gs}", {**ov, "gs": gs}, Q.w4wgmma_config(m, n, k, sms, **ov, gs=gs)))
     out += grouped
     for blk, mt in [(base.blk, base.mt)] + [c for c in cands if c != (base.blk, base.mt)]:

@@ -382,42 +382,55 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     if (!*s_last) return;
     __threadfence();
   }
-  const long long split_stride = (long long)M * N;
+  if (splits > 1) {
+    // The tile's sum in split order (this CTA's own partial included): the same bits whichever CTA is last.  JC
+    // row groups (32 loads per thread) at a time, split by split, so that a chunk's loads of one split are in
+    // flight together: a round trip per chunk and split rather than per row and split (the per-row loop was most
+    // of the small-M kernel's fixed cost), without holding the whole tile's loads (that spilled at MT x BLK = 256).
+    constexpr int JC = 8 / BLK;
+    static_assert((MT / 8) % JC == 0, "whole chunks of row groups");
+#pragma unroll
+    for (int j0 = 0; j0 < MT / 8; j0 += JC) {
+#pragma unroll
+      for (int j = j0; j < j0 + JC; ++j)
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[blk][4 * j + i] = 0.f;
+      const float* p = ws + (long long)(m_lane + 8 * j0) * N + n_lane;
+      for (int sp = 0; sp < splits; ++sp, p += (long long)M * N) {
+        const float* prow = p;
+#pragma unroll
+        for (int j = j0; j < j0 + JC; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if (m_lane + 8 * j + e < M) {
+#pragma unroll
+              for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                  acc[blk][4 * j + 2 * h + e] += __ldcg(prow + (long long)e * N + 64 * blk + 8 * h);
+            }
+          }
+          prow += 8ll * N;
+        }
+      }
+    }
+  }
   T* yrow = y + (long long)m_lane * N + n_lane;
-  const float* srow = ws + (long long)m_lane * N + n_lane;
 #pragma unroll
   for (int j = 0; j < MT / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       if (m_lane + 8 * j + e < M) {
-        float v[BLK][2];
-#pragma unroll
-        for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) v[blk][h] = acc[blk][4 * j + 2 * h + e];
-        if (splits > 1) {
-          // The tile's sum in split order (this CTA's own partial included): the same bits whichever CTA is last.
-#pragma unroll
-          for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) v[blk][h] = 0.f;
-          const float* p = srow + (long long)e * N;
-          for (int sp = 0; sp < splits; ++sp, p += split_stride) {
-#pragma unroll
-            for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-              for (int h = 0; h < 2; ++h) v[blk][h] += __ldcg(p + 64 * blk + 8 * h);
-          }
-        }
 #pragma unroll
         for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            yrow[(long long)e * N + 64 * blk + 8 * h] = sc::from_float<T>(v[blk][h] + bv[blk][h]);
+            yrow[(long long)e * N + 64 * blk + 8 * h] = sc::from_float<T>(acc[blk][4 * j + 2 * h + e] + bv[blk][h]);
       }
     }
     yrow += 8ll * N;
-    srow += 8ll * N;
   }
 }
 

@@ -23,7 +23,7 @@ H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kern
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
 measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
 prepack also builds a wgmma-major INT4 copy (the packed weight's size again) and INT4 layers with N % 256 == 0, K
-and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (from M = 48 on layers larger than 8192 x 8192,
+and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (from M = 32 on layers larger than 8192 x 8192,
 up to M = 8192 from N = 8192; tile shape per problem: ``w4wgmma_shape``; kernels/quant_sm90.cu: wgmma with the
 dequantized weights as the register A operand, TMA x tiles, split-K where the tiles do not fill the GPU), before
 every other choice including the dense path (``use_w4wgmma``, where it measured ahead;
@@ -97,6 +97,7 @@ W4WGMMA_MT_CHOICES = (64, 128)  # rows of x per tile (the wgmma N): M <= 64, els
 W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
 W4WGMMA_MAX_STAGES = 8
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
+W4WGMMA_NO_GS4 = {(1, 256)}  # (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower)
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 W4WGMMA_M_RANGE = (17, 8192)
 
@@ -757,6 +758,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     mt = mt or (64 if m <= 64 else 128)
     if mt not in W4WGMMA_SHAPES[blk]:
         raise ValueError(f"w4wgmma_config: mt must be one of {W4WGMMA_SHAPES[blk]} with blk = {blk}, got {mt}")
+    if gs == 4 and (blk, mt) in W4WGMMA_NO_GS4:
+        raise ValueError(f"w4wgmma_config: gs = 4 is not built for blk = {blk}, mt = {mt}")
     m_tiles = -(-m // mt)
     n_tiles = -(-n // (128 * blk))
     kb = max(1, k // W4WGMMA_BK)
@@ -1065,7 +1068,8 @@ def all_kernels() -> list:
                 out.append(_w4wgmma_kernel(dtype, mt, blk))
                 out.append(_w4wgmma_kernel(dtype, mt, blk, streamk=True))
                 for gs in W4WGMMA_GROUP_STEPS[1:]:
-                    out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs))
+                    if gs != 4 or (blk, mt) not in W4WGMMA_NO_GS4:
+                        out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
@@ -1339,15 +1343,16 @@ _W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # "auto" takes w4_wgmma_kernel where it measured ahead of every other path (H200, same-process probe
 # benchmarks/_quant_w4wgmma_probe.py, us, w4wgmma / previous dispatch / cuBLAS, bf16): 8192 x 8192 M = 17
 # 31.9 / 35.6 / 36.0, M = 32 33.4 / 41.6 / 37.1, M = 48 35.3 / 56.3 / 36.4, M = 64 37.9 / 62.8 / 38.6, M = 128
-# 53.4 / 80.8 / 37.6, M = 256 76.1 / 117.8 / 47.6, M = 1024 215 / 239 / 178 (fp16 alike); 28672 x 8192 M = 17
-# 113.3 / 88.7 / 110.9 and M = 32 94.9 / 93.8 / 113.0 (quant_marlin_kernel ahead or level: larger layers start at
-# M = 48), M = 48 95.6 / 130.0 / 119.4, M = 64 98.1 / 138.2 / 119.6, M = 256 215 / 399 / 183, M = 1024 764 / 829
-# / 618.  With w4wgmma_shape's tiles (--tune sweep) M = 2048 is ahead of dequantize + cuBLAS from N = 8192 on
-# (8192^2 380 / 404, 28672 x 8192 1357 / 1490, 8192 x 28672 1330 / 1479), not at 4096^2 (115 / 111).
+# 53.4 / 80.8 / 37.6, M = 256 76.1 / 117.8 / 47.6, M = 1024 215 / 239 / 178 (fp16 alike); 28672 x 8192 M = 48
+# 95.6 / 130.0 / 119.4, M = 64 98.1 / 138.2 / 119.6, M = 256 215 / 399 / 183, M = 1024 764 / 829 / 618.  With
+# w4wgmma_shape's tiles (--tune sweep), 28672 x 8192 M = 17 / 32 / 48 106.0 / 86.4 / 87.1 against
+# quant_marlin_kernel's 89.2 / 93.7 / 129.9 (larger layers start at M = 32), and M = 2048 is ahead of dequantize +
+# cuBLAS from N = 8192 on (8192^2 380 / 404, 28672 x 8192 1357 / 1490, 8192 x 28672 1330 / 1479), not at 4096^2
+# (115 / 111).
 W4WGMMA_AUTO_M = (17, 1024)
 W4WGMMA_AUTO_WIDE_MAX_M = 8192  # the upper end on layers with N >= W4WGMMA_AUTO_WIDE_N
 W4WGMMA_AUTO_WIDE_N = 8192
-W4WGMMA_AUTO_LARGE_MIN_M = 48   # layers with N K > 8192 x 8192
+W4WGMMA_AUTO_LARGE_MIN_M = 32   # layers with N K > 8192 x 8192
 _W4WGMMA_OVERRIDE: dict = {}
 
 
