@@ -109,7 +109,7 @@ def tune_variants(m, n, k, sms):
     seen = {(base.blk, base.mt, base.splits)}
     out = []
     cands = [(1, mt) for mt in Q.W4WGMMA_SHAPES[1] if mt <= max(64, 2 * m) and (m < 1024 or mt >= 128)]
-    cands.append((2, base.mt))
+    cands.append((2, min(base.mt, 128)))
     for blk, mt in cands:
         heur = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt).splits
         for s in ([heur, 1, 2] if blk == 1 and m <= 256 else [heur] if blk == 1 else [1]):

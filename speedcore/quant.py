@@ -712,28 +712,25 @@ def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float)
 
 @lru_cache(maxsize=8192)
 def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
-    """The default (blk, mt, gs) of w4_wgmma_kernel for an (M, N, K) problem (pure).  From the H200 sweep
-    (benchmarks/_quant_w4wgmma_probe.py --tune, AWQ bf16, us; the runner-up in brackets):
-    * M <= 64: 64-row tiles in groups of 4 k16 steps: 8192^2 M = 64 35.9 (37.9 with gs 1), 28672 x 8192 88.3
-      (98.9); 128-channel CTAs below N = 8192, where 256-channel ones leave too few tiles: 4096^2 22.6-23.2 (29.8).
-    * M <= 128: 128-row tiles of 256 channels (52.7 at 8192^2, 110.7 at 28672 x 8192; gs makes no difference);
-      below N = 8192 64-row tiles of 128 channels (4096^2 28.5-29.4 against 44.6).
-    * M <= 512: 256-row tiles of 128 channels where they fill the SMs (1.5 waves) or K is long enough (>= 16384) to
-      bury the split-K epilogue (28672 x 8192 M = 256 195.0 against 211.6, 8192 x 28672 198.9 against 200.7),
-      else 128-row tiles of 128 channels in groups of 4 (8192^2 72.5 against 76.7), or below N = 8192 64-row
-      ones (4096^2 34.5 against 40.4).
-    * M > 512: 256-row tiles of 128 channels, groups of 2 (8192^2 M = 2048 380.3 against 426.2, 28672 x 8192
-      1357 against 1712), but below N = 8192 128-row tiles of 256 channels (4096^2 M = 1024 58.7 against 68.7)."""
+    """The default (blk, mt, gs) of w4_wgmma_kernel for an (M, N, K) problem (pure).  From the H200 sweeps
+    (benchmarks/_quant_w4wgmma_probe.py --tune, AWQ bf16, us, at 9d6d23c; the runner-up in brackets):
+    * M <= 64: 64-row tiles in groups of 4 k16 steps: 8192^2 M = 64 34.9 (37.3 with gs 1), 28672 x 8192 87.0
+      (95.4); 128-channel CTAs below N = 8192, where 256-channel ones leave too few tiles: 4096^2 18.1.
+    * M <= 192: 128-row tiles; 128-channel CTAs up to N = 8192 (8192^2 M = 128 43.0 against 50.8, 4096^2 23.7),
+      256-channel ones above (28672 x 8192 110.4 against 132.3).
+    * M <= 512: 256-row tiles of 128 channels in groups of 2 from N = 8192 (8192^2 M = 256 61.9 against 66.5,
+      28672 x 8192 195.0 against 211.6, 8192 x 28672 198.9 against 200.7); below, 128-row tiles in groups of 4
+      (4096^2 28.6 against 33.5).
+    * M > 512: the same 256-row tiles from N = 8192 (8192^2 M = 2048 380.3 against 426.2, 28672 x 8192 1357
+      against 1712), below 128-row tiles of 256 channels (4096^2 M = 1024 58.7 against 68.7)."""
+    wide = n >= 8192
     if m <= 64:
-        return (2 if n >= 8192 else 1), 64, 4
-    if m <= 128:
-        return (2, 128, 1) if n >= 8192 else (1, 64, 4)
-    if n < 8192:
-        return (1, 64, 4) if m <= 512 else (2, 128, 1)
+        return (2 if wide else 1), 64, 4
+    if m <= 192:
+        return (2, 128, 1) if n > 8192 else (1, 128, 1)
     if m <= 512:
-        tiles = -(-n // 128) * -(-m // 256)
-        return (1, 256, 2) if (2 * tiles >= 3 * sms or k >= 16384) else (1, 128, 4)
-    return 1, 256, 2
+        return (1, 256, 2) if wide else (1, 128, 4)
+    return (1, 256, 2) if wide else (2, 128, 1)
 
 
 @lru_cache(maxsize=8192)

@@ -371,16 +371,17 @@ def test_streamk_segments_cover_every_unit_once(m, n, k, override):
 def test_config_heuristic_choices():
     assert Q.w4wgmma_config(64, 8192, 8192, 132).splits == 4       # 32 tiles x 4 = 128 CTAs
     assert Q.w4wgmma_config(64, 28672, 8192, 132).splits == 1      # 112 tiles: the partials would cost more
-    assert Q.w4wgmma_config(256, 8192, 8192, 132).splits == 1      # 2 m tiles x 64 (128-channel CTAs)
+    assert Q.w4wgmma_config(256, 8192, 8192, 132).splits == 2      # 1 m tile x 64 (256 rows, 128 channels)
     assert Q.w4wgmma_config(256, 8192, 8192, 132, blk=2).splits == 2  # 2 m tiles x 32
     assert Q.w4wgmma_config(2048, 8192, 8192, 132).splits == 1
     # tile shapes (w4wgmma_shape): (blk, mt, gs) by M and layer
     shape = lambda m, n, k: Q.w4wgmma_shape(m, n, k, 132)  # noqa: E731
     assert shape(17, 8192, 8192) == shape(64, 28672, 8192) == (2, 64, 4)
-    assert shape(64, 4096, 4096) == shape(128, 4096, 4096) == shape(300, 4096, 4096) == (1, 64, 4)
-    assert shape(65, 8192, 8192) == shape(128, 28672, 8192) == (2, 128, 1)
-    assert shape(256, 8192, 8192) == (1, 128, 4)              # 64 tiles of 256 rows: too few, K too short
-    assert shape(256, 28672, 8192) == shape(256, 8192, 28672) == (1, 256, 2)  # 224 tiles / K = 28672
+    assert shape(64, 4096, 4096) == (1, 64, 4)
+    assert shape(65, 8192, 8192) == shape(192, 4096, 4096) == (1, 128, 1)
+    assert shape(128, 28672, 8192) == shape(192, 28672, 8192) == (2, 128, 1)
+    assert shape(256, 8192, 8192) == shape(256, 28672, 8192) == shape(256, 8192, 28672) == (1, 256, 2)
+    assert shape(300, 4096, 4096) == (1, 128, 4)
     assert shape(513, 8192, 8192) == shape(8192, 28672, 8192) == (1, 256, 2)
     assert shape(1024, 4096, 4096) == (2, 128, 1)
     c = Q.w4wgmma_config(64, 8192, 8192, 132, splits=2)   # splits alone keep the heuristic's tile shape
