@@ -127,11 +127,6 @@ def tune_variants(m, n, k, sms):
             if gs != cfg.gs and not (gs == 4 and (cfg.blk, cfg.mt) in Q.W4WGMMA_NO_GS4):
                 grouped.append((f"{tag}g{gs}", {**ov, "gs": gs}, Q.w4wgmma_config(m, n, k, sms, **ov, gs=gs)))
     out += grouped
-    for blk, mt in sorted(Q.W4WGMMA_MINB_SHAPES):  # two CTAs per SM
-        if mt <= max(64, 2 * m) and m <= 256:
-            for gs in (1, 4):
-                cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt, gs=gs, minb=2)
-                out.append((f"b{blk}m{mt}s{cfg.splits}g{gs}x2", {"blk": blk, "mt": mt, "gs": gs, "minb": 2}, cfg))
     for blk, mt in [(base.blk, base.mt)] + [c for c in cands if c != (base.blk, base.mt)]:
         cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt, streamk=1)
         out.append((f"b{blk}m{mt}sk", {"blk": blk, "mt": mt, "streamk": 1}, cfg))

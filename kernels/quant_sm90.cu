@@ -83,18 +83,14 @@ __device__ __forceinline__ int streamk_owner(int u, int P, int units) { return (
 // splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
 // STREAMK: any grid P <= tiles x KB; tile = n tile x m_tiles + m tile; splits is ignored; ws holds 2 P slots of
 // MT x 128 BLK floats (row-major in the tile), tickets one zeroed int32 per tile (left zeroed).
-template <typename T, int MT, int BLK, int STAGES, bool STREAMK = false, int GS = 1, int MINB = 1>
-__global__ void __launch_bounds__(384, MINB) w4_wgmma_kernel(
+template <typename T, int MT, int BLK, int STAGES, bool STREAMK = false, int GS = 1>
+__global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
     const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
     int N, int KB, int SPG, int NG, int m_tiles, int splits) {
   using L = W4Tile<MT, BLK>;
   constexpr int NACC = MT / 2;
   static_assert(GS == 1 || GS == 2 || GS == 4, "a wgmma group is 1, 2 or 4 of a stage's k16 steps");
-  // MINB = 2: two CTAs per SM (4 consumer warps per scheduler instead of 2, to hide the dequantization's latency
-  // at small tiles): 80 registers per thread at launch, the producer gives 40 of them to the consumers (96).
-  static_assert(MINB == 1 || (MINB == 2 && MT * BLK <= 64), "two CTAs per SM only for 64 x 64 consumer tiles");
-  constexpr int CONSUMER_REGS = MINB == 1 ? 232 : 96;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (sc::smem_addr(smem_raw) & 1023u)) & 1023u);
   unsigned char* ring_x = smem;
@@ -160,7 +156,7 @@ __global__ void __launch_bounds__(384, MINB) w4_wgmma_kernel(
     return;
   }
 
-  sc::setmaxnreg_inc<CONSUMER_REGS>();
+  sc::setmaxnreg_inc<232>();
   const int cw = wg - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
   float acc[BLK][NACC];

@@ -99,8 +99,6 @@ W4WGMMA_MAX_STAGES = 8
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
 W4WGMMA_NO_GS4 = {(1, 256)}  # (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower)
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
-W4WGMMA_SM_SMEM = 233472      # 228 KB per SM on sm_90 (shared by co-resident CTAs, 1 KB each reserved)
-W4WGMMA_MINB_SHAPES = {(1, 64)}  # (blk, mt) also built for two CTAs per SM (minb = 2)
 W4WGMMA_M_RANGE = (17, 8192)
 
 
@@ -663,11 +661,9 @@ def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK) -> int:
     return mt * 128 + 2 * blk * (W4WGMMA_BLOCK_BYTES + GEMV_GROUP_BYTES)
 
 
-def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, minb: int = 1) -> int:
-    """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8; with minb = 2
-    CTAs per SM, in half of the SM's 228 KB less the 1 KB the driver reserves per CTA."""
-    limit = W4WGMMA_SMEM_LIMIT if minb == 1 else W4WGMMA_SM_SMEM // minb - 1024
-    budget = limit - 1024 - 16
+def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK) -> int:
+    """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8."""
+    budget = W4WGMMA_SMEM_LIMIT - 1024 - 16
     return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk) + 16))
 
 
@@ -696,7 +692,6 @@ class W4WgmmaConfig:
     streamk: int = 0  # > 0: the persistent stream-K grid (CTAs splitting the tiles x K/64 units); splits is 1
     kb: int = 0       # K / 64 (stream-K's units per tile)
     gs: int = 1       # k16 steps per wgmma group (W4WGMMA_GROUP_STEPS)
-    minb: int = 1     # CTAs per SM the variant is built for (2: W4WGMMA_MINB_SHAPES only)
 
     @property
     def grid(self) -> int:
@@ -740,7 +735,7 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
-                   streamk: int = 0, gs: int = 0, minb: int = 0) -> W4WgmmaConfig:
+                   streamk: int = 0, gs: int = 0) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs)
     from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others default
     to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
@@ -762,10 +757,6 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         raise ValueError(f"w4wgmma_config: mt must be one of {W4WGMMA_SHAPES[blk]} with blk = {blk}, got {mt}")
     if gs == 4 and (blk, mt) in W4WGMMA_NO_GS4:
         raise ValueError(f"w4wgmma_config: gs = 4 is not built for blk = {blk}, mt = {mt}")
-    minb = minb or 1
-    if minb not in (1, 2) or (minb == 2 and ((blk, mt) not in W4WGMMA_MINB_SHAPES or streamk)):
-        raise ValueError(f"w4wgmma_config: minb = 2 only for (blk, mt) in {sorted(W4WGMMA_MINB_SHAPES)} without "
-                         f"stream-K, got minb = {minb}, blk = {blk}, mt = {mt}")
     m_tiles = -(-m // mt)
     n_tiles = -(-n // (128 * blk))
     kb = max(1, k // W4WGMMA_BK)
@@ -782,9 +773,9 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         w_tile = 64.0 * blk * k
         part = min(m, mt) * 128 * blk * 4 * 2.0
         cands = range(1, max(1, min(16, kb // 4)) + 1)
-        s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms * minb, w_tile, part), c))
-    stages = w4wgmma_stages(mt, blk, minb)
-    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages), 0, kb, gs, minb)
+        s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
+    stages = w4wgmma_stages(mt, blk)
+    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages), 0, kb, gs)
 
 
 def w4wgmma_streamk_segments(cfg: W4WgmmaConfig) -> list:
@@ -1041,11 +1032,9 @@ def _marlin_kernel(dtype: str, mt: int, defines: tuple = ()) -> Kernel:
 
 @lru_cache(maxsize=None)
 def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, streamk: bool = False,
-                    gs: int = 1, minb: int = 1) -> Kernel:
-    stages = stages or w4wgmma_stages(mt, blk, minb)
+                    gs: int = 1) -> Kernel:
+    stages = stages or w4wgmma_stages(mt, blk)
     tail = (", true" if streamk else "") if gs == 1 else f", {'true' if streamk else 'false'}, {gs}"
-    if minb != 1:
-        tail = f", {'true' if streamk else 'false'}, {gs}, {minb}"
     return Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4_wgmma_kernel<{A.CTYPE[dtype]}, {mt}, {blk}, {stages}{tail}>",
                   hopper=True)
 
@@ -1078,9 +1067,6 @@ def all_kernels() -> list:
                 for gs in W4WGMMA_GROUP_STEPS[1:]:
                     if gs != 4 or (blk, mt) not in W4WGMMA_NO_GS4:
                         out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs))
-                if (blk, mt) in W4WGMMA_MINB_SHAPES:
-                    for gs in W4WGMMA_GROUP_STEPS:
-                        out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, minb=2))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
@@ -1527,9 +1513,8 @@ def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, o
     cfg = w4wgmma_config(rows, n, k, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(k // W4WGMMA_BK), np.int32(group // W4WGMMA_BK),
                np.int32(k // group), np.int32(cfg.m_tiles), np.int32(cfg.splits))
-    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, streamk=cfg.streamk > 0, gs=cfg.gs, minb=cfg.minb)
-    carveout = 100 if cfg.minb > 1 else -1  # all of L1 as shared memory, for two CTAs per SM
-    return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem, carveout), scalars
+    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, streamk=cfg.streamk > 0, gs=cfg.gs)
+    return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem), scalars
 
 
 def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n):

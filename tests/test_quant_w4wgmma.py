@@ -386,12 +386,6 @@ def test_config_heuristic_choices():
     assert shape(1024, 4096, 4096) == (2, 128, 1)
     c = Q.w4wgmma_config(64, 8192, 8192, 132, splits=2)   # splits alone keep the heuristic's tile shape
     assert (c.blk, c.mt, c.gs, c.splits) == (2, 64, 4, 2)
-    c = Q.w4wgmma_config(64, 8192, 8192, 132, blk=1, mt=64, minb=2)  # two CTAs per SM: split-K for 264 slots
-    assert (c.minb, c.splits, c.grid, c.stages) == (2, 4, 256, 8) and 2 * (c.smem + 1024) <= Q.W4WGMMA_SM_SMEM
-    for bad in ({"minb": 2}, {"minb": 2, "blk": 1, "mt": 128}, {"minb": 3, "blk": 1, "mt": 64},
-                {"minb": 2, "blk": 1, "mt": 64, "streamk": 1}):
-        with pytest.raises(ValueError):
-            Q.w4wgmma_config(64, 8192, 8192, 132, **bad)
     c = Q.w4wgmma_config(300, 8192, 8192, 132, blk=1)     # a tile override: the others at blk 2's defaults
     assert (c.blk, c.mt, c.gs) == (1, 128, 1)
     assert Q.w4wgmma_config(64, 8192, 8192, 132, splits=3).splits == 3
@@ -481,7 +475,7 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 46 and all(k.hopper for k in ks)
+    assert len(ks) == 40 and all(k.hopper for k in ks)
     for dt in ("__half", "__nv_bfloat16"):
         for mt in Q.W4WGMMA_MT_CHOICES:
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 2, 8>" in names
@@ -494,8 +488,6 @@ def test_variants_listed_and_hopper_only():
             for gs in (2, 4):  # wgmma groups of gs k16 steps, without stream-K (not gs = 4 at mt = 256)
                 name = f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, {blk}, {stages}, false, {gs}>"
                 assert (name in names) == (gs == 2 or mt != 256)
-        for gs in (1, 2, 4):  # two CTAs per SM: 64 x 64 consumer tiles only
-            assert f"quant_sm90::w4_wgmma_kernel<{dt}, 64, 1, 8, false, {gs}, 2>" in names
     assert {"quant_sm90::w4wgmma_pack_kernel<0>", "quant_sm90::w4wgmma_pack_kernel<1>"} <= names
 
 
@@ -602,11 +594,6 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
 
 def _torch():
     return pytest.importorskip("torch")
-
-
-def _w4wgmma_name(dtype, cfg):
-    return Q._w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, streamk=cfg.streamk > 0, gs=cfg.gs,
-                             minb=cfg.minb).name
 
 
 def _layer(torch, fmt, n, k, g, td, rng):
@@ -738,20 +725,15 @@ def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
 @pytest.mark.parametrize("m,n,k,g,override", [
     (17, 512, 1024, 128, {"gs": 2}), (100, 256, 640, 128, {"gs": 4, "splits": 3}),
     (70, 768, 1408, 128, {"gs": 4, "mt": 64, "splits": 4}), (300, 512, 2048, 128, {"gs": 2, "blk": 1, "mt": 256}),
-    (257, 256, 1152, 384, {"gs": 2, "blk": 1, "mt": 128, "splits": 2}), (129, 256, 768, 256, {"gs": 4, "splits": 5}),
-    # two CTAs per SM (minb = 2, 64 x 64 consumer tiles)
-    (70, 768, 1408, 128, {"gs": 4, "blk": 1, "mt": 64, "minb": 2, "splits": 4}),
-    (17, 512, 1024, 128, {"gs": 1, "blk": 1, "mt": 64, "minb": 2}), (64, 4096, 4096, 128, {"gs": 4, "minb": 2,
-                                                                                          "blk": 1, "mt": 64})])
+    (257, 256, 1152, 384, {"gs": 2, "blk": 1, "mt": 128, "splits": 2}), (129, 256, 768, 256, {"gs": 4, "splits": 5})])
 def test_w4wgmma_group_steps_small(dtype, m, n, k, g, override):
-    """wgmma groups of 2 / 4 k16 steps (gs) and two CTAs per SM (minb) forced through _W4WGMMA_OVERRIDE, with
-    split-K ranges that begin on odd stages (the A set of gs = 4 follows the stage's parity): against float64
-    x @ W with NaN-poisoned outputs, and bit-identical to gs = 1, minb = 1 of the same tile shape (the same wgmmas
-    in the same order)."""
+    """wgmma groups of 2 / 4 k16 steps (gs) forced through _W4WGMMA_OVERRIDE, with odd stage counts and split-K
+    ranges that begin on odd stages (the A set of gs = 4 follows the stage's parity): against float64 x @ W with
+    NaN-poisoned outputs, and bit-identical to gs = 1 of the same shape (the same wgmmas in the same order)."""
     torch = _torch()
     td = getattr(torch, dtype)
     rng = np.random.default_rng(m * 7 + n + k)
-    base = {**override, "gs": 1, "minb": 1}
+    base = {**override, "gs": 1}
     with _w4("on", **override):
         layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, g, td, rng)
         x = torch.randn(m, k, device="cuda", dtype=td)
@@ -760,8 +742,7 @@ def test_w4wgmma_group_steps_small(dtype, m, n, k, g, override):
         del poison
         with launched() as names:
             y = _linear(Q.FMT_AWQ, x, layer, bias)
-        cfg = Q.w4wgmma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, **override)
-        assert _w4wgmma_name(dtype, cfg) in names, names
+        assert any(nm.endswith(f", false, {override['gs']}>") for nm in names), names
         assert _row_err(y, _ref(x, w_kn, bias)) < 1e-2
     with _w4("on", **base):
         with launched() as names:
