@@ -988,6 +988,11 @@ def _dequant_kernel(dtype: str, fmt: int) -> Kernel:
 
 
 @lru_cache(maxsize=None)
+def _dequant_int8_kernel(dtype: str) -> Kernel:
+    return Kernel(SOURCE, f"quant::dequant_int8_kernel<{A.CTYPE[dtype]}>")
+
+
+@lru_cache(maxsize=None)
 def _gather_kernel(dtype: str) -> Kernel:
     return Kernel(SOURCE, f"quant::gather_columns_kernel<{A.CTYPE[dtype]}>")
 
@@ -1052,6 +1057,7 @@ def all_kernels() -> list:
                 out.append(_mma_kernel(dtype, fmt, mt))
         for fmt in (FMT_AWQ, FMT_GPTQ):
             out.append(_dequant_kernel(dtype, fmt))
+        out.append(_dequant_int8_kernel(dtype))
         out.append(_gather_kernel(dtype))
         for kind in (KIND_INT4, KIND_INT8):
             for mt in (1, 2):
@@ -1693,6 +1699,18 @@ def _dequant_launch(fmt, ref, qw, qz, scales, g_idx, k, n, group):
     return wa
 
 
+def _dequant_int8_launch(ref, wa, sa, n, k):
+    """W (N, K) = weight * scales[:, None] in the scales' dtype (dequant_int8_kernel; K % 16 == 0, 16-byte
+    aligned rows, contiguous scales)."""
+    out = A.empty(ref, (n, k), sa.dtype, name="weight")
+    total = n * (k // 16)
+    if total:
+        launch(_dequant_int8_kernel(sa.dtype), LaunchConfig((-(-total // 256),), (256,)),
+               (out.ptr, wa.ptr, sa.ptr, np.int32(n), np.int32(k), np.int64(_row_stride(wa))),
+               device=ref.device, stream=A.stream_of(ref))
+    return out
+
+
 def _check_common(xa, others, bias, n):
     A.check_same_device(xa, *others, bias)
     if bias is not None:
@@ -2119,7 +2137,10 @@ def int8_linear(x, weight, scales=None, *, bias=None):
         if rows == 0:
             return _finish(xa, A.empty(xa, (0, n), xa.dtype), 0, n)
         x2 = xa.obj.reshape(rows, k) if xa.is_contiguous() else _rows_copy(xa, rows, k).obj
-        if xa.lib == "torch":
+        if fast:  # the weight dequantized by our kernel (W s rounded once to x's dtype), then cuBLAS
+            w = _dequant_int8_launch(xa, wa, sa, n, k).obj
+            y = x2 @ (w.t() if xa.lib == "torch" else w.T)
+        elif xa.lib == "torch":
             import torch
 
             w = wa.obj.to(getattr(torch, xa.dtype))

@@ -203,7 +203,7 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 107
+    assert len(names) == len(set(names)) == 109
     assert "quant_sm90::w4_wgmma_kernel<__nv_bfloat16, 64, 2, 8>" in names
     assert "quant_sm90::w4_wgmma_kernel<__half, 256, 1, 6>" in names  # blk = 1 shapes: measurements only
     assert "quant_sm90::w4_wgmma_kernel<__half, 128, 2, 8, true>" in names  # stream-K: measurements only
@@ -832,6 +832,33 @@ def test_int8_linear_small(dtype, m, n, k):
         assert finite and err < 1e-2, err
     else:
         assert torch.equal(yp, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k", [(129, 256, 96), (300, 192, 1024), (257, 100, 64)])
+def test_int8_linear_dense_small(dtype, m, n, k):
+    """Above MAX_MMA_M: dequant_int8_kernel (W s rounded once) + matmul where the shape allows 16-byte rows, the
+    plain conversion elsewhere (N = 100); every byte value with power-of-two scales picked out exactly by one-hot
+    rows; bias; against float64 x @ W."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 3 + n + k)
+    q = ((np.arange(n * k) * 37 + rng.integers(0, 256)) % 256 - 128).astype(np.int8).reshape(n, k)
+    s = torch.from_numpy((2.0 ** rng.integers(-6, 2, n)).astype(np.float32)).cuda().to(td)
+    x = torch.randn(m, k, device="cuda", dtype=td)
+    bias = torch.randn(n, device="cuda", dtype=td)
+    ref_w = Q.dequantize_int8_reference(q, s.float().cpu().numpy())
+    with launched() as names:
+        y = Q.int8_linear(x, torch.from_numpy(q).cuda(), s, bias=bias)
+    assert ("quant::dequant_int8_kernel<" in " ".join(names)) == (n % 64 == 0)
+    err, finite = _rel_err(y, _ref(x, ref_w, bias))
+    assert finite and err < 1e-2, err
+    eye = torch.zeros(m, k, device="cuda", dtype=td)
+    eye[torch.arange(m), torch.arange(m) % k] = 1
+    y1 = Q.int8_linear(eye, torch.from_numpy(q).cuda(), s)
+    want = torch.from_numpy(ref_w[np.arange(m) % k].astype(np.float32))
+    assert torch.equal(y1.float().cpu(), want)
 
 
 @pytest.mark.gpu
