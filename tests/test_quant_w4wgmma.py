@@ -53,7 +53,7 @@ def test_layout_hand_made():
         b, t, g, j = nn // 64, (nn % 64) // 16, nn % 8, (nn % 16) // 8
         kb, s, p, c, e = kk // 64, (kk % 64) // 16, (kk % 16) // 8, (kk % 8) // 2, kk % 2
         lane = 4 * g + c
-        expect_idx = (((kb * (n // 64) + b) * 4 + t) * 32 + lane) * 4 + s  # stage-major
+        expect_idx = (((b * (k // 64) + kb) * 4 + t) * 32 + lane) * 4 + s
         r = j + 2 * p  # register: rows g / g + 8 alternate, k columns 8..15 in registers 2, 3
         assert list(idx) == [expect_idx], (kk, nn)
         assert words[idx[0]] == 0xF << (4 * (r + 4 * e)), (kk, nn, hex(words[idx[0]]))
@@ -64,8 +64,7 @@ def _pack_kernel_mirror(fmt, qw, k, n):
     kbs = k // 64
     idx = np.arange(n * k // 8, dtype=np.int64)
     s, lane, t, rest = idx & 3, (idx >> 2) & 31, (idx >> 7) & 3, idx >> 9
-    nb = (n * k // 8) // (512 * kbs)
-    b, kb = rest % nb, rest // nb
+    kb, b = rest % kbs, rest // kbs
     g, c = lane >> 2, lane & 3
     n_base, k_base = 64 * b + 16 * t + g, 64 * kb + 16 * s + 2 * c
     qw = np.asarray(qw).view(np.uint32).astype(np.int64)
@@ -166,9 +165,8 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     """w4_wgmma_kernel's data flow in NumPy (float64 math), index for index: per CTA (w4wgmma_work) the producer's
     stage bytes (x tile rows past M zero, each block's 2 KB chunk and group record), each consumer warpgroup's
     dequantized A tiles from the fragment maps, the wgmma products, the accumulator-to-(m, n) mapping of the
-    epilogue, the fp32 partials and the last CTA's sum in split order.  Returns y and a count of writes per element.
-    words: stage-major (w4wgmma_pack_reference), recs: group-major (w4wgmma_groups_reference)."""
-    kbs, spg, ng, nbl = k // 64, g // 64, k // g, n // 64
+    epilogue, the fp32 partials and the last CTA's sum in split order.  Returns y and a count of writes per element."""
+    kbs, spg, ng = k // 64, g // 64, k // g
     mt, blk = cfg.mt, cfg.blk
     row, col, widx, shift, soff, zoff = _fragment_maps()
     assert len(np.unique(row * 64 + col)) == 64 * 64 == row.size  # every weight of a stage chunk read once
@@ -193,8 +191,8 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
             xt[:rows.shape[0]] = rows
             for bl in range(2 * blk):  # consumer warpgroup bl // blk, its block bl % blk
                 b = nb0 + bl
-                chunk = words[(kb * nbl + b) * 512:(kb * nbl + b + 1) * 512]
-                rec = recs[((kb // spg) * nbl + b) * 192:((kb // spg) * nbl + b + 1) * 192]
+                chunk = words[(b * kbs + kb) * 512:(b * kbs + kb + 1) * 512]
+                rec = recs[(b * ng + kb // spg) * 192:(b * ng + kb // spg + 1) * 192]
                 qv = (chunk[widx] >> shift.astype(np.uint32)) & 15
                 sc = _half_bits_to_float(rec[soff].astype(np.uint16) | (rec[soff + 1].astype(np.uint16) << 8), dtype)
                 a = np.zeros((64, 64))
@@ -229,12 +227,11 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
 def _stage_product(x, words, recs, m0, mt, b, kb, kbs, spg, ng, dtype, maps):
     """One block's 64 x mt product of one k stage, from the stage bytes as the consumer reads them."""
     row, col, widx, shift, soff, zoff = maps
-    nbl = len(words) // (512 * kbs)
     xt = np.zeros((mt, 64))
     rows = x[m0:m0 + mt, 64 * kb:64 * kb + 64]
     xt[:rows.shape[0]] = rows
-    chunk = words[(kb * nbl + b) * 512:(kb * nbl + b + 1) * 512]
-    rec = recs[((kb // spg) * nbl + b) * 192:((kb // spg) * nbl + b + 1) * 192]
+    chunk = words[(b * kbs + kb) * 512:(b * kbs + kb + 1) * 512]
+    rec = recs[(b * ng + kb // spg) * 192:(b * ng + kb // spg + 1) * 192]
     qv = (chunk[widx] >> shift.astype(np.uint32)) & 15
     sc = _half_bits_to_float(rec[soff].astype(np.uint16) | (rec[soff + 1].astype(np.uint16) << 8), dtype)
     a = np.zeros((64, 64))
@@ -311,7 +308,7 @@ def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
     s_f = _half_bits_to_float(s16, dtype)
     w_kn = (q.astype(np.float64) - np.repeat(z, g, axis=0)) * np.repeat(s_f, g, axis=0)
     words = Q.w4wgmma_pack_reference(q)
-    recs = Q.w4wgmma_groups_reference(Q.gemv_pack_groups_reference(z, s16), n, k // g)
+    recs = Q.gemv_pack_groups_reference(z, s16)
     x = rng.standard_normal((m, k))
     bias = rng.standard_normal(n)
     cfg = Q.w4wgmma_config(m, n, k, 132, **override)
@@ -546,8 +543,7 @@ def test_dispatch_launch_arguments(fake_gpu, m):
         assert [int(a) for a in args[7:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
         assert all(type(a) is np.int32 for a in args[7:])
         assert (args[2] != 0) == (cfg.splits > 1) and (args[3] != 0) == (cfg.splits > 1)
-    assert calls[0][2][4] == pw.gemv.w4_ptr and calls[0][2][5] == pw.gemv.w4_g_ptr and calls[0][2][6] == bias.ptr
-    assert pw.gemv.w4_g_ptr not in (0, pw.gemv.g_ptr)  # the group-major copy of the records
+    assert calls[0][2][4] == pw.gemv.w4_ptr and calls[0][2][5] == pw.gemv.g_ptr and calls[0][2][6] == bias.ptr
     assert calls[2][2][4] == pg.gemv.w4_ptr and calls[2][2][6] == 0
     for u, v in zip(calls[0][2], calls[1][2]):
         assert type(u) is type(v) and u == v
