@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call for the launch-shape sweep of w4_wgmma_kernel (kernels/quant_sm90.cu): every w4wgmma variant
-# (the default blk = 2 shapes, the blk = 1 shapes mt 64 / 128 / 256, each also as stream-K: what _W4WGMMA_OVERRIDE
-# reaches) compiled for sm_90a with the device NVRTC (resources printed; the rest of the quant family for sm_90
-# beside them, which the tests' "current" comparisons launch), the GPU tests of tests/test_quant_w4wgmma.py (blk = 1
-# and stream-K ones included) || a compute-sanitizer memcheck of the small cases (blk = 1 mt 256 split-K, mt 64,
-# stream-K over 3 / 5 CTAs among them), then `benchmarks/_quant_w4wgmma_probe.py --tune` (default shape vs the
-# other shapes vs current dispatch vs cuBLAS, outputs cross-checked) with its table last.  Every step is
-# timeout-wrapped; worst case 50 + 130 + 100 = 280 s.
+# One device call for w4_wgmma_kernel (kernels/quant_sm90.cu): every w4wgmma variant (the tile shapes of
+# W4WGMMA_SHAPES, each with wgmma groups of 1 / 2 / 4 k16 steps: what w4wgmma_shape and _W4WGMMA_OVERRIDE reach)
+# compiled for sm_90a with the device NVRTC (resources printed; the rest of the quant family for sm_90 beside them,
+# which the tests' "current" comparisons launch), the GPU tests of tests/test_quant_w4wgmma.py || a
+# compute-sanitizer memcheck of the small cases (test_w4wgmma_memcheck_case_small), then
+# `benchmarks/_quant_w4wgmma_probe.py $PROBE_ARGS` (default --tune: each shape against the default, the current
+# dispatch and cuBLAS, outputs cross-checked; PROBE_ARGS="32 64 256": w4wgmma against current and cuBLAS at those M)
+# with its table last.  Every step is timeout-wrapped; worst case 50 + 130 + 100 = 280 s.
 #
 #   SPEEDCORE_COMMIT=<hash> bash benchmarks/_quant_w4tune_gpu.sh
 #
@@ -39,6 +39,6 @@ wait $p1; cat $O/rc; grep -hE "^(FAILED|ERROR)|passed|failed" $O/pytest.log | cu
 grep -h -A40 "^_____" $O/pytest.log | grep -E "^E " | head -n 16 | cut -c1-240
 wait $p2; echo "memcheck rc=$? $((SECONDS-t0))s"; grep -E "ERROR SUMMARY|passed|failed|Invalid|Error" $O/memcheck.log | head -n 6
 [ -n "${SKIP_PROBE:-}" ] && exit 0
-SPEEDCORE_QUANT_W4WGMMA=1 timeout ${T_PROBE:-100} python3 benchmarks/_quant_w4wgmma_probe.py --tune ${TUNE_M:-} \
+SPEEDCORE_QUANT_W4WGMMA=1 timeout ${T_PROBE:-100} python3 benchmarks/_quant_w4wgmma_probe.py ${PROBE_ARGS:---tune} ${TUNE_M:-} \
   > $O/tune.log 2>&1; echo "tune rc=$? $((SECONDS-t0))s"
 cut -c1-300 $O/tune.log

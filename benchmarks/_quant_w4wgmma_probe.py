@@ -14,7 +14,7 @@ With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x819
 
 --tune: the launch-shape sweep instead (AWQ bf16, 8192x8192, 28672x8192, 4096x4096 and 8192x28672, M = 64, 128, 256, 1024, 2048 unless
 given): today's default shape ("def", blk 2) against shapes forced through _W4WGMMA_OVERRIDE: b<BLK>m<MT> (blk = 1:
-128-channel CTAs; the heuristic's split-K), b<BLK>m<MT>s<S> (S splits), b<BLK>m<MT>sk (stream-K on one CTA per SM);
+128-channel CTAs; the heuristic's split-K), b<BLK>m<MT>s<S> (S splits);
 "...g<GS>": wgmma groups of GS k16 steps; "/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
 the best shape per case.
 """
@@ -104,7 +104,7 @@ def tune_variants(m, n, k, sms):
     """(tag, override, config) of the shapes the sweep times at M: blk = 1 at each tile height up to 2 M (mt 256
     from M = 128; from M = 1024 not mt 64, which reads the weights once per 64 rows), with the heuristic's splits
     and, up to M = 256, 1 and 2; plus blk = 2 without split-K; duplicates of today's default launch dropped; then
-    each of these tile shapes (and the default's) as stream-K on one CTA per SM ("...sk")."""
+    each of these (and the default) with the other wgmma group sizes ("...g<GS>")."""
     base = Q.w4wgmma_config(m, n, k, sms)
     seen = {(base.blk, base.mt, base.splits)}
     out = []
@@ -127,9 +127,6 @@ def tune_variants(m, n, k, sms):
             if gs != cfg.gs and not (gs == 4 and (cfg.blk, cfg.mt) in Q.W4WGMMA_NO_GS4):
                 grouped.append((f"{tag}g{gs}", {**ov, "gs": gs}, Q.w4wgmma_config(m, n, k, sms, **ov, gs=gs)))
     out += grouped
-    for blk, mt in [(base.blk, base.mt)] + [c for c in cands if c != (base.blk, base.mt)]:
-        cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt, streamk=1)
-        out.append((f"b{blk}m{mt}sk", {"blk": blk, "mt": mt, "streamk": 1}, cfg))
     return base, out
 
 

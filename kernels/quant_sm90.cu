@@ -19,17 +19,11 @@
 // * 384 threads: warpgroup 0 is the producer (setmaxnreg down; one thread issues one TMA box of x and 2 x BLOCKS
 //   cp.async.bulk copies per stage: each block's 2 KB of weights and its group record) into a STAGES-deep ring
 //   guarded by full / empty mbarriers; warpgroups 1 and 2 are consumers owning BLK blocks each (2 x 64 BLK
-//   channels per CTA).  Per k16 step a consumer dequantizes the next A fragments while the previous step's wgmma
-//   group is in flight (A fragments double-buffered; wgmma.wait_group 1), and releases a stage once the group that
-//   read its x tile has retired.
+//   channels per CTA).  A consumer issues a stage's 4 k16 steps as wgmma groups of GS steps (GS = 1, 2 or 4), and
+//   dequantizes the next group's A fragments while the previous group is in flight (two A sets; wgmma.wait_group 1);
+//   it releases a stage once the group that read its x tile has retired.
 // * Split-K over `splits` CTAs per tile where the tiles alone do not fill the SMs (fp32 partials in ws, summed in
 //   split order by the tile's last CTA: deterministic), else y is written straight from the accumulators.
-// * STREAMK (for measurements: speedcore.quant's _W4WGMMA_OVERRIDE streamk): a persistent grid of P CTAs splits the
-//   tiles x KB (tile, k stage) units, tile-major, into P equal ranges, so that e.g. 112 tiles use all 132 SMs and
-//   1.9 waves become one.  A CTA runs its range as segments (one per tile it touches, the ring continuing across
-//   them; the last stage of a segment is released before its epilogue so the producer runs ahead): whole tiles
-//   are stored directly, partial ones go to fp32 slot 2 p (the CTA's first segment) or 2 p + 1 (its last) and
-//   the tile's last CTA to arrive sums its contributors' slots in CTA order (deterministic).
 // * BLK = 1 (128-channel CTAs: twice the tiles of BLK = 2) allows MT = 256 (a 64 x 256 fp32 accumulator is 128
 //   registers per consumer thread).
 // * Accumulator (blk, r) of a consumer thread (warp w, lane 4 g + c) is channel 64 (cw BLK + blk) + 16 w + g
@@ -71,19 +65,13 @@ __device__ __forceinline__ void group_consts(unsigned sw, unsigned zw, unsigned 
 // Keep the compiler from moving an A-fragment register's reuse across wgmma issue / wait points.
 __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-// Stream-K: the first unit of CTA p of P over `units` (tile-major (tile, k stage) units), and the CTA owning unit u
-// (32-bit: the launch checks units x P < 2^31).
-__device__ __forceinline__ int streamk_begin(int p, int P, int units) { return p * units / P; }
-__device__ __forceinline__ int streamk_owner(int u, int P, int units) { return ((u + 1) * P - 1) / units; }
 
 // y (M, N) = x (M, K) @ W (+ bias) for a layer in the wgmma-major INT4 layout (wq) with group records (grec).
 // Grid: m_tiles x splits x (N / (128 BLK)) CTAs, m tile fastest (CTAs reading the same weights run together).
 // CTA (m tile, split, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
 // [split KB / splits, (split + 1) KB / splits).  KB = K / 64, SPG = G / 64, NG = K / G.
 // splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
-// STREAMK: any grid P <= tiles x KB; tile = n tile x m_tiles + m tile; splits is ignored; ws holds 2 P slots of
-// MT x 128 BLK floats (row-major in the tile), tickets one zeroed int32 per tile (left zeroed).
-template <typename T, int MT, int BLK, int STAGES, bool STREAMK = false, int GS = 1>
+template <typename T, int MT, int BLK, int STAGES, int GS = 1>
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
     const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
@@ -106,10 +94,6 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int m0 = m_tile * MT, nb0 = n_tile * L::BLOCKS;
   const int kb_begin = (int)((long long)split * KB / splits);
   const int kb_end = (int)((long long)(split + 1) * KB / splits);
-  // Stream-K: this CTA's units [u_begin, u_end) of `units`.
-  const int units = m_tiles * (N / (64 * L::BLOCKS)) * KB;
-  const int u_begin = STREAMK ? streamk_begin(blockIdx.x, gridDim.x, units) : 0;
-  const int u_end = STREAMK ? streamk_begin(blockIdx.x + 1, gridDim.x, units) : 0;
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -144,14 +128,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
           phase ^= 1;
         }
       };
-      if constexpr (STREAMK) {
-        for (int u = u_begin; u < u_end; ++u) {
-          const int tile = u / KB;
-          produce(u - tile * KB, (tile % m_tiles) * MT, (tile / m_tiles) * L::BLOCKS);
-        }
-      } else {
-        for (int kb = kb_begin; kb < kb_end; ++kb) produce(kb, m0, nb0);
-      }
+      for (int kb = kb_begin; kb < kb_end; ++kb) produce(kb, m0, nb0);
     }
     return;
   }
@@ -160,13 +137,10 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int cw = wg - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
   float acc[BLK][NACC];
-  auto zero_acc = [&]() {
 #pragma unroll
-    for (int blk = 0; blk < BLK; ++blk)
+  for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) acc[blk][i] = 0.f;
-  };
-  zero_acc();
+    for (int i = 0; i < NACC; ++i) acc[blk][i] = 0.f;
   // A fragments: two sets of GS k16 steps (the group in flight and the one being dequantized).
   unsigned afrag[2][GS][BLK][4];
   int stage = 0, prev_stage = -1;
@@ -245,102 +219,6 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #pragma unroll
       for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
   };
-  if constexpr (STREAMK) {
-    constexpr int CH = 64 * L::BLOCKS;  // channels of a tile: the row length of a slot
-    const int P = gridDim.x, p = blockIdx.x;
-    const int row_lane = 2 * c, ch_lane = cw * BLK * 64 + 16 * warp + g;
-    for (int u = u_begin; u < u_end;) {
-      const int tile = u / KB, kb0 = u - tile * KB;
-      const int kb1 = min(KB, kb0 + (u_end - u));
-      if (u != u_begin) zero_acc();
-      consume(kb0, kb1);
-      // Every wgmma has retired: release the segment's last stage now, so the producer fills the ring with the
-      // next segment's stages while this one's epilogue runs.
-      if (prev_stage >= 0 && lane == 0) sc::mbar_arrive(&empty[prev_stage]);
-      prev_stage = -1;
-      const int sm0 = (tile % m_tiles) * MT, snb0 = (tile / m_tiles) * L::BLOCKS;
-      const int n_lane = snb0 * 64 + ch_lane, m_lane = sm0 + row_lane;
-      const bool whole = kb0 == 0 && kb1 == KB;
-      // The tile's contributors, CTAs q_first..q_last: slot 2 q in CTA order, but for the first, whose range may
-      // have begun in an earlier tile (then this is its last segment: slot 2 q + 1).
-      const int q_first = streamk_owner(tile * KB, P, units), q_last = streamk_owner(tile * KB + KB - 1, P, units);
-      if (!whole) {
-        // This CTA's first segment (u == u_begin) goes to slot 2 p, its last to 2 p + 1.
-        float* wrow = ws + (2ll * p + (u == u_begin ? 0 : 1)) * (MT * CH) + row_lane * CH + ch_lane;
-#pragma unroll
-        for (int j = 0; j < MT / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (m_lane + 8 * j + e < M) {
-#pragma unroll
-              for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) wrow[e * CH + 64 * blk + 8 * h] = acc[blk][4 * j + 2 * h + e];
-            }
-          }
-          wrow += 8 * CH;
-        }
-        __threadfence();
-        sc::named_bar_sync(1, 256);
-        if (threadIdx.x == 128) {
-          const int done = atomicAdd(&tickets[tile], 1);
-          *s_last = done == q_last - q_first;
-          if (done == q_last - q_first) tickets[tile] = 0;
-        }
-        sc::named_bar_sync(1, 256);
-        if (!*s_last) {
-          u += kb1 - kb0;
-          continue;
-        }
-        __threadfence();
-      }
-      const float* slot0 = ws + (2ll * q_first + (streamk_begin(q_first, P, units) < tile * KB ? 1 : 0)) * (MT * CH)
-                           + row_lane * CH + ch_lane;
-      float bv[BLK][2];
-#pragma unroll
-      for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          bv[blk][h] = bias != nullptr ? sc::to_float<T>(bias[n_lane + 64 * blk + 8 * h]) : 0.f;
-      T* yrow = y + (long long)m_lane * N + n_lane;
-#pragma unroll
-      for (int j = 0; j < MT / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (m_lane + 8 * j + e < M) {
-            float v[BLK][2];
-#pragma unroll
-            for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-              for (int h = 0; h < 2; ++h) v[blk][h] = acc[blk][4 * j + 2 * h + e];
-            if (!whole) {
-              // The sum in CTA order (this CTA's own partial included): the same bits whichever CTA is last.
-#pragma unroll
-              for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) v[blk][h] = 0.f;
-              const float* sp = slot0 + (8 * j + e) * CH;
-              for (int q = q_first; q <= q_last; ++q) {
-#pragma unroll
-                for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-                  for (int h = 0; h < 2; ++h) v[blk][h] += __ldcg(sp + 64 * blk + 8 * h);
-                sp = ws + 2ll * (q + 1) * (MT * CH) + (row_lane + 8 * j + e) * CH + ch_lane;
-              }
-            }
-#pragma unroll
-            for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-                yrow[(long long)e * N + 64 * blk + 8 * h] = sc::from_float<T>(v[blk][h] + bv[blk][h]);
-          }
-        }
-        yrow += 8ll * N;
-      }
-      u += kb1 - kb0;
-    }
-    return;
-  }
   consume(kb_begin, kb_end);
 
   // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; x row of (j, e): m0 + 8 j + 2 c + e.

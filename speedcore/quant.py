@@ -689,18 +689,11 @@ class W4WgmmaConfig:
     splits: int   # CTAs per tile along K (fp32 partials summed by the tile's last CTA)
     stages: int
     smem: int
-    streamk: int = 0  # > 0: the persistent stream-K grid (CTAs splitting the tiles x K/64 units); splits is 1
-    kb: int = 0       # K / 64 (stream-K's units per tile)
     gs: int = 1       # k16 steps per wgmma group (W4WGMMA_GROUP_STEPS)
 
     @property
     def grid(self) -> int:
-        return self.streamk or self.m_tiles * self.splits * self.n_tiles
-
-    @property
-    def units(self) -> int:
-        """(tile, 64-k stage) units of the problem: stream-K splits them into `streamk` equal ranges."""
-        return self.m_tiles * self.n_tiles * self.kb
+        return self.m_tiles * self.splits * self.n_tiles
 
 
 def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float) -> float:
@@ -735,20 +728,21 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
-                   streamk: int = 0, gs: int = 0) -> W4WgmmaConfig:
+                   gs: int = 0) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs)
     from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others default
     to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
-    W4WGMMA_GROUP_STEPS); ``splits`` / ``streamk`` override the K split (streamk = 1: the stream-K variant on
-    ``sms`` CTAs, streamk = P > 1: on P CTAs, at most one per unit).  Split-K s (1..16, at least 4 stages per CTA)
-    minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
+    W4WGMMA_GROUP_STEPS); ``splits`` overrides the K split.  (A stream-K variant, a persistent grid splitting the
+    tiles x K stages evenly, measured slower than these split-K grids in every swept case and was removed.)  Split-K
+    s (1..16, at least 4 stages per CTA) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits,
+    28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
-    if not (blk or mt or gs or streamk):
+    if not (blk or mt or gs):
         blk, mt, gs = w4wgmma_shape(m, n, k, sms)
     gs = gs or W4WGMMA_GROUP_STEPS[0]
-    if gs not in W4WGMMA_GROUP_STEPS or (streamk and gs != 1):
-        raise ValueError(f"w4wgmma_config: gs must be one of {W4WGMMA_GROUP_STEPS} (1 with stream-K), got {gs}")
+    if gs not in W4WGMMA_GROUP_STEPS:
+        raise ValueError(f"w4wgmma_config: gs must be one of {W4WGMMA_GROUP_STEPS}, got {gs}")
     blk = blk or W4WGMMA_BLK
     if blk not in W4WGMMA_SHAPES:
         raise ValueError(f"w4wgmma_config: blk must be one of {tuple(W4WGMMA_SHAPES)}, got {blk}")
@@ -761,12 +755,6 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     n_tiles = -(-n // (128 * blk))
     kb = max(1, k // W4WGMMA_BK)
     tiles = m_tiles * n_tiles
-    if streamk:
-        ctas = min(sms if streamk == 1 else streamk, tiles * kb)
-        if tiles * kb * ctas >= 2 ** 31:  # the kernel's unit arithmetic is 32-bit
-            raise ValueError(f"w4wgmma_config: stream-K over {tiles * kb} units x {ctas} CTAs overflows int32")
-        stages = w4wgmma_stages(mt, blk)
-        return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, 1, stages, w4wgmma_smem_bytes(mt, blk, stages), ctas, kb)
     if splits:
         s = max(1, min(splits, kb))
     else:
@@ -775,41 +763,7 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         cands = range(1, max(1, min(16, kb // 4)) + 1)
         s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
     stages = w4wgmma_stages(mt, blk)
-    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages), 0, kb, gs)
-
-
-def w4wgmma_streamk_segments(cfg: W4WgmmaConfig) -> list:
-    """The work of each CTA of the stream-K variant, as Python (mirrors the kernel's unit ranges; for tests): a list
-    over CTAs of lists of segments (tile, m tile, n tile, k stage begin, k stage end, slot), slot -1 for a whole
-    tile (stored directly), else the fp32 slot of the partial (2 p for the CTA's first segment, 2 p + 1 for its
-    last)."""
-    units, p_count, kb = cfg.units, cfg.streamk, cfg.kb
-    out = []
-    for p in range(p_count):
-        u, u_end, segs = p * units // p_count, (p + 1) * units // p_count, []
-        u_begin = u
-        while u < u_end:
-            tile, kb0 = divmod(u, kb)
-            kb1 = min(kb, kb0 + (u_end - u))
-            slot = -1 if (kb0 == 0 and kb1 == kb) else 2 * p + (0 if u == u_begin else 1)
-            segs.append((tile, tile % cfg.m_tiles, tile // cfg.m_tiles, kb0, kb1, slot))
-            u += kb1 - kb0
-        out.append(segs)
-    return out
-
-
-def w4wgmma_streamk_contributors(cfg: W4WgmmaConfig, tile: int) -> list:
-    """The slots the kernel sums for a partial tile, in CTA order (its streamk_owner / streamk_begin arithmetic)."""
-    units, p_count, kb = cfg.units, cfg.streamk, cfg.kb
-    owner = lambda u: ((u + 1) * p_count - 1) // units  # noqa: E731
-    q0, q1 = owner(tile * kb), owner(tile * kb + kb - 1)
-    first = 2 * q0 + (1 if q0 * units // p_count < tile * kb else 0)
-    return [first] + [2 * q for q in range(q0 + 1, q1 + 1)]
-
-
-def w4wgmma_workspace_bytes(cfg: W4WgmmaConfig) -> int:
-    """fp32 partials of the stream-K variant: 2 slots per CTA of mt x 128 blk floats."""
-    return 2 * cfg.streamk * cfg.mt * 128 * cfg.blk * 4
+    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages), gs)
 
 
 def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
@@ -1036,10 +990,9 @@ def _marlin_kernel(dtype: str, mt: int, defines: tuple = ()) -> Kernel:
 
 
 @lru_cache(maxsize=None)
-def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, streamk: bool = False,
-                    gs: int = 1) -> Kernel:
+def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, gs: int = 1) -> Kernel:
     stages = stages or w4wgmma_stages(mt, blk)
-    tail = (", true" if streamk else "") if gs == 1 else f", {'true' if streamk else 'false'}, {gs}"
+    tail = "" if gs == 1 else f", {gs}"
     return Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4_wgmma_kernel<{A.CTYPE[dtype]}, {mt}, {blk}, {stages}{tail}>",
                   hopper=True)
 
@@ -1069,7 +1022,6 @@ def all_kernels() -> list:
         for blk, mts in W4WGMMA_SHAPES.items():
             for mt in mts:
                 out.append(_w4wgmma_kernel(dtype, mt, blk))
-                out.append(_w4wgmma_kernel(dtype, mt, blk, streamk=True))
                 for gs in W4WGMMA_GROUP_STEPS[1:]:
                     if gs != 4 or (blk, mt) not in W4WGMMA_NO_GS4:
                         out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs))
@@ -1341,7 +1293,7 @@ def use_marlin(m: int, n: int, k: int, group: int) -> bool:
 # (w4wgmma_supported), before every other choice, including the dense path above MAX_MMA_M.  "off" by default until
 # measured on the GPU; SPEEDCORE_QUANT_W4WGMMA=1 (read at import) turns it on.  It must be on when the layer is
 # prepacked (prepack then also builds the wgmma-major copy, the weight's size again).  _W4WGMMA_OVERRIDE: keyword
-# overrides of w4wgmma_config (splits, mt, blk, streamk), for measurements (benchmarks/_quant_w4wgmma_probe.py).
+# overrides of w4wgmma_config (splits, mt, blk, gs), for measurements (benchmarks/_quant_w4wgmma_probe.py).
 _W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # "auto" takes w4_wgmma_kernel where it measured ahead of every other path (H200, same-process probe
 # benchmarks/_quant_w4wgmma_probe.py, us, w4wgmma / previous dispatch / cuBLAS, bf16): 8192 x 8192 M = 17
@@ -1519,7 +1471,7 @@ def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, o
     cfg = w4wgmma_config(rows, n, k, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(k // W4WGMMA_BK), np.int32(group // W4WGMMA_BK),
                np.int32(k // group), np.int32(cfg.m_tiles), np.int32(cfg.splits))
-    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, streamk=cfg.streamk > 0, gs=cfg.gs)
+    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs)
     return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem), scalars
 
 
@@ -1535,10 +1487,7 @@ def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n):
                               box_cols=W4WGMMA_BK)
     stream = A.stream_of(xa)
     ws_ptr = tickets_ptr = 0
-    if cfg.streamk:  # two fp32 tile slots per CTA (its first and last segment)
-        ws_ptr = _workspace_ptr(xa, stream, w4wgmma_workspace_bytes(cfg))
-        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_tiles * cfg.n_tiles).ptr
-    elif cfg.splits > 1:
+    if cfg.splits > 1:
         ws_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
         tickets_ptr = _ticket_buffer(xa, stream, cfg.m_tiles * cfg.n_tiles).ptr
     args = (tmap_x, y_ptr, ws_ptr, tickets_ptr, gl.w4_ptr, gl.g_ptr, bias_ptr) + scalars
