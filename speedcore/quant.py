@@ -1221,7 +1221,7 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     """Allocate y (rows, N) and run quant_mma_kernel, or, when the layer has the fragment-major copy (``gemv``)
     for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128) or a streaming
     kernel for M <= 16; returns y (the caller's library).  Before all of these: w4_wgmma_kernel where
-    _w4_applies (use_w4wgmma: sm_90, 17 <= M <= 1024 by default)."""
+    _w4_applies (use_w4wgmma: sm_90, 17 <= M <= 1024 by default, to 8192 from N = 8192)."""
     if rows and _w4_applies(gemv, xa, rows, n, k):
         return _launch_w4wgmma(gemv, xa, rows, k, ldx, bias_ptr, n)
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
@@ -1747,9 +1747,10 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     copy instead: ``gemv_stream_kernel`` / ``gemv_bulk_kernel`` where K and G are multiples of 128
     (:func:`use_stream`, :func:`use_bulk`), else ``gemv_kernel`` (:func:`use_gemv`; K % 32 == 0 and
     G % 32 == 0).  Where :func:`use_marlin` says so (INT4, 17 <= M <= 128), such a layer
-    takes ``quant_marlin_kernel``; on sm_90, where :func:`use_w4wgmma` says so (INT4, 17 <= M <= 1024, N % 256
-    == 0), ``w4_wgmma_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.  The fast kernels need N % 64 == 0 and
-    G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy float16).
+    takes ``quant_marlin_kernel``; on sm_90, where :func:`use_w4wgmma` says so (INT4, 17 <= M <= 1024 and up to
+    8192 from N = 8192, N % 256 == 0), ``w4_wgmma_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.
+    The fast kernels need N % 64 == 0 and G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy
+    float16).
     """
     if isinstance(qweight, AWQWeight) and qweight.fast is not None and qzeros is None and scales is None:
         y = _fast_call(qweight.fast, x, bias)
