@@ -259,8 +259,6 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     sc::named_bar_sync(1, 256);
     if (!*s_last) return;
     __threadfence();
-  }
-  if (splits > 1) {
     // The tile's sum in split order (this CTA's own partial included): the same bits whichever CTA is last.  JC
     // row groups (32 loads per thread) at a time, split by split, so that a chunk's loads of one split are in
     // flight together: a round trip per chunk and split rather than per row and split (the per-row loop was most

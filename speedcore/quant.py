@@ -89,11 +89,10 @@ MARLIN_MT_CHOICES = (4, 8)  # 8-row x tiles per CTA: M <= 32, M <= 64 per m-chun
 W4WGMMA_SOURCE = "quant_sm90.cu"
 W4WGMMA_BK = 64               # k per ring stage
 W4WGMMA_BLOCK_BYTES = 2048    # INT4 weights of one 64-channel block x 64 k in the wgmma-major layout
-W4WGMMA_BLK = 2               # 64-channel blocks per consumer warpgroup (CTA: 2 x 64 x BLK = 256 channels)
-W4WGMMA_MT_CHOICES = (64, 128)  # rows of x per tile (the wgmma N): M <= 64, else 128
-# Every compiled (mt, blk) shape: the default two, and for measurements (_W4WGMMA_OVERRIDE blk=1) 128-channel CTAs
-# (twice the tiles of small-M layers without split-K) with mt up to 256 (a 64 x 256 fp32 accumulator: 128
-# registers per consumer thread, which fits the 232 of setmaxnreg only with one block per warpgroup).
+W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override leaves it open (CTA: 128 BLK channels)
+# Every compiled (mt, blk) shape (w4wgmma_shape picks among them): 256-channel CTAs at 64 / 128 rows, 128-channel
+# CTAs (twice the tiles) with mt up to 256 (a 64 x 256 fp32 accumulator: 128 registers per consumer thread, which
+# fits the 232 of setmaxnreg only with one block per warpgroup).
 W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
 W4WGMMA_MAX_STAGES = 8
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default

@@ -1,7 +1,9 @@
 """Test scaffolding shared by test_quant.py and test_quant_w4wgmma.py: a stand-in CUDA tensor and a fake GPU under
-which speedcore.quant's Python launch paths run without one (their launches recorded), and a spy on the real
-launches of a GPU test."""
+which speedcore.quant's Python launch paths run without one (their launches recorded), a spy on the real
+launches of a GPU test, and the exact-rows check of the GPU tests."""
 import contextlib
+
+import numpy as np
 
 from speedcore import quant as Q
 
@@ -87,3 +89,43 @@ def launched():
         yield names
     finally:
         Q.launch = real
+
+
+def linear(fmt, x, layer, bias=None):
+    f = {Q.FMT_AWQ: Q.awq_linear, Q.FMT_GPTQ: Q.gptq_linear, Q.FMT_INT8: Q.int8_linear}[fmt]
+    return f(x, layer, bias=bias)
+
+
+def pow2_scaled(torch, fmt, layer, k, n, g, td, rng):
+    """The INT4 layer's weights again with power-of-two scales (every (q - z) s exact in T), prepacked, and their
+    reference dequantization (K, N): one-hot rows of x must then give exact outputs."""
+    s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
+    qw, qz = (layer.qweight, layer.qzeros)
+    layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
+    ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
+    args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
+    return layer, ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
+
+
+def assert_picks_rows(torch, fmt, layer, w_kn, td, row_slices, kernel=None):
+    """x = rows ``row_slices`` of the identity pick those rows of W (``w_kn``, K x N, exact in ``td``): the outputs
+    must equal them bit for bit (and, given ``kernel``, come from a launch of it)."""
+    k = w_kn.shape[0]
+    for rows in row_slices:
+        eye = torch.eye(k, device="cuda", dtype=td)[rows]
+        with launched() as names:
+            y = linear(fmt, eye, layer)
+        if kernel is not None:
+            assert any(kernel in nm for nm in names), names
+        expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
+        assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
+
+
+def act_order_gptq(torch, td, rng, n=512, k=1024, g=128):
+    """An act-order GPTQ checkpoint (quantize_gptq with a random permutation, asymmetric) as CUDA tensors (qweight,
+    qzeros, scales in ``td``, g_idx) and its reference dequantization W (K, N)."""
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=rng.permutation(k), sym=False)
+    s_t = torch.from_numpy((s.astype(np.float32) * 0.05).astype(np.float16)).cuda().to(td)
+    ref_w = Q.dequantize_gptq_reference(qw, qz, s_t.float().cpu().numpy(), g_idx, g)
+    return (torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, torch.from_numpy(g_idx).cuda()), ref_w

@@ -8,7 +8,9 @@ import pytest
 
 from speedcore import quant as Q
 
-from quant_fakes import FakeTensor, install_fake_gpu, launched
+from quant_fakes import FakeTensor, act_order_gptq, assert_picks_rows, install_fake_gpu, launched
+from quant_fakes import linear as _linear
+from quant_fakes import pow2_scaled as _pow2_scaled
 
 RNG = np.random.default_rng(1234)
 
@@ -548,22 +550,6 @@ def _gemv_layer(torch, fmt, n, k, g, td, rng):
             Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(z), s_f, None, gg), args)
 
 
-def _pow2_scaled(torch, fmt, layer, k, n, g, td, rng):
-    """The INT4 layer's weights again with power-of-two scales (every (q - z) s exact in T), prepacked, and their
-    reference dequantization (K, N): one-hot rows of x must then give exact outputs."""
-    s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
-    qw, qz = (layer.qweight, layer.qzeros)
-    layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
-    ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
-    args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
-    return layer, ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
-
-
-def _linear(fmt, x, layer, bias=None):
-    f = {Q.FMT_AWQ: Q.awq_linear, Q.FMT_GPTQ: Q.gptq_linear, Q.FMT_INT8: Q.int8_linear}[fmt]
-    return f(x, layer, bias=bias)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ, Q.FMT_INT8])
@@ -698,11 +684,7 @@ def test_stream_exact_rows_small(override, bulk):
                 layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
                 if fmt != Q.FMT_INT8:
                     layer, w_kn = _pow2_scaled(torch, fmt, layer, k, n, g, td, rng)
-                for rows in (slice(0, 16), slice(101, 106), slice(1000, 1001)):
-                    eye = torch.eye(k, device="cuda", dtype=td)[rows]
-                    y = _linear(fmt, eye, layer)
-                    expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
-                    assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
+                assert_picks_rows(torch, fmt, layer, w_kn, td, (slice(0, 16), slice(101, 106), slice(1000, 1001)))
 
 
 @pytest.mark.gpu
@@ -778,17 +760,8 @@ def _check_gemv_exact_rows():
             k, n, g = 1024, 512, 32  # 8 blocks x 32 steps on 16 CTAs: every block split between two
             layer, w_kn, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
             if fmt != Q.FMT_INT8:
-                s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
-                qw, qz = (layer.qweight, layer.qzeros)
-                layer = (Q.prepack_awq if fmt == Q.FMT_AWQ else Q.prepack_gptq)(qw, qz, s, group_size=g)
-                ref_fn = Q.dequantize_awq_reference if fmt == Q.FMT_AWQ else Q.dequantize_gptq_reference
-                args = (qw.cpu().numpy(), qz.cpu().numpy(), s.float().cpu().numpy())
-                w_kn = ref_fn(*args, group_size=g) if fmt == Q.FMT_AWQ else ref_fn(*args, None, g)
-            for rows in (slice(0, 16), slice(101, 106)):
-                eye = torch.eye(k, device="cuda", dtype=td)[rows]
-                y = _linear(fmt, eye, layer)
-                expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
-                assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
+                layer, w_kn = _pow2_scaled(torch, fmt, layer, k, n, g, td, rng)
+            assert_picks_rows(torch, fmt, layer, w_kn, td, (slice(0, 16), slice(101, 106)))
 
 
 @pytest.mark.gpu
@@ -1423,13 +1396,8 @@ def test_marlin_exact_rows_small(override):
                 k, n, g = 1024, 512, 128
                 layer, _, _ = _gemv_layer(torch, fmt, n, k, g, td, rng)
                 layer, w_kn = _pow2_scaled(torch, fmt, layer, k, n, g, td, rng)
-                for rows in (slice(0, 17), slice(960, 1024), slice(101, 165)):
-                    eye = torch.eye(k, device="cuda", dtype=td)[rows]
-                    with launched() as names:
-                        y = _linear(fmt, eye, layer)
-                    assert any("quant_marlin_kernel" in nm for nm in names), names
-                    expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
-                    assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
+                assert_picks_rows(torch, fmt, layer, w_kn, td, (slice(0, 17), slice(960, 1024), slice(101, 165)),
+                                  "quant_marlin_kernel")
 
 
 @pytest.mark.gpu
@@ -1442,11 +1410,7 @@ def test_marlin_gptq_act_order_small(dtype, m):
     td = getattr(torch, dtype)
     n, k, g = 512, 1024, 128
     rng = np.random.default_rng(m + 5)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=rng.permutation(k), sym=False)
-    s_t = torch.from_numpy((s.astype(np.float32) * 0.05).astype(np.float16)).cuda().to(td)
-    ref_w = Q.dequantize_gptq_reference(qw, qz, s_t.float().cpu().numpy(), g_idx, g)
-    args = (torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, torch.from_numpy(g_idx).cuda())
+    args, ref_w = act_order_gptq(torch, td, rng, n, k, g)
     with _marlin("on"):
         packed = Q.prepack_gptq(*args, group_size=g)
         assert packed.perm is not None and packed.gemv is not None

@@ -13,7 +13,8 @@ import pytest
 
 from speedcore import quant as Q
 
-from quant_fakes import FakeTensor, install_fake_gpu, launched
+from quant_fakes import FakeTensor, act_order_gptq, assert_picks_rows, install_fake_gpu, launched, pow2_scaled
+from quant_fakes import linear as _linear
 
 
 @contextlib.contextmanager
@@ -324,7 +325,7 @@ def test_smem_budget_matches_the_kernel_layout():
     assert Q.w4wgmma_stages(64) == Q.w4wgmma_stages(128) == 8
     assert Q.w4wgmma_smem_bytes(64) == 1024 + 8 * (17152 + 16) + 16 == 138384
     assert Q.w4wgmma_smem_bytes(128) == 1024 + 8 * (25344 + 16) + 16 == 203920
-    for mt in Q.W4WGMMA_MT_CHOICES:
+    for mt in Q.W4WGMMA_SHAPES[2]:
         assert Q.w4wgmma_smem_bytes(mt) <= 232448
         assert (mt * 128) % 1024 == 0  # x tiles keep the 128-byte swizzle's 1024-byte alignment
     # blk = 1: 2 blocks a stage
@@ -377,7 +378,7 @@ def test_variants_listed_and_hopper_only():
     names = {k.name for k in ks}
     assert len(ks) == 30 and all(k.hopper for k in ks)
     for dt in ("__half", "__nv_bfloat16"):
-        for mt in Q.W4WGMMA_MT_CHOICES:
+        for mt in Q.W4WGMMA_SHAPES[2]:
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 2, 8>" in names
         for mt, stages in ((64, 8), (128, 8), (256, 6)):
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 1, {stages}>" in names
@@ -505,10 +506,6 @@ def _layer(torch, fmt, n, k, g, td, rng):
     args = (t(Q.pack_rows(q)), t(Q.pack_cols(z)), s_t)
     return Q.prepack_gptq(*args, group_size=g), Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(z), s_f,
                                                                              None, g)
-
-
-def _linear(fmt, x, layer, bias=None):
-    return (Q.awq_linear if fmt == Q.FMT_AWQ else Q.gptq_linear)(x, layer, bias=bias)
 
 
 def _ref(x, w_kn, bias=None):
@@ -656,24 +653,10 @@ def test_w4wgmma_exact_rows_small(override):
     with _w4("on", **override):
         for fmt in (Q.FMT_AWQ, Q.FMT_GPTQ):
             for td in (torch.float16, torch.bfloat16):
-                q = rng.integers(0, 16, (k, n))
-                z = rng.integers(0, 16, (k // g, n))
-                s = torch.from_numpy((2.0 ** rng.integers(-4, 2, (k // g, n))).astype(np.float16)).cuda().to(td)
-                s_f = s.float().cpu().numpy()
-                t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
-                if fmt == Q.FMT_AWQ:
-                    layer = Q.prepack_awq(t(Q.pack_awq(q)), t(Q.pack_awq(z)), s, group_size=g)
-                    w_kn = Q.dequantize_awq_reference(Q.pack_awq(q), Q.pack_awq(z), s_f, g)
-                else:
-                    layer = Q.prepack_gptq(t(Q.pack_rows(q)), t(Q.pack_cols(z)), s, group_size=g)
-                    w_kn = Q.dequantize_gptq_reference(Q.pack_rows(q), Q.pack_cols(z), s_f, None, g)
-                for rows in (slice(0, 17), slice(960, 1024), slice(101, 230)):
-                    eye = torch.eye(k, device="cuda", dtype=td)[rows]
-                    with launched() as names:
-                        y = _linear(fmt, eye, layer)
-                    assert any("w4_wgmma_kernel" in nm for nm in names), names
-                    expect = torch.from_numpy(w_kn[rows].astype(np.float32)).to(td).float().numpy()
-                    assert np.array_equal(y.float().cpu().numpy(), expect), (fmt, td, rows)
+                layer, _ = _layer(torch, fmt, n, k, g, td, rng)
+                layer, w_kn = pow2_scaled(torch, fmt, layer, k, n, g, td, rng)
+                assert_picks_rows(torch, fmt, layer, w_kn, td, (slice(0, 17), slice(960, 1024), slice(101, 230)),
+                                  "w4_wgmma_kernel")
 
 
 @pytest.mark.gpu
@@ -686,11 +669,7 @@ def test_w4wgmma_gptq_act_order_small(dtype, m):
     td = getattr(torch, dtype)
     n, k, g = 512, 1024, 128
     rng = np.random.default_rng(m + 9)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    qw, qz, s, g_idx = Q.quantize_gptq(w, g, perm=rng.permutation(k), sym=False)
-    s_t = torch.from_numpy((s.astype(np.float32) * 0.05).astype(np.float16)).cuda().to(td)
-    ref_w = Q.dequantize_gptq_reference(qw, qz, s_t.float().cpu().numpy(), g_idx, g)
-    args = (torch.from_numpy(qw).cuda(), torch.from_numpy(qz).cuda(), s_t, torch.from_numpy(g_idx).cuda())
+    args, ref_w = act_order_gptq(torch, td, rng, n, k, g)
     with _w4("on"):
         packed = Q.prepack_gptq(*args, group_size=g)
         assert packed.perm is not None and packed.gemv is not None and packed.gemv.w4_ptr != 0
