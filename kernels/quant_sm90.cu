@@ -10,14 +10,15 @@
 //   the scale: (q - z) s rounded once to T), and B = the x tile in shared memory: x is (M, K) row-major, which is
 //   a K-major B operand as TMA writes it (64 k = 128 bytes per row, 128-byte swizzle), no transpose.
 // * The weights come from a prepacked "wgmma-major" INT4 layout (w4wgmma_pack_kernel below, NumPy mirror
-//   speedcore.quant.w4wgmma_pack_reference): word (b, kb, t, lane, s) is the m16n8k16 A fragment (rows 16 t..16 t
-//   + 15 of 64-channel block b; k = 64 kb + 16 s + natural mma k order) of lane 4 g + c, so warp t of a consumer
+//   speedcore.quant.w4wgmma_pack_reference): word (b / 4, kb, b % 4, t, lane, s) is the m16n8k16 A fragment (rows
+//   16 t..16 t + 15 of 64-channel block b; k = 64 kb + 16 s + natural mma k order) of lane 4 g + c, so warp t of a consumer
 //   warpgroup reads its 4 k16 steps of one ring stage as one conflict-free 16-byte shared load per lane.  (The
 //   fragment-major copy of the streaming kernels permutes k inside each k16 to match 8-byte x reads; a B operand
 //   read by wgmma from shared memory must be in natural k order, hence the new copy.)  Scales / zero points come
-//   from the streaming kernels' group records (gemv_pack_groups_kernel, 192 bytes per block and group).
-// * 384 threads: warpgroup 0 is the producer (setmaxnreg down; one thread issues one TMA box of x and 2 x BLOCKS
-//   cp.async.bulk copies per stage: each block's 2 KB of weights and its group record) into a STAGES-deep ring
+//   from the streaming kernels' group records (gemv_pack_groups_kernel, 192 bytes per block and group) reordered
+//   as the weights ((block / 4, group, block % 4), speedcore.quant._w4wgmma_groups).
+// * 384 threads: warpgroup 0 is the producer (setmaxnreg down; one thread issues one TMA box of x and two
+//   cp.async.bulk copies per stage: the CTA's BLOCKS x 2 KB of weights and their group records) into a STAGES-deep ring
 //   guarded by full / empty mbarriers; warpgroups 1 and 2 are consumers owning BLK blocks each (2 x 64 BLK
 //   channels per CTA).  A consumer issues a stage's 4 k16 steps as wgmma groups of GS steps (GS = 1, 2 or 4), and
 //   dequantizes the next group's A fragments while the previous group is in flight (two A sets; wgmma.wait_group 1);
@@ -62,11 +63,18 @@ __device__ __forceinline__ void group_consts(unsigned sw, unsigned zw, unsigned 
   zc[1] = sc::int4_zero_term<T>((zw >> 8) & 0xffu, true);  // row g + 8: fp16 reads its nibbles at bits 4-7
 }
 
+__device__ __forceinline__ unsigned ctaid_x() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
+  return r;
+}
+
 // Keep the compiler from moving an A-fragment register's reuse across wgmma issue / wait points.
 __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 
-// y (M, N) = x (M, K) @ W (+ bias) for a layer in the wgmma-major INT4 layout (wq) with group records (grec).
+// y (M, N) = x (M, K) @ W (+ bias) for a layer in the wgmma-major INT4 layout (wq) with its group records (grec:
+// record (block / 4, group, block % 4) at byte 192 (((block / 4) NG + group) 4 + block % 4)).
 // Grid: m_tiles x splits x (N / (128 BLK)) CTAs, m tile fastest (CTAs reading the same weights run together).
 // CTA (m tile, split, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
 // [split KB / splits, (split + 1) KB / splits).  KB = K / 64, SPG = G / 64, NG = K / G.
@@ -115,14 +123,15 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         sc::mbar_wait(&empty[stage], phase ^ 1);
         sc::mbar_arrive_expect_tx(&full[stage], L::STAGE);
         sc::tma_load_2d(ring_x + stage * L::X_BYTES, &tmap_x, kb * kBK, pm0, &full[stage]);
-        const int grp = kb / SPG;
-#pragma unroll
-        for (int b = 0; b < L::BLOCKS; ++b) {
-          sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + b * kBlockBytes,
-                        wq + ((long long)(pnb0 + b) * KB + kb) * kBlockBytes, kBlockBytes, &full[stage]);
-          sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES + b * kRecBytes,
-                        grec + ((long long)(pnb0 + b) * NG + grp) * kRecBytes, kRecBytes, &full[stage]);
-        }
+        // Super-block layout (4 blocks, stage-major inside): the CTA's 2 or 4 blocks of a stage are adjacent (one copy
+        // each for weights and records: one per block ran the copy queue long, -8 to -13% time at M <= 64 with 4
+        // blocks, H200) and its stages follow each other (a plain stage-major layout, N / 64 x 2 KB between stages,
+        // cost 4-8% at M >= 256).
+        const long long sb = pnb0 >> 2, b4 = pnb0 & 3;
+        sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES, wq + ((sb * KB + kb) * 4 + b4) * kBlockBytes,
+                          L::BLOCKS * kBlockBytes, &full[stage]);
+        sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES, grec + ((sb * NG + kb / SPG) * 4 + b4) * kRecBytes,
+                          L::BLOCKS * kRecBytes, &full[stage]);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
@@ -220,10 +229,15 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
   };
   consume(kb_begin, kb_end);
+  // The tile's coordinates again, from the CTA index read anew: kept live across the main loop they spilled at
+  // MT x BLK = 256 (128 accumulator registers).
+  const int cta = (int)ctaid_x();
+  const int e_m_tile = cta % m_tiles, e_rest = cta / m_tiles;
+  const int e_split = e_rest % splits, e_n_tile = e_rest / splits;
 
-  // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; x row of (j, e): m0 + 8 j + 2 c + e.
-  const int n_lane = (nb0 + cw * BLK) * 64 + 16 * warp + g;
-  const int m_lane = m0 + 2 * c;
+  // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; x row of (j, e): m_lane + 8 j + e.
+  const int n_lane = (e_n_tile * L::BLOCKS + cw * BLK) * 64 + 16 * warp + g;
+  const int m_lane = e_m_tile * MT + 2 * c;
   float bv[BLK][2];
 #pragma unroll
   for (int blk = 0; blk < BLK; ++blk)
@@ -234,7 +248,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // Row by row (x row m_lane + 8 j + e), with running pointers: precomputing every row's address alongside the
   // accumulators spilled at mt = 128.
   if (splits > 1) {
-    float* wrow = ws + ((long long)split * M + m_lane) * N + n_lane;
+    float* wrow = ws + ((long long)e_split * M + m_lane) * N + n_lane;
 #pragma unroll
     for (int j = 0; j < MT / 8; ++j) {
 #pragma unroll
@@ -251,7 +265,8 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     __threadfence();
     sc::named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
-      int* ticket = &tickets[n_tile * m_tiles + m_tile];
+      const int t_cta = (int)ctaid_x();  // read anew: the partials' stores need every register
+      int* ticket = &tickets[t_cta / m_tiles / splits * m_tiles + t_cta % m_tiles];
       const int done = atomicAdd(ticket, 1);
       *s_last = done == splits - 1;
       if (done == splits - 1) *ticket = 0;
@@ -310,18 +325,19 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   }
 }
 
-// The wgmma-major INT4 copy of a stored AWQ / GPTQ qweight: word (b, kb, t, lane, s) (index
-// (((b KB + kb) 4 + t) 32 + lane) 4 + s) holds, for lane = 4 g + c, channels n0 = 64 b + 16 t + g and n0 + 8, k =
-// 64 kb + 16 s + (2 c, 2 c + 1, 2 c + 8, 2 c + 9): nibble i = r + 4 e is channel n0 + 8 (r % 2) at k offset
-// 2 c + e + 8 (r / 2) (the m16n8k16 A fragment, register r, low half e = 0).
+// The wgmma-major INT4 copy of a stored AWQ / GPTQ qweight: word (b / 4, kb, b % 4, t, lane, s) (index
+// ((((b / 4) KB + kb) 4 + b % 4) 4 + t) 32 + lane) 4 + s) holds, for lane = 4 g + c, channels n0 = 64 b + 16 t + g
+// and n0 + 8, k = 64 kb + 16 s + (2 c, 2 c + 1, 2 c + 8, 2 c + 9): nibble i = r + 4 e is channel n0 + 8 (r % 2) at k
+// offset 2 c + e + 8 (r / 2) (the m16n8k16 A fragment, register r, low half e = 0).  Super-blocks of 4 blocks,
+// stage-major inside: a CTA's 2 or 4 blocks of a stage are one 4 / 8 KB piece, its stages consecutive pieces.
 template <int FMT>
 __global__ void __launch_bounds__(256) w4wgmma_pack_kernel(unsigned* __restrict__ out, const int* __restrict__ qw,
                                                            int KB, long long ldq, long long total) {
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= total) return;
   const int s = (int)(idx & 3), lane = (int)((idx >> 2) & 31), t = (int)((idx >> 7) & 3);
-  const long long rest = idx >> 9;
-  const int kb = (int)(rest % KB), b = (int)(rest / KB);
+  const long long rest = idx >> 11;  // (super-block, kb)
+  const int kb = (int)(rest % KB), b = (int)(rest / KB) * 4 + (int)((idx >> 9) & 3);
   const int g = lane >> 2, c = lane & 3;
   const int n_base = 64 * b + 16 * t + g, k_base = 64 * kb + 16 * s + 2 * c;
   unsigned word = 0;

@@ -780,7 +780,8 @@ def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
 
 def w4wgmma_pack_reference(q) -> np.ndarray:
     """The wgmma-major INT4 layout of q (K, N) values 0..15, as uint32 words (NumPy; what w4wgmma_pack_kernel makes
-    on the GPU).  Word [b, kb, t, lane, s] (lane = 4 g + c) holds channels n0 = 64 b + 16 t + g and n0 + 8 at
+    on the GPU; N % 256 == 0).  Word [b // 4, kb, b % 4, t, lane, s] (lane = 4 g + c; super-blocks of 4 blocks,
+    stage-major inside) holds channels n0 = 64 b + 16 t + g and n0 + 8 at
     k = 64 kb + 16 s + {2c, 2c+1, 2c+8, 2c+9}: nibble i = r + 4 e is channel n0 + 8 (r % 2), k offset
     2 c + e + 8 (r // 2)."""
     q = np.asarray(q, np.uint32)
@@ -788,25 +789,34 @@ def w4wgmma_pack_reference(q) -> np.ndarray:
     nb, kbs = n // 64, k // 64
     # q as (kb, s, p, c, e, b, t, j, g): k = 64 kb + 16 s + 8 p + 2 c + e, n = 64 b + 16 t + 8 j + g
     v = q.reshape(kbs, 4, 2, 4, 2, nb, 4, 2, 8)
-    words = np.zeros((nb, kbs, 4, 8, 4, 4), np.uint32)  # [b, kb, t, g, c, s]
+    words = np.zeros((nb // 4, kbs, 4, 4, 8, 4, 4), np.uint32)  # [b // 4, kb, b % 4, t, g, c, s]
     for i in range(8):
         r, e = i % 4, i // 4
         part = v[:, :, r // 2, :, e, :, :, r % 2, :]     # (kb, s, c, b, t, g)
-        words |= part.transpose(3, 0, 4, 5, 2, 1) << np.uint32(4 * i)
+        part = part.reshape(kbs, 4, 4, nb // 4, 4, 4, 8)  # (kb, s, c, b // 4, b % 4, t, g)
+        words |= part.transpose(3, 0, 4, 5, 6, 2, 1) << np.uint32(4 * i)
     return words.reshape(-1)
+
+
+def w4wgmma_groups_reference(recs, n: int, ng: int) -> np.ndarray:
+    """The group records as w4_wgmma_kernel reads them (NumPy mirror of _w4wgmma_groups): record (block // 4,
+    group, block % 4), from gemv_pack_groups_reference's (block, group) order."""
+    r = np.asarray(recs, np.uint8).reshape(n // 256, 4, ng, GEMV_GROUP_BYTES)
+    return r.transpose(0, 2, 1, 3).reshape(-1)
 
 
 def w4wgmma_unpack_reference(words, k: int, n: int) -> np.ndarray:
     """Inverse of w4wgmma_pack_reference written from the consumer's side (mirrors w4_wgmma_kernel's reads): warp t
-    of a consumer warpgroup loads 16 bytes per lane at byte 16 (32 t + lane) of its block's 2 KB stage chunk (b, kb);
+    of a consumer warpgroup loads 16 bytes per lane at byte 16 (32 t + lane) of its block's 2 KB stage chunk
+    (b // 4, kb, b % 4);
     word s is the A fragment of k16 step s; sc::int4_fragment makes register r from nibbles (r, r + 4), and the m16n8k16
     A layout puts register r at row g + 8 (r % 2), columns 2 c + 8 (r // 2) + (0, 1).  Raises if any (k, n) is
     read twice or never."""
-    w = np.asarray(words, np.uint32).reshape(n // 64, k // 64, 4 * 32 * 4)
+    w = np.asarray(words, np.uint32).reshape(n // 256, k // 64, 4, 4 * 32 * 4)
     q = np.full((k, n), 255, np.uint8)
     for b in range(n // 64):
         for kb in range(k // 64):
-            chunk = w[b, kb]
+            chunk = w[b // 4, kb, b % 4]
             for t in range(4):
                 for lane in range(32):
                     g, c = lane // 4, lane % 4
@@ -1106,6 +1116,8 @@ class _GemvLayer:
     ng: int
     w4_weight: object = None  # the wgmma-major INT4 copy for w4_wgmma_kernel (sm_90, unless switched off)
     w4_ptr: int = 0
+    w4_groups: object = None  # its group records, group-major (the CTA's blocks of a group adjacent)
+    w4_g_ptr: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1489,7 +1501,7 @@ def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n):
     if cfg.splits > 1:
         ws_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
         tickets_ptr = _ticket_buffer(xa, stream, cfg.m_tiles * cfg.n_tiles).ptr
-    args = (tmap_x, y_ptr, ws_ptr, tickets_ptr, gl.w4_ptr, gl.g_ptr, bias_ptr) + scalars
+    args = (tmap_x, y_ptr, ws_ptr, tickets_ptr, gl.w4_ptr, gl.w4_g_ptr, bias_ptr) + scalars
     launch(kernel, lcfg, args, device=xa.device, stream=stream)
     return y
 
@@ -1504,6 +1516,19 @@ def _w4wgmma_pack(fmt, qa, k, n, group):
            (words.ptr, qa.ptr, np.int32(k // W4WGMMA_BK), np.int64(_row_stride(qa)), np.int64(total)),
            device=qa.device, stream=A.stream_of(qa))
     return words
+
+
+def _w4wgmma_groups(recs, nb: int, ng: int):
+    """The group records in w4_wgmma_kernel's order, record (block // 4, group, block % 4), from the streaming
+    kernels' (block, group) order (a transposed copy, nb x ng x 192 bytes; nb % 4 == 0)."""
+    shape = (nb // 4, 4, ng, GEMV_GROUP_BYTES)
+    if recs.lib == "torch":
+        t = recs.obj.view(shape).transpose(1, 2).contiguous().view(-1)
+    else:
+        import cupy
+
+        t = cupy.ascontiguousarray(recs.obj.reshape(shape).transpose(0, 2, 1, 3)).reshape(-1)
+    return A.wrap(t, "w4wgmma_groups")
 
 
 def _gemv_pack(fmt, qa, za, sa, k, n, group):
@@ -1529,8 +1554,10 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
            (recs.ptr, za.ptr, sa.ptr, np.int32(ng), np.int64(_row_stride(za)), np.int64(_row_stride(sa)),
             np.int64(total)), device=qa.device, stream=stream)
     w4 = _w4wgmma_pack(fmt, qa, k, n, group)
+    w4g = _w4wgmma_groups(recs, nb, ng) if w4 is not None else None
     return _GemvLayer(KIND_INT4, sa.dtype, words.obj, recs.obj, words.ptr, recs.ptr, group // GEMV_STEP_K, ng,
-                      w4.obj if w4 is not None else None, w4.ptr if w4 is not None else 0)
+                      w4.obj if w4 is not None else None, w4.ptr if w4 is not None else 0,
+                      w4g.obj if w4g is not None else None, w4g.ptr if w4g is not None else 0)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def install_fake_gpu(monkeypatch, w4_copy: bool):
             w4 = FakeTensor((n * k // 8,), "int32")
         return Q._GemvLayer(kind, None if kind == Q.KIND_INT8 else sa.dtype, w, None, w.ptr, 0x9000,
                             max(group // 32, 1), -(-k // group) if group else 1, w4,
-                            w4.ptr if w4 is not None else 0)
+                            w4.ptr if w4 is not None else 0, None, 0xA000 if w4 is not None else 0)
 
     monkeypatch.setattr(Q, "_gemv_pack", gemv_pack)
     return calls, maps

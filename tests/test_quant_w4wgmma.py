@@ -36,7 +36,7 @@ def _w4(mode="on", **override):
 
 def test_layout_roundtrip_reads_every_weight_once():
     rng = np.random.default_rng(1)
-    for k, n in ((64, 64), (256, 192), (512, 512)):
+    for k, n in ((64, 256), (256, 768), (512, 512)):  # N % 256: super-blocks of 4 x 64 channels
         q = rng.integers(0, 16, (k, n)).astype(np.uint8)
         words = Q.w4wgmma_pack_reference(q)
         assert words.dtype == np.uint32 and words.shape == (k * n // 8,)
@@ -45,8 +45,9 @@ def test_layout_roundtrip_reads_every_weight_once():
 
 def test_layout_hand_made():
     """One non-zero weight at a time lands in the word and nibble the m16n8k16 A fragment says."""
-    k, n = 128, 128
-    for (kk, nn) in ((0, 0), (1, 0), (8, 0), (9, 8), (2, 1), (17, 16), (63, 63), (64, 64), (127, 127), (70, 77)):
+    k, n = 128, 512
+    for (kk, nn) in ((0, 0), (1, 0), (8, 0), (9, 8), (2, 1), (17, 16), (63, 63), (64, 64), (127, 127), (70, 77),
+                     (65, 200), (127, 256), (3, 511)):
         q = np.zeros((k, n), np.uint8)
         q[kk, nn] = 0xF
         words = Q.w4wgmma_pack_reference(q)
@@ -54,7 +55,7 @@ def test_layout_hand_made():
         b, t, g, j = nn // 64, (nn % 64) // 16, nn % 8, (nn % 16) // 8
         kb, s, p, c, e = kk // 64, (kk % 64) // 16, (kk % 16) // 8, (kk % 8) // 2, kk % 2
         lane = 4 * g + c
-        expect_idx = (((b * (k // 64) + kb) * 4 + t) * 32 + lane) * 4 + s
+        expect_idx = (((((b // 4) * (k // 64) + kb) * 4 + b % 4) * 4 + t) * 32 + lane) * 4 + s  # super-blocks
         r = j + 2 * p  # register: rows g / g + 8 alternate, k columns 8..15 in registers 2, 3
         assert list(idx) == [expect_idx], (kk, nn)
         assert words[idx[0]] == 0xF << (4 * (r + 4 * e)), (kk, nn, hex(words[idx[0]]))
@@ -64,8 +65,8 @@ def _pack_kernel_mirror(fmt, qw, k, n):
     """w4wgmma_pack_kernel's index math, vectorized over the thread index (one word per thread)."""
     kbs = k // 64
     idx = np.arange(n * k // 8, dtype=np.int64)
-    s, lane, t, rest = idx & 3, (idx >> 2) & 31, (idx >> 7) & 3, idx >> 9
-    kb, b = rest % kbs, rest // kbs
+    s, lane, t = idx & 3, (idx >> 2) & 31, (idx >> 7) & 3
+    kb, b = (idx >> 11) % kbs, (idx >> 11) // kbs * 4 + ((idx >> 9) & 3)
     g, c = lane >> 2, lane & 3
     n_base, k_base = 64 * b + 16 * t + g, 64 * kb + 16 * s + 2 * c
     qw = np.asarray(qw).view(np.uint32).astype(np.int64)
@@ -86,7 +87,7 @@ def _pack_kernel_mirror(fmt, qw, k, n):
 @pytest.mark.parametrize("fmt", [Q.FMT_AWQ, Q.FMT_GPTQ])
 def test_pack_kernel_index_math_matches_reference(fmt):
     rng = np.random.default_rng(2 + fmt)
-    k, n = 384, 320
+    k, n = 384, 512
     q = rng.integers(0, 16, (k, n)).astype(np.uint8)
     qw = Q.pack_awq(q) if fmt == Q.FMT_AWQ else Q.pack_rows(q)
     assert np.array_equal(_pack_kernel_mirror(fmt, qw, k, n), Q.w4wgmma_pack_reference(q))
@@ -166,7 +167,8 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     """w4_wgmma_kernel's data flow in NumPy (float64 math), index for index: per CTA (w4wgmma_work) the producer's
     stage bytes (x tile rows past M zero, each block's 2 KB chunk and group record), each consumer warpgroup's
     dequantized A tiles from the fragment maps, the wgmma products, the accumulator-to-(m, n) mapping of the
-    epilogue, the fp32 partials and the last CTA's sum in split order.  Returns y and a count of writes per element."""
+    epilogue, the fp32 partials and the last CTA's sum in split order.  Returns y and a count of writes per element.
+    words: w4wgmma_pack_reference's super-blocks, recs: w4wgmma_groups_reference's order."""
     kbs, spg, ng = k // 64, g // 64, k // g
     mt, blk = cfg.mt, cfg.blk
     row, col, widx, shift, soff, zoff = _fragment_maps()
@@ -189,8 +191,8 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
             xt[:rows.shape[0]] = rows
             for bl in range(2 * blk):  # consumer warpgroup bl // blk, its block bl % blk
                 b = nb0 + bl
-                chunk = words[(b * kbs + kb) * 512:(b * kbs + kb + 1) * 512]
-                rec = recs[(b * ng + kb // spg) * 192:(b * ng + kb // spg + 1) * 192]
+                chunk = words[(((b // 4) * kbs + kb) * 4 + b % 4) * 512:][:512]
+                rec = recs[(((b // 4) * ng + kb // spg) * 4 + b % 4) * 192:][:192]
                 qv = (chunk[widx] >> shift.astype(np.uint32)) & 15
                 sc = _half_bits_to_float(rec[soff].astype(np.uint16) | (rec[soff + 1].astype(np.uint16) << 8), dtype)
                 a = np.zeros((64, 64))
@@ -228,8 +230,8 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     (17, 256, 256, 128, {}), (100, 512, 512, 256, {"splits": 3}), (64, 256, 1024, 128, {"splits": 4}),
     (129, 256, 128, 128, {}), (40, 768, 384, 128, {"mt": 128, "splits": 2}),
     # blk = 1 (128-channel CTAs) at every tile height, direct and split
-    (33, 384, 256, 128, {"blk": 1, "mt": 64}), (130, 256, 512, 256, {"blk": 1, "splits": 3}),
-    (300, 640, 256, 128, {"blk": 1, "mt": 256}), (257, 256, 512, 128, {"blk": 1, "mt": 256, "splits": 2}),
+    (33, 512, 256, 128, {"blk": 1, "mt": 64}), (130, 256, 512, 256, {"blk": 1, "splits": 3}),
+    (300, 768, 256, 128, {"blk": 1, "mt": 256}), (257, 256, 512, 128, {"blk": 1, "mt": 256, "splits": 2}),
     # groups of 2 / 4 k16 steps (the same products)
     (70, 768, 512, 128, {"gs": 4}), (200, 256, 384, 128, {"gs": 2, "blk": 1, "mt": 256})])
 def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
@@ -244,7 +246,7 @@ def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
     s_f = _half_bits_to_float(s16, dtype)
     w_kn = (q.astype(np.float64) - np.repeat(z, g, axis=0)) * np.repeat(s_f, g, axis=0)
     words = Q.w4wgmma_pack_reference(q)
-    recs = Q.gemv_pack_groups_reference(z, s16)
+    recs = Q.w4wgmma_groups_reference(Q.gemv_pack_groups_reference(z, s16), n, k // g)
     x = rng.standard_normal((m, k))
     bias = rng.standard_normal(n)
     cfg = Q.w4wgmma_config(m, n, k, 132, **override)
@@ -441,7 +443,8 @@ def test_dispatch_launch_arguments(fake_gpu, m):
         assert [int(a) for a in args[7:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
         assert all(type(a) is np.int32 for a in args[7:])
         assert (args[2] != 0) == (cfg.splits > 1) and (args[3] != 0) == (cfg.splits > 1)
-    assert calls[0][2][4] == pw.gemv.w4_ptr and calls[0][2][5] == pw.gemv.g_ptr and calls[0][2][6] == bias.ptr
+    assert calls[0][2][4] == pw.gemv.w4_ptr and calls[0][2][5] == pw.gemv.w4_g_ptr and calls[0][2][6] == bias.ptr
+    assert pw.gemv.w4_g_ptr not in (0, pw.gemv.g_ptr)  # the group-major copy of the records
     assert calls[2][2][4] == pg.gemv.w4_ptr and calls[2][2][6] == 0
     for u, v in zip(calls[0][2], calls[1][2]):
         assert type(u) is type(v) and u == v

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call for the super-block layout of w4_wgmma_kernel (branch quant-w4-superblock): the quant and w4wgmma
+# GPU tests, a compute-sanitizer memcheck of the small w4wgmma / stream-K cases (bf16), then (tests passing) the
+# w4wgmma probe at M = 32, 64, 256 and the full quant grid merged into $OUT/h200.json.  Worst case ~320 s.
+#
+#   SPEEDCORE_COMMIT=<hash> bash benchmarks/_quant_w4sb_gpu.sh
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR=${SPEEDCORE_CACHE_DIR:-/tmp/scc}
+O=${OUT:-/tmp/out}; mkdir -p $O; t0=$SECONDS
+( timeout 170 python3 -m pytest -q -m gpu --maxfail=5 tests/test_quant_w4wgmma.py tests/test_quant.py > $O/t.log 2>&1
+  echo "tests rc=$? $((SECONDS-t0))s" >> $O/t.log ) &
+sleep 10
+( timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 python3 -m pytest -q -x -m gpu \
+  tests/test_quant_w4wgmma.py -k "(w4wgmma_small or streamk_small) and bfloat16" > $O/mc.log 2>&1
+  echo "memcheck rc=$? $((SECONDS-t0))s" >> $O/mc.log ) &
+wait
+grep -hE "^(FAILED|ERROR)|passed|failed|rc=|ERROR SUMMARY" $O/t.log $O/mc.log | cut -c1-240 | tail -n 12
+grep -h -A30 "^_____" $O/t.log | grep -E "^E " | head -n 8 | cut -c1-240
+if grep -q "tests rc=0" $O/t.log; then
+  timeout 40 python3 benchmarks/_quant_w4wgmma_probe.py 32 64 256 > $O/probe.log 2>&1; grep -A12 "^summary" $O/probe.log | cut -c1-120
+  cp benchmarks/results/h200.json $O/h200.json
+  timeout 150 python3 -m speedcore bench quant --json $O/h200.json > $O/bench.log 2>&1; echo "bench rc=$? $((SECONDS-t0))s"
+  grep -E "^(awq|gptq)_linear  " $O/bench.log | grep -E "cuBLAS\)" | awk '{print $1, $2, $3, $(NF-1)}' | paste -d' ' - - -
+fi
