@@ -110,15 +110,17 @@ def tune_variants(m, n, k, sms):
     out = []
     cands = [(1, mt) for mt in Q.W4WGMMA_SHAPES[1] if mt <= max(64, 2 * m) and (m < 1024 or mt >= 128)]
     cands.append((2, min(base.mt, 128)))
+    if m <= 64 and n % 512 == 0:
+        cands.append((4, 64))  # 512-channel CTAs
     for blk, mt in cands:
         heur = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt).splits
-        for s in ([heur, 1, 2] if blk == 1 and m <= 256 else [heur] if blk == 1 else [1]):
+        for s in ([heur, 1, 2] if blk == 1 and m <= 256 else [heur] if blk != 2 else [1]):
             cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt, splits=s)
             key = (cfg.blk, cfg.mt, cfg.splits)
             if key in seen:
                 continue
             seen.add(key)
-            tag = f"b{blk}m{mt}" + ("" if s == heur and blk == 1 else f"s{cfg.splits}")
+            tag = f"b{blk}m{mt}" + ("" if s == heur and blk != 2 else f"s{cfg.splits}")
             out.append((tag, {"blk": blk, "mt": mt, "splits": cfg.splits}, cfg))
     grouped = []
     for tag, ov, cfg in [(f"b{base.blk}m{base.mt}s{base.splits}", {"blk": base.blk, "mt": base.mt,

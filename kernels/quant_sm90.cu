@@ -127,11 +127,16 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         // each for weights and records: one per block ran the copy queue long, -8 to -13% time at M <= 64 with 4
         // blocks, H200) and its stages follow each other (a plain stage-major layout, N / 64 x 2 KB between stages,
         // cost 4-8% at M >= 256).
-        const long long sb = pnb0 >> 2, b4 = pnb0 & 3;
-        sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES, wq + ((sb * KB + kb) * 4 + b4) * kBlockBytes,
-                          L::BLOCKS * kBlockBytes, &full[stage]);
-        sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES, grec + ((sb * NG + kb / SPG) * 4 + b4) * kRecBytes,
-                          L::BLOCKS * kRecBytes, &full[stage]);
+        // (BLK = 4: 8 blocks, two super-blocks, two copies each.)
+        constexpr int PIECE = L::BLOCKS < 4 ? L::BLOCKS : 4;
+#pragma unroll
+        for (int q = 0; q < L::BLOCKS / PIECE; ++q) {
+          const long long sb = (pnb0 >> 2) + q, b4 = pnb0 & 3;
+          sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + q * PIECE * kBlockBytes,
+                            wq + ((sb * KB + kb) * 4 + b4) * kBlockBytes, PIECE * kBlockBytes, &full[stage]);
+          sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES + q * PIECE * kRecBytes,
+                            grec + ((sb * NG + kb / SPG) * 4 + b4) * kRecBytes, PIECE * kRecBytes, &full[stage]);
+        }
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;

@@ -90,13 +90,17 @@ W4WGMMA_SOURCE = "quant_sm90.cu"
 W4WGMMA_BK = 64               # k per ring stage
 W4WGMMA_BLOCK_BYTES = 2048    # INT4 weights of one 64-channel block x 64 k in the wgmma-major layout
 W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override leaves it open (CTA: 128 BLK channels)
-# Every compiled (mt, blk) shape (w4wgmma_shape picks among them): 256-channel CTAs at 64 / 128 rows, 128-channel
-# CTAs (twice the tiles) with mt up to 256 (a 64 x 256 fp32 accumulator: 128 registers per consumer thread, which
-# fits the 232 of setmaxnreg only with one block per warpgroup).
-W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
+# Every compiled (mt, blk) shape (w4wgmma_shape picks among the first two kinds): 256-channel CTAs at 64 / 128 rows,
+# 128-channel CTAs (twice the tiles) with mt up to 256 (a 64 x 256 fp32 accumulator: 128 registers per consumer
+# thread, which fits the 232 of setmaxnreg only with one block per warpgroup), and for measurements 512-channel CTAs
+# at 64 rows (blk = 4, N % 512 == 0: each x tile read by half as many CTAs as with blk = 2; at M <= 64 x tiles are
+# as many bytes as the weights, and the data path dominates there).
+W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256), 4: (64,)}
 W4WGMMA_MAX_STAGES = 8
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
-W4WGMMA_NO_GS4 = {(1, 256)}  # (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower)
+# (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower); 512-channel CTAs (4 A fragment
+# sets per group) leave ptxas too few registers for the wgmma pipeline: it serializes the wgmmas.
+W4WGMMA_NO_GS4 = {(1, 256), (4, 64)}
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 W4WGMMA_M_RANGE = (17, 8192)
 
@@ -750,6 +754,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         raise ValueError(f"w4wgmma_config: mt must be one of {W4WGMMA_SHAPES[blk]} with blk = {blk}, got {mt}")
     if gs == 4 and (blk, mt) in W4WGMMA_NO_GS4:
         raise ValueError(f"w4wgmma_config: gs = 4 is not built for blk = {blk}, mt = {mt}")
+    if n % (128 * blk):
+        raise ValueError(f"w4wgmma_config: blk = {blk} needs N % {128 * blk} == 0, got N = {n}")
     m_tiles = -(-m // mt)
     n_tiles = -(-n // (128 * blk))
     kb = max(1, k // W4WGMMA_BK)
