@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the super-block layout of w4_wgmma_kernel (branch quant-w4-superblock): the quant and w4wgmma
-# GPU tests, a compute-sanitizer memcheck of the small w4wgmma / stream-K cases (bf16), then (tests passing) the
+# GPU tests, a compute-sanitizer memcheck of the small w4wgmma / group-step cases (bf16), then (tests passing) the
 # w4wgmma probe at M = 32, 64, 256, the tile-shape sweep at M = 32, 64 (512-channel CTAs b4m64 among the shapes) and
 # the full quant grid merged into $OUT/h200.json.  Worst case ~380 s (expected ~250 s).
 #
@@ -13,7 +13,7 @@ O=${OUT:-/tmp/out}; mkdir -p $O; t0=$SECONDS
   echo "tests rc=$? $((SECONDS-t0))s" >> $O/t.log ) &
 sleep 10
 ( timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 python3 -m pytest -q -x -m gpu \
-  tests/test_quant_w4wgmma.py -k "(w4wgmma_small or streamk_small) and bfloat16" > $O/mc.log 2>&1
+  tests/test_quant_w4wgmma.py -k "(w4wgmma_small or group_steps) and bfloat16" > $O/mc.log 2>&1
   echo "memcheck rc=$? $((SECONDS-t0))s" >> $O/mc.log ) &
 wait
 grep -hE "^(FAILED|ERROR)|passed|failed|rc=|ERROR SUMMARY" $O/t.log $O/mc.log | cut -c1-240 | tail -n 12
