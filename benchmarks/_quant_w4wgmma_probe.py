@@ -15,7 +15,7 @@ With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x819
 --tune: the launch-shape sweep instead (AWQ bf16, 8192x8192, 28672x8192, 4096x4096 and 8192x28672, M = 64, 128, 256, 1024, 2048 unless
 given): today's default shape ("def", blk 2) against shapes forced through _W4WGMMA_OVERRIDE: b<BLK>m<MT> (blk = 1:
 128-channel CTAs; the heuristic's split-K), b<BLK>m<MT>s<S> (S splits);
-"...g<GS>": wgmma groups of GS k16 steps; "/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
+"...g<GS>": wgmma groups of GS k16 steps; "...k2": 128-k ring stages; "/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
 the best shape per case.
 """
 import sys
@@ -129,6 +129,12 @@ def tune_variants(m, n, k, sms):
             if gs != cfg.gs and not (gs == 4 and (cfg.blk, cfg.mt) in Q.W4WGMMA_NO_GS4):
                 grouped.append((f"{tag}g{gs}", {**ov, "gs": gs}, Q.w4wgmma_config(m, n, k, sms, **ov, gs=gs)))
     out += grouped
+    if m <= 64:  # 128-k ring stages at 64-row tiles
+        for blk in (2, 1, 4):
+            if n % (128 * blk) == 0:
+                for gs in ((1,) if blk == 4 else (1, 4)):
+                    cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=64, gs=gs, ks=2)
+                    out.append((f"b{blk}m64s{cfg.splits}g{gs}k2", {"blk": blk, "mt": 64, "gs": gs, "ks": 2}, cfg))
     return base, out
 
 

@@ -10,17 +10,18 @@
 //   the scale: (q - z) s rounded once to T), and B = the x tile in shared memory: x is (M, K) row-major, which is
 //   a K-major B operand as TMA writes it (64 k = 128 bytes per row, 128-byte swizzle), no transpose.
 // * The weights come from a prepacked "wgmma-major" INT4 layout (w4wgmma_pack_kernel below, NumPy mirror
-//   speedcore.quant.w4wgmma_pack_reference): word (b / 4, kb, b % 4, t, lane, s) is the m16n8k16 A fragment (rows
-//   16 t..16 t + 15 of 64-channel block b; k = 64 kb + 16 s + natural mma k order) of lane 4 g + c, so warp t of a consumer
-//   warpgroup reads its 4 k16 steps of one ring stage as one conflict-free 16-byte shared load per lane.  (The
-//   fragment-major copy of the streaming kernels permutes k inside each k16 to match 8-byte x reads; a B operand
-//   read by wgmma from shared memory must be in natural k order, hence the new copy.)  Scales / zero points come
-//   from the streaming kernels' group records (gemv_pack_groups_kernel, 192 bytes per block and group) reordered
-//   as the weights ((block / 4, group, block % 4), speedcore.quant._w4wgmma_groups).
-// * 384 threads: warpgroup 0 is the producer (setmaxnreg down; one thread issues one TMA box of x and two
-//   cp.async.bulk copies per stage: the CTA's BLOCKS x 2 KB of weights and their group records) into a STAGES-deep ring
-//   guarded by full / empty mbarriers; warpgroups 1 and 2 are consumers owning BLK blocks each (2 x 64 BLK
-//   channels per CTA).  A consumer issues a stage's 4 k16 steps as wgmma groups of GS steps (GS = 1, 2 or 4), and
+//   speedcore.quant.w4wgmma_pack_reference): word (b / 4, kb, b % 4, t, lane, s) is the m16n8k16 A fragment
+//   (rows 16 t..16 t + 15 of 64-channel block b; k = 64 kb + 16 s + natural mma k order) of lane 4 g + c, so warp t
+//   of a consumer warpgroup reads its 4 k16 steps of one 64-k chunk as one conflict-free 16-byte shared load per
+//   lane.  (The fragment-major copy of the streaming kernels permutes k inside each k16 to match 8-byte x reads; a
+//   B operand read by wgmma from shared memory must be in natural k order, hence the new copy.)  Scales / zero
+//   points come from the streaming kernels' group records (gemv_pack_groups_kernel, 192 bytes per block and group)
+//   reordered as the weights ((block / 4, group, block % 4), speedcore.quant._w4wgmma_groups).
+// * 384 threads: warpgroup 0 is the producer (setmaxnreg down; one thread issues per stage KS TMA boxes of x (KS =
+//   1 or 2 chunks of 64 k) and the bulk copies of the CTA's weights and group records: one each where the blocks
+//   are adjacent) into a STAGES-deep ring guarded by full / empty mbarriers; warpgroups 1 and 2 are consumers
+//   owning BLK blocks each (2 x 64 BLK channels per CTA).  A consumer issues a stage's 4 KS k16 steps as wgmma
+//   groups of GS steps (GS = 1, 2 or 4), and
 //   dequantizes the next group's A fragments while the previous group is in flight (two A sets; wgmma.wait_group 1);
 //   it releases a stage once the group that read its x tile has retired.
 // * Split-K over `splits` CTAs per tile where the tiles alone do not fill the SMs (fp32 partials in ws, summed in
@@ -40,17 +41,20 @@
 namespace quant_sm90 {
 
 enum : int { AWQ = 0, GPTQ = 1 };
-constexpr int kBK = 64;            // k per ring stage: one 128-byte TMA row of x
+constexpr int kBK = 64;            // k per chunk (KS chunks per ring stage): one 128-byte TMA row of x
 constexpr int kBlockBytes = 2048;  // INT4 weights of one 64-channel block x 64 k
 constexpr int kRecBytes = 192;     // group record of one block (64 scales + 64 zero bytes)
 
-template <int MT, int BLK> struct W4Tile {
+// A ring stage holds KS chunks of 64 k: KS x tiles (MT x 64), the CTA's weights of those chunks ([chunk][block]) and
+// one group record per block (G % 128 == 0: a stage of up to 128 k lies in one group).
+template <int MT, int BLK, int KS = 1> struct W4Tile {
   static constexpr int BLOCKS = 2 * BLK;  // 64-channel blocks per CTA (BLK per consumer warpgroup)
-  static constexpr int X_BYTES = MT * 128;
-  static constexpr int W_BYTES = BLOCKS * kBlockBytes;
+  static constexpr int X_CHUNK = MT * 128;
+  static constexpr int X_BYTES = KS * X_CHUNK;
+  static constexpr int W_BYTES = KS * BLOCKS * kBlockBytes;
   static constexpr int G_BYTES = BLOCKS * kRecBytes;
   static constexpr int STAGE = X_BYTES + W_BYTES + G_BYTES;
-  static_assert(X_BYTES % 1024 == 0, "x tiles keep the 1024-byte alignment of the 128-byte swizzle");
+  static_assert(X_CHUNK % 1024 == 0, "x tiles keep the 1024-byte alignment of the 128-byte swizzle");
 };
 
 // The lane's constants of one group: scales of its rows g (scl[0]) and g + 8 (scl[1]) in both halves, and the
@@ -77,15 +81,17 @@ __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(
 // record (block / 4, group, block % 4) at byte 192 (((block / 4) NG + group) 4 + block % 4)).
 // Grid: m_tiles x splits x (N / (128 BLK)) CTAs, m tile fastest (CTAs reading the same weights run together).
 // CTA (m tile, split, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
-// [split KB / splits, (split + 1) KB / splits).  KB = K / 64, SPG = G / 64, NG = K / G.
+// [split KB / splits, (split + 1) KB / splits).  KB = K / (64 KS) stages, SPG = G / 64, NG = K / G.
 // splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
-template <typename T, int MT, int BLK, int STAGES, int GS = 1>
+template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1>
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
     const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
     int N, int KB, int SPG, int NG, int m_tiles, int splits) {
-  using L = W4Tile<MT, BLK>;
+  using L = W4Tile<MT, BLK, KS>;
   constexpr int NACC = MT / 2;
+  constexpr int STEPS = 4 * KS;  // k16 steps per stage
+  static_assert(KS == 1 || KS == 2, "a stage is 64 or 128 k");
   static_assert(GS == 1 || GS == 2 || GS == 4, "a wgmma group is 1, 2 or 4 of a stage's k16 steps");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (sc::smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -122,20 +128,28 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       auto produce = [&](int kb, int pm0, int pnb0) {
         sc::mbar_wait(&empty[stage], phase ^ 1);
         sc::mbar_arrive_expect_tx(&full[stage], L::STAGE);
-        sc::tma_load_2d(ring_x + stage * L::X_BYTES, &tmap_x, kb * kBK, pm0, &full[stage]);
+#pragma unroll
+        for (int ch = 0; ch < KS; ++ch)
+          sc::tma_load_2d(ring_x + stage * L::X_BYTES + ch * L::X_CHUNK, &tmap_x, (kb * KS + ch) * kBK, pm0,
+                          &full[stage]);
         // Super-block layout (4 blocks, stage-major inside): the CTA's 2 or 4 blocks of a stage are adjacent (one copy
         // each for weights and records: one per block ran the copy queue long, -8 to -13% time at M <= 64 with 4
         // blocks, H200) and its stages follow each other (a plain stage-major layout, N / 64 x 2 KB between stages,
         // cost 4-8% at M >= 256).
-        // (BLK = 4: 8 blocks, two super-blocks, two copies each.)
+        // (BLK = 4: 8 blocks, two super-blocks, two copies each; KS = 2 with 4 blocks: both chunks in one copy.)
         constexpr int PIECE = L::BLOCKS < 4 ? L::BLOCKS : 4;
+        constexpr int CHUNKS_PER_COPY = L::BLOCKS == 4 ? KS : 1;  // [chunk][block] in shared memory too
+        const int kc = kb * KS;  // the stage's first 64-k chunk
 #pragma unroll
         for (int q = 0; q < L::BLOCKS / PIECE; ++q) {
           const long long sb = (pnb0 >> 2) + q, b4 = pnb0 & 3;
-          sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + q * PIECE * kBlockBytes,
-                            wq + ((sb * KB + kb) * 4 + b4) * kBlockBytes, PIECE * kBlockBytes, &full[stage]);
+#pragma unroll
+          for (int ch = 0; ch < KS; ch += CHUNKS_PER_COPY)
+            sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + (ch * L::BLOCKS + q * PIECE) * kBlockBytes,
+                              wq + ((sb * KB * KS + kc + ch) * 4 + b4) * kBlockBytes,
+                              CHUNKS_PER_COPY * PIECE * kBlockBytes, &full[stage]);
           sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES + q * PIECE * kRecBytes,
-                            grec + ((sb * NG + kb / SPG) * 4 + b4) * kRecBytes, PIECE * kRecBytes, &full[stage]);
+                            grec + ((sb * NG + kc / SPG) * 4 + b4) * kRecBytes, PIECE * kRecBytes, &full[stage]);
         }
         if (++stage == STAGES) {
           stage = 0;
@@ -159,18 +173,20 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   unsigned afrag[2][GS][BLK][4];
   int stage = 0, prev_stage = -1;
   unsigned phase = 0;
-  // One ring stage (4 k16 steps) as 4 / GS wgmma groups.  PAR: the stage's parity, which picks the A set of a group
-  // when GS = 4 (one group per stage); the calls pass it as a literal, so that once inlined the set index is a
-  // compile-time constant (NVRTC 13.0 takes a generic lambda for a host function).
+  // One ring stage (STEPS = 4 KS k16 steps) as STEPS / GS wgmma groups.  PAR: the stage's parity, which picks the A
+  // set of a group when a stage is one group (STEPS = GS = 4); the calls pass it as a literal, so that once inlined
+  // the set index is a compile-time constant (NVRTC 13.0 takes a generic lambda for a host function).
   auto stage_body = [&](const int PAR) {
     sc::mbar_wait(&full[stage], phase);
     const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16;
     const unsigned char* gst = ring_g + stage * L::G_BYTES + cw * BLK * kRecBytes;
-    uint4 wv[BLK];
+    uint4 wv[KS][BLK];
     unsigned scl[BLK][2], zc[BLK][2];
 #pragma unroll
     for (int blk = 0; blk < BLK; ++blk) {
-      wv[blk] = *reinterpret_cast<const uint4*>(wst + blk * kBlockBytes);
+#pragma unroll
+      for (int ch = 0; ch < KS; ++ch)
+        wv[ch][blk] = *reinterpret_cast<const uint4*>(wst + (ch * L::BLOCKS + blk) * kBlockBytes);
       const unsigned char* rec = gst + blk * kRecBytes;
       const unsigned sw = *reinterpret_cast<const unsigned*>(rec + 16 * g + 4 * warp);
       const unsigned zw = *reinterpret_cast<const unsigned short*>(rec + 128 + 8 * g + 2 * warp);
@@ -178,12 +194,12 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     }
     const unsigned char* xs = ring_x + stage * L::X_BYTES;
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int set = ((4 * PAR + s) / GS) & 1, j = s % GS;
+    for (int s = 0; s < STEPS; ++s) {
+      const int set = ((STEPS * PAR + s) / GS) & 1, j = s % GS;
 #pragma unroll
       for (int blk = 0; blk < BLK; ++blk) {
-        sc::int4_fragment<T>(afrag[set][j][blk], sc::word(wv[blk], s), scl[blk][0], scl[blk][1], zc[blk][0],
-                             zc[blk][1], sc::int4_magic<T>);
+        sc::int4_fragment<T>(afrag[set][j][blk], sc::word(wv[s / 4][blk], s % 4), scl[blk][0], scl[blk][1],
+                             zc[blk][0], zc[blk][1], sc::int4_magic<T>);
 #pragma unroll
         for (int i = 0; i < 4; ++i) fence_reg(afrag[set][j][blk][i]);
       }
@@ -195,7 +211,8 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       sc::wgmma_fence();
 #pragma unroll
       for (int jj = 0; jj < GS; ++jj) {
-        const unsigned long long db = sc::wgmma_desc_k128(xs + (s - GS + 1 + jj) * 32);
+        const int sj = s - GS + 1 + jj;  // the k16 step: chunk sj / 4, 32 bytes per step inside the chunk's rows
+        const unsigned long long db = sc::wgmma_desc_k128(xs + (sj / 4) * L::X_CHUNK + (sj % 4) * 32);
 #pragma unroll
         for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRS<MT, T, 0>::mma(acc[blk], afrag[set][jj][blk], db);
       }
@@ -224,7 +241,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // acc += the product over k stages [kb0, kb1) of the tile whose stages the producer queued next.
   auto consume = [&](int kb0, int kb1) {
     for (int kb = kb0; kb < kb1; ++kb) {
-      if (GS == 4 && (kb & 1)) stage_body(1);
+      if (STEPS / GS == 1 && (kb & 1)) stage_body(1);
       else stage_body(0);
     }
     sc::wgmma_wait<0>();

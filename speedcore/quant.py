@@ -87,7 +87,8 @@ MARLIN_X_PITCH = 288        # bytes per staged row of x (128 k + 32: conflict-fr
 MARLIN_MT_CHOICES = (4, 8)  # 8-row x tiles per CTA: M <= 32, M <= 64 per m-chunk
 # w4_wgmma_kernel (sm_90a, kernels/quant_sm90.cu): INT4 GEMM on wgmma with A from registers; must match it.
 W4WGMMA_SOURCE = "quant_sm90.cu"
-W4WGMMA_BK = 64               # k per ring stage
+W4WGMMA_BK = 64               # k per chunk (a ring stage holds ks chunks: W4WGMMA_STAGE_CHUNKS)
+W4WGMMA_STAGE_CHUNKS = (1, 2)  # 64-k chunks per ring stage (ks); the first is the default
 W4WGMMA_BLOCK_BYTES = 2048    # INT4 weights of one 64-channel block x 64 k in the wgmma-major layout
 W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override leaves it open (CTA: 128 BLK channels)
 # Every compiled (mt, blk) shape (w4wgmma_shape picks among the first two kinds): 256-channel CTAs at 64 / 128 rows,
@@ -658,22 +659,22 @@ def marlin_workspace_floats(cfg: MarlinConfig) -> int:
     return 2 * cfg.ctas * 8 * cfg.mt * MARLIN_BLOCKS * 64
 
 
-def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK) -> int:
-    """One ring stage of w4_wgmma_kernel: the x tile (mt rows x 128 bytes), 2 blk blocks of weights (2 KB each) and
-    their group records (192 bytes each)."""
-    return mt * 128 + 2 * blk * (W4WGMMA_BLOCK_BYTES + GEMV_GROUP_BYTES)
+def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1) -> int:
+    """One ring stage of w4_wgmma_kernel: ks chunks of 64 k, each an x tile (mt rows x 128 bytes) and 2 blk blocks of
+    weights (2 KB each), and one group record per block (192 bytes)."""
+    return ks * (mt * 128 + 2 * blk * W4WGMMA_BLOCK_BYTES) + 2 * blk * GEMV_GROUP_BYTES
 
 
-def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK) -> int:
+def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1) -> int:
     """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8."""
     budget = W4WGMMA_SMEM_LIMIT - 1024 - 16
-    return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk) + 16))
+    return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk, ks) + 16))
 
 
-def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0) -> int:
+def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, ks: int = 1) -> int:
     """Dynamic shared memory of w4_wgmma_kernel: alignment slack, the ring, 2 mbarriers per stage, the flag."""
-    stages = stages or w4wgmma_stages(mt, blk)
-    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk) + 16) + 16
+    stages = stages or w4wgmma_stages(mt, blk, ks)
+    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks) + 16) + 16
 
 
 def w4wgmma_supported(k: int, n: int, group: int) -> bool:
@@ -693,6 +694,7 @@ class W4WgmmaConfig:
     stages: int
     smem: int
     gs: int = 1       # k16 steps per wgmma group (W4WGMMA_GROUP_STEPS)
+    ks: int = 1       # 64-k chunks per ring stage (W4WGMMA_STAGE_CHUNKS); splits count stages
 
     @property
     def grid(self) -> int:
@@ -731,14 +733,14 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
-                   gs: int = 0) -> W4WgmmaConfig:
+                   gs: int = 0, ks: int = 0) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs)
     from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others default
     to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
-    W4WGMMA_GROUP_STEPS); ``splits`` overrides the K split.  (A stream-K variant, a persistent grid splitting the
-    tiles x K stages evenly, measured slower than these split-K grids in every swept case and was removed.)  Split-K
-    s (1..16, at least 4 stages per CTA) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits,
-    28672x8192 -> 112 tiles x 1."""
+    W4WGMMA_GROUP_STEPS); ``splits`` overrides the K split (in ring stages), ``ks`` the 64-k chunks per ring stage
+    (default 1; 2 only at mt = 64).  (A stream-K variant, a persistent grid splitting the tiles x K stages evenly,
+    measured slower than these split-K grids in every swept case and was removed.)  Split-K s (1..16, at least 4
+    stages per CTA) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
@@ -756,9 +758,15 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         raise ValueError(f"w4wgmma_config: gs = 4 is not built for blk = {blk}, mt = {mt}")
     if n % (128 * blk):
         raise ValueError(f"w4wgmma_config: blk = {blk} needs N % {128 * blk} == 0, got N = {n}")
+    ks = ks or W4WGMMA_STAGE_CHUNKS[0]
+    if ks != 1 and (mt != 64 or (blk == 4 and gs != 1) or gs == 2):
+        raise ValueError(f"w4wgmma_config: ks = {ks} is built for mt = 64 with gs 1 or 4 (blk = 4: gs 1) only")
+    if ks not in W4WGMMA_STAGE_CHUNKS or k % (W4WGMMA_BK * ks):
+        raise ValueError(f"w4wgmma_config: ks must be one of {W4WGMMA_STAGE_CHUNKS} with K % (64 ks) == 0, got "
+                         f"ks = {ks}, K = {k}")
     m_tiles = -(-m // mt)
     n_tiles = -(-n // (128 * blk))
-    kb = max(1, k // W4WGMMA_BK)
+    kb = max(1, k // (W4WGMMA_BK * ks))  # ring stages along K
     tiles = m_tiles * n_tiles
     if splits:
         s = max(1, min(splits, kb))
@@ -767,20 +775,21 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         part = min(m, mt) * 128 * blk * 4 * 2.0
         cands = range(1, max(1, min(16, kb // 4)) + 1)
         s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
-    stages = w4wgmma_stages(mt, blk)
-    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages), gs)
+    stages = w4wgmma_stages(mt, blk, ks)
+    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks), gs, ks)
 
 
 def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
     """The work of each CTA of w4_wgmma_kernel, as Python (mirrors the kernel's blockIdx decomposition; for tests):
-    a list over CTAs of (m tile, split, n tile, first 64-channel block, k stage begin, k stage end)."""
-    kb = k // W4WGMMA_BK
+    a list over CTAs of (m tile, split, n tile, first 64-channel block, first 64-k chunk, chunk end): splits are
+    whole ring stages of cfg.ks chunks."""
+    kb = k // (W4WGMMA_BK * cfg.ks)
     out = []
     for cta in range(cfg.grid):
         m_tile, rest = cta % cfg.m_tiles, cta // cfg.m_tiles
         split, n_tile = rest % cfg.splits, rest // cfg.splits
-        out.append((m_tile, split, n_tile, n_tile * 2 * cfg.blk, split * kb // cfg.splits,
-                    (split + 1) * kb // cfg.splits))
+        out.append((m_tile, split, n_tile, n_tile * 2 * cfg.blk, split * kb // cfg.splits * cfg.ks,
+                    (split + 1) * kb // cfg.splits * cfg.ks))
     return out
 
 
@@ -1005,9 +1014,10 @@ def _marlin_kernel(dtype: str, mt: int, defines: tuple = ()) -> Kernel:
 
 
 @lru_cache(maxsize=None)
-def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, gs: int = 1) -> Kernel:
-    stages = stages or w4wgmma_stages(mt, blk)
-    tail = "" if gs == 1 else f", {gs}"
+def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, gs: int = 1,
+                    ks: int = 1) -> Kernel:
+    stages = stages or w4wgmma_stages(mt, blk, ks)
+    tail = ("" if gs == 1 else f", {gs}") if ks == 1 else f", {gs}, {ks}"
     return Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4_wgmma_kernel<{A.CTYPE[dtype]}, {mt}, {blk}, {stages}{tail}>",
                   hopper=True)
 
@@ -1040,6 +1050,9 @@ def all_kernels() -> list:
                 for gs in W4WGMMA_GROUP_STEPS[1:]:
                     if gs != 4 or (blk, mt) not in W4WGMMA_NO_GS4:
                         out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs))
+                if mt == 64:  # 128-k stages (ks = 2), for measurements at small M (blk = 4: gs 1 only, more spill)
+                    for gs in ((1,) if blk == 4 else (1, 4)):
+                        out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=2))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
@@ -1486,9 +1499,9 @@ def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):
 @lru_cache(maxsize=8192)
 def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, override: tuple):
     cfg = w4wgmma_config(rows, n, k, sms, **dict(override))
-    scalars = (np.int32(rows), np.int32(n), np.int32(k // W4WGMMA_BK), np.int32(group // W4WGMMA_BK),
+    scalars = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(group // W4WGMMA_BK),
                np.int32(k // group), np.int32(cfg.m_tiles), np.int32(cfg.splits))
-    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs)
+    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks)
     return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem), scalars
 
 

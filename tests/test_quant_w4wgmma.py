@@ -234,7 +234,9 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     (300, 768, 256, 128, {"blk": 1, "mt": 256}), (257, 256, 512, 128, {"blk": 1, "mt": 256, "splits": 2}),
     # groups of 2 / 4 k16 steps (the same products); 512-channel CTAs
     (70, 768, 512, 128, {"gs": 4}), (200, 256, 384, 128, {"gs": 2, "blk": 1, "mt": 256}),
-    (33, 1024, 512, 128, {"blk": 4, "mt": 64, "splits": 3}), (64, 512, 256, 128, {"blk": 4, "mt": 64, "gs": 2})])
+    (33, 1024, 512, 128, {"blk": 4, "mt": 64, "splits": 3}), (64, 512, 256, 128, {"blk": 4, "mt": 64, "gs": 2}),
+    # 128-k ring stages (ks = 2)
+    (70, 768, 1408, 128, {"ks": 2, "mt": 64, "splits": 4}), (40, 1024, 1024, 256, {"ks": 2, "mt": 64, "blk": 4})])
 def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
     rng = np.random.default_rng(m + n + k + fmt)
     q = rng.integers(0, 16, (k, n)).astype(np.uint8)
@@ -385,7 +387,10 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 34 and all(k.hopper for k in ks)
+    assert len(ks) == 44 and all(k.hopper for k in ks)
+    for dt in ("__half", "__nv_bfloat16"):  # 128-k stages at 64 rows
+        for shape in ("2, 6, 1, 2", "2, 6, 4, 2", "1, 8, 1, 2", "1, 8, 4, 2", "4, 4, 1, 2"):
+            assert f"quant_sm90::w4_wgmma_kernel<{dt}, 64, {shape}>" in names
     for dt in ("__half", "__nv_bfloat16"):
         for mt in Q.W4WGMMA_SHAPES[2]:
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 2, 8>" in names
@@ -503,6 +508,14 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
 
 def _torch():
     return pytest.importorskip("torch")
+
+
+def _w4wgmma_name(dtype, m, n, k, override):
+    """The variant w4_wgmma_kernel launches for (M, N, K) under ``override`` on this GPU."""
+    import torch
+
+    cfg = Q.w4wgmma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, **override)
+    return Q._w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks).name
 
 
 def _layer(torch, fmt, n, k, g, td, rng):
@@ -633,7 +646,11 @@ def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
     (257, 256, 1152, 384, {"gs": 2, "blk": 1, "mt": 128, "splits": 2}), (129, 256, 768, 256, {"gs": 4, "splits": 5}),
     # 512-channel CTAs (blk = 4: two super-blocks, two copies per stage)
     (40, 1024, 1024, 128, {"gs": 2, "blk": 4, "mt": 64, "splits": 3}),
-    (64, 1536, 512, 128, {"gs": 2, "blk": 4, "mt": 64})])
+    (64, 1536, 512, 128, {"gs": 2, "blk": 4, "mt": 64}),
+    # 128-k ring stages (ks = 2): 11 stages split 4 ways, 512-channel CTAs, groups of 4 steps (2 per stage)
+    (70, 768, 1408, 128, {"ks": 2, "mt": 64, "gs": 4, "splits": 4}), (17, 512, 1024, 256, {"ks": 2, "mt": 64,
+                                                                                           "blk": 1, "gs": 4}),
+    (100, 1024, 1408, 128, {"ks": 2, "mt": 64, "blk": 4, "gs": 1, "splits": 3})])
 def test_w4wgmma_group_steps_small(dtype, m, n, k, g, override):
     """wgmma groups of 2 / 4 k16 steps (gs) forced through _W4WGMMA_OVERRIDE, with odd stage counts and split-K
     ranges that begin on odd stages (the A set of gs = 4 follows the stage's parity): against float64 x @ W with
@@ -650,12 +667,12 @@ def test_w4wgmma_group_steps_small(dtype, m, n, k, g, override):
         del poison
         with launched() as names:
             y = _linear(Q.FMT_AWQ, x, layer, bias)
-        assert any(nm.endswith(f", {override['gs']}>") for nm in names), names
+        assert _w4wgmma_name(dtype, m, n, k, override) in names, names
         assert _row_err(y, _ref(x, w_kn, bias)) < 1e-2
     with _w4("on", **base):
         with launched() as names:
             y1 = _linear(Q.FMT_AWQ, x, layer, bias)
-        assert any(nm.endswith(", 8>") or nm.endswith(", 6>") for nm in names), names  # gs = 1: no gs argument
+        assert _w4wgmma_name(dtype, m, n, k, base) in names, names
     assert torch.equal(y, y1)
 
 
