@@ -4,7 +4,7 @@
 # w4wgmma probe at M = 32, 64, 256, the tile-shape sweep at M = 32, 64 (512-channel CTAs b4m64 among the shapes) and
 # the full quant grid merged into $OUT/h200.json.  Worst case ~380 s (expected ~250 s).
 #
-#   SPEEDCORE_COMMIT=<hash> bash benchmarks/_quant_w4sb_gpu.sh
+#   SPEEDCORE_COMMIT=<hash> [RECORD_ALL=1] bash benchmarks/_quant_w4sb_gpu.sh
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR=${SPEEDCORE_CACHE_DIR:-/tmp/scc}
@@ -27,4 +27,12 @@ if grep -q "tests rc=0" $O/t.log; then
   cp benchmarks/results/h200.json $O/h200.json
   timeout 150 python3 -m speedcore bench quant --json $O/h200.json > $O/bench.log 2>&1; echo "bench rc=$? $((SECONDS-t0))s"
   grep -E "^(awq|gptq)_linear  " $O/bench.log | grep -E "cuBLAS\)" | awk '{print $1, $2, $3, $(NF-1)}' | paste -d' ' - - -
+fi
+# RECORD_ALL=1: also re-record the flash_attn and gemm grids into the same JSON (~100 s; their short cells sit on the
+# noise line), so one warm machine serves both.
+if [ -n "${RECORD_ALL:-}" ]; then
+  [ -f $O/h200.json ] || cp benchmarks/results/h200.json $O/h200.json
+  timeout 200 python3 -m speedcore bench flash_attn gemm --json $O/h200.json > $O/bench_all.log 2>&1
+  echo "bench flash_attn gemm rc=$? $((SECONDS-t0))s"
+  grep -E "flash_attn .*(s512|s4096).*(causal|full)|8192x28672x8192" $O/bench_all.log | cut -c1-160 | head -n 16
 fi
