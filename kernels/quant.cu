@@ -29,6 +29,7 @@ using sc::and_or;
 using sc::Bits;
 using sc::fma2;
 using sc::is_half;
+using sc::int8_pair;
 
 enum : int { AWQ = 0, GPTQ = 1, INT8 = 2 };
 constexpr int kThreads = 256;
@@ -79,19 +80,6 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned v, unsigned scale, uns
   }
   if constexpr (!SCALED) return r;
   return fma2<T>(r, scale, Bits<T>::NEG_ZERO);
-}
-
-// Two signed bytes (selected by SEL from u) to an exact pair of T.
-template <typename T, unsigned SEL> __device__ __forceinline__ unsigned int8_pair(unsigned u) {
-  if constexpr (is_half<T>::value) {
-    // 1024 + (b + 128) in fp16, minus 1152.
-    const unsigned p = __byte_perm(u ^ 0x80808080u, 0x64646464u, SEL);
-    return fma2<T>(p, Bits<T>::ONE, 0xe480e480u);
-  } else {
-    // bf16 holds 128 + (7 low bits) exactly; the sign bit lands on the exponent's lowest bit: 128 or 256.
-    const unsigned p = __byte_perm(u, 0x43434343u, SEL);
-    return fma2<T>(p & 0xff7fff7fu, Bits<T>::ONE, (p & 0xff80ff80u) ^ 0x80008000u);
-  }
 }
 
 template <typename T, int FMT>

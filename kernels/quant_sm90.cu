@@ -41,18 +41,20 @@
 namespace quant_sm90 {
 
 enum : int { AWQ = 0, GPTQ = 1 };
+enum : int { W_INT4 = 0, W_INT8 = 1 };  // the weights' kind (KIND)
 constexpr int kBK = 64;            // k per chunk (KS chunks per ring stage): one 128-byte TMA row of x
-constexpr int kBlockBytes = 2048;  // INT4 weights of one 64-channel block x 64 k
-constexpr int kRecBytes = 192;     // group record of one block (64 scales + 64 zero bytes)
+constexpr int kRecBytes = 192;     // group record of one INT4 block (64 scales + 64 zero bytes)
+// Weights of one 64-channel block x 64 k: 2 KB of INT4, 4 KB of INT8.
+template <int KIND> constexpr int kBlockBytesOf = KIND == W_INT8 ? 4096 : 2048;
 
 // A ring stage holds KS chunks of 64 k: KS x tiles (MT x 64), the CTA's weights of those chunks ([chunk][block]) and
 // one group record per block (G % 128 == 0: a stage of up to 128 k lies in one group).
-template <int MT, int BLK, int KS = 1> struct W4Tile {
+template <int MT, int BLK, int KS = 1, int KIND = W_INT4> struct W4Tile {
   static constexpr int BLOCKS = 2 * BLK;  // 64-channel blocks per CTA (BLK per consumer warpgroup)
   static constexpr int X_CHUNK = MT * 128;
   static constexpr int X_BYTES = KS * X_CHUNK;
-  static constexpr int W_BYTES = KS * BLOCKS * kBlockBytes;
-  static constexpr int G_BYTES = BLOCKS * kRecBytes;
+  static constexpr int W_BYTES = KS * BLOCKS * kBlockBytesOf<KIND>;
+  static constexpr int G_BYTES = KIND == W_INT8 ? 0 : BLOCKS * kRecBytes;  // INT8: per-channel scales, no records
   static constexpr int STAGE = X_BYTES + W_BYTES + G_BYTES;
   static_assert(X_CHUNK % 1024 == 0, "x tiles keep the 1024-byte alignment of the 128-byte swizzle");
 };
@@ -83,12 +85,15 @@ __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(
 // CTA (m tile, split, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
 // [split KB / splits, (split + 1) KB / splits).  KB = K / (64 KS) stages, SPG = G / 64, NG = K / G.
 // splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
-template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1>
+// KIND = W_INT8 (w8wgmma_pack_kernel's layout): the same with signed bytes converted exactly (sc::int8_pair), no
+// group records, and y scaled per channel in the epilogue by grec read as T scales[N].
+template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1, int KIND = W_INT4>
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
     const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
     int N, int KB, int SPG, int NG, int m_tiles, int splits) {
-  using L = W4Tile<MT, BLK, KS>;
+  using L = W4Tile<MT, BLK, KS, KIND>;
+  constexpr int kBlockBytes = kBlockBytesOf<KIND>;
   constexpr int NACC = MT / 2;
   constexpr int STEPS = 4 * KS;  // k16 steps per stage
   static_assert(KS == 1 || KS == 2, "a stage is 64 or 128 k");
@@ -148,8 +153,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
             sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + (ch * L::BLOCKS + q * PIECE) * kBlockBytes,
                               wq + ((sb * KB * KS + kc + ch) * 4 + b4) * kBlockBytes,
                               CHUNKS_PER_COPY * PIECE * kBlockBytes, &full[stage]);
-          sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES + q * PIECE * kRecBytes,
-                            grec + ((sb * NG + kc / SPG) * 4 + b4) * kRecBytes, PIECE * kRecBytes, &full[stage]);
+          if constexpr (KIND == W_INT4)
+            sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES + q * PIECE * kRecBytes,
+                              grec + ((sb * NG + kc / SPG) * 4 + b4) * kRecBytes, PIECE * kRecBytes, &full[stage]);
         }
         if (++stage == STAGES) {
           stage = 0;
@@ -178,19 +184,25 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // the set index is a compile-time constant (NVRTC 13.0 takes a generic lambda for a host function).
   auto stage_body = [&](const int PAR) {
     sc::mbar_wait(&full[stage], phase);
-    const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16;
+    // A lane's 4 k16 steps of one chunk and block: 16 bytes of INT4 (a word per step), 32 of INT8 (two per step).
+    constexpr int LANE_WORDS = KIND == W_INT8 ? 2 : 1;  // 16-byte loads per lane, chunk and block
+    const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16 * LANE_WORDS;
     const unsigned char* gst = ring_g + stage * L::G_BYTES + cw * BLK * kRecBytes;
-    uint4 wv[KS][BLK];
+    uint4 wv[KS][BLK][LANE_WORDS];
     unsigned scl[BLK][2], zc[BLK][2];
 #pragma unroll
     for (int blk = 0; blk < BLK; ++blk) {
 #pragma unroll
       for (int ch = 0; ch < KS; ++ch)
-        wv[ch][blk] = *reinterpret_cast<const uint4*>(wst + (ch * L::BLOCKS + blk) * kBlockBytes);
-      const unsigned char* rec = gst + blk * kRecBytes;
-      const unsigned sw = *reinterpret_cast<const unsigned*>(rec + 16 * g + 4 * warp);
-      const unsigned zw = *reinterpret_cast<const unsigned short*>(rec + 128 + 8 * g + 2 * warp);
-      group_consts<T>(sw, zw, scl[blk], zc[blk]);
+#pragma unroll
+        for (int h = 0; h < LANE_WORDS; ++h)
+          wv[ch][blk][h] = *reinterpret_cast<const uint4*>(wst + (ch * L::BLOCKS + blk) * kBlockBytes + 16 * h);
+      if constexpr (KIND == W_INT4) {
+        const unsigned char* rec = gst + blk * kRecBytes;
+        const unsigned sw = *reinterpret_cast<const unsigned*>(rec + 16 * g + 4 * warp);
+        const unsigned zw = *reinterpret_cast<const unsigned short*>(rec + 128 + 8 * g + 2 * warp);
+        group_consts<T>(sw, zw, scl[blk], zc[blk]);
+      }
     }
     const unsigned char* xs = ring_x + stage * L::X_BYTES;
 #pragma unroll
@@ -198,8 +210,20 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       const int set = ((STEPS * PAR + s) / GS) & 1, j = s % GS;
 #pragma unroll
       for (int blk = 0; blk < BLK; ++blk) {
-        sc::int4_fragment<T>(afrag[set][j][blk], sc::word(wv[s / 4][blk], s % 4), scl[blk][0], scl[blk][1],
-                             zc[blk][0], zc[blk][1], sc::int4_magic<T>);
+        if constexpr (KIND == W_INT4) {
+          sc::int4_fragment<T>(afrag[set][j][blk], sc::word(wv[s / 4][blk][0], s % 4), scl[blk][0], scl[blk][1],
+                               zc[blk][0], zc[blk][1], sc::int4_magic<T>);
+        } else {
+          // Step s % 4 of the chunk: words 2 (s % 4) (channel row g) and + 1 (row g + 8), bytes k = 2c, 2c + 1,
+          // 2c + 8, 2c + 9: registers 0 / 1 from bytes 0-1, 2 / 3 from bytes 2-3.
+          const int sl = s % 4;
+          const unsigned w0 = sc::word(wv[s / 4][blk][sl / 2], 2 * (sl % 2));
+          const unsigned w1 = sc::word(wv[s / 4][blk][sl / 2], 2 * (sl % 2) + 1);
+          afrag[set][j][blk][0] = sc::int8_pair<T, 0x4140u>(w0);
+          afrag[set][j][blk][1] = sc::int8_pair<T, 0x4140u>(w1);
+          afrag[set][j][blk][2] = sc::int8_pair<T, 0x4342u>(w0);
+          afrag[set][j][blk][3] = sc::int8_pair<T, 0x4342u>(w1);
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) fence_reg(afrag[set][j][blk][i]);
       }
@@ -260,12 +284,15 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; x row of (j, e): m_lane + 8 j + e.
   const int n_lane = (e_n_tile * L::BLOCKS + cw * BLK) * 64 + 16 * warp + g;
   const int m_lane = e_m_tile * MT + 2 * c;
-  float bv[BLK][2];
+  float bv[BLK][2], sv[BLK][2];  // bias, and (INT8) the channel's scale
 #pragma unroll
   for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
       bv[blk][h] = bias != nullptr ? sc::to_float<T>(bias[n_lane + 64 * blk + 8 * h]) : 0.f;
+      if constexpr (KIND == W_INT8)
+        sv[blk][h] = sc::to_float<T>(reinterpret_cast<const T*>(grec)[n_lane + 64 * blk + 8 * h]);
+    }
 
   // Row by row (x row m_lane + 8 j + e), with running pointers: precomputing every row's address alongside the
   // accumulators spilled at mt = 128.
@@ -340,7 +367,11 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            yrow[(long long)e * N + 64 * blk + 8 * h] = sc::from_float<T>(acc[blk][4 * j + 2 * h + e] + bv[blk][h]);
+            if constexpr (KIND == W_INT8)
+              yrow[(long long)e * N + 64 * blk + 8 * h] =
+                  sc::from_float<T>(acc[blk][4 * j + 2 * h + e] * sv[blk][h] + bv[blk][h]);
+            else
+              yrow[(long long)e * N + 64 * blk + 8 * h] = sc::from_float<T>(acc[blk][4 * j + 2 * h + e] + bv[blk][h]);
       }
     }
     yrow += 8ll * N;
@@ -378,6 +409,29 @@ __global__ void __launch_bounds__(256) w4wgmma_pack_kernel(unsigned* __restrict_
     word |= q << (4 * i);
   }
   out[idx] = word;
+}
+
+// The wgmma-major INT8 copy of an int8 weight (N, K) (row stride ldw bytes) for w4_wgmma_kernel<..., W_INT8>: the
+// INT4 copy's order with 4 KB chunks, word (b / 4, kc, b % 4, t, lane, s, h) (index ((((b / 4) KC + kc) 4 + b % 4)
+// 128 + 32 t + lane) 8 + 2 s + h) holds, for lane = 4 g + c, channel n0 = 64 b + 16 t + g + 8 h at k = 64 kc + 16 s
+// + (2 c, 2 c + 1, 2 c + 8, 2 c + 9) in bytes 0-3: bytes 0-1 make A register h of the m16n8k16 fragment, 2-3
+// register h + 2 (sc::int8_pair).
+// (A template only so that the other variants' modules leave it out: NVRTC compiles every non-template kernel.)
+template <int WIDTH>
+__global__ void __launch_bounds__(256) w8wgmma_pack_kernel(unsigned* __restrict__ out,
+                                                           const signed char* __restrict__ w, int KC, long long ldw,
+                                                           long long total) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int h = (int)(idx & 1), s = (int)((idx >> 1) & 3), lane = (int)((idx >> 3) & 31), t = (int)((idx >> 8) & 3);
+  const long long rest = idx >> 12;  // (super-block, kc)
+  const int kc = (int)(rest % KC), b = (int)(rest / KC) * 4 + (int)((idx >> 10) & 3);
+  const int g = lane >> 2, c = lane & 3;
+  static_assert(WIDTH == 1, "signed bytes");
+  const signed char* row = w + (long long)(64 * b + 16 * t + g + 8 * h) * ldw + 64 * kc + 16 * s + 2 * c;
+  const unsigned b0 = (unsigned char)row[0], b1 = (unsigned char)row[1], b2 = (unsigned char)row[8],
+                 b3 = (unsigned char)row[9];
+  out[idx] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
 }
 
 }  // namespace quant_sm90

@@ -90,6 +90,7 @@ W4WGMMA_SOURCE = "quant_sm90.cu"
 W4WGMMA_BK = 64               # k per chunk (a ring stage holds ks chunks: W4WGMMA_STAGE_CHUNKS)
 W4WGMMA_STAGE_CHUNKS = (1, 2)  # 64-k chunks per ring stage (ks); the first is the default
 W4WGMMA_BLOCK_BYTES = 2048    # INT4 weights of one 64-channel block x 64 k in the wgmma-major layout
+W8WGMMA_BLOCK_BYTES = 4096    # INT8 weights of one block x 64 k (w4_wgmma_kernel with KIND = W_INT8)
 W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override leaves it open (CTA: 128 BLK channels)
 # Every compiled (mt, blk) shape (w4wgmma_shape picks among the first two kinds): 256-channel CTAs at 64 / 128 rows,
 # 128-channel CTAs (twice the tiles) with mt up to 256 (a 64 x 256 fp32 accumulator: 128 registers per consumer
@@ -102,6 +103,10 @@ W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait gran
 # (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower); 512-channel CTAs (4 A fragment
 # sets per group) leave ptxas too few registers for the wgmma pipeline: it serializes the wgmmas.
 W4WGMMA_NO_GS4 = {(1, 256), (4, 64)}
+# INT8 (KIND = W_INT8) variants built: the INT4 default shapes of w4wgmma_shape (blk, mt, gs), ks = 1, and gs = 1 of
+# each (blk, mt) for comparison.
+W8WGMMA_VARIANTS = {(2, 64, 4, 1), (1, 64, 4, 1), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
+                    (2, 64, 1, 1), (1, 64, 1, 1), (1, 256, 1, 1)}
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 W4WGMMA_M_RANGE = (17, 8192)
 
@@ -659,22 +664,24 @@ def marlin_workspace_floats(cfg: MarlinConfig) -> int:
     return 2 * cfg.ctas * 8 * cfg.mt * MARLIN_BLOCKS * 64
 
 
-def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1) -> int:
+def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4) -> int:
     """One ring stage of w4_wgmma_kernel: ks chunks of 64 k, each an x tile (mt rows x 128 bytes) and 2 blk blocks of
-    weights (2 KB each), and one group record per block (192 bytes)."""
+    weights (2 KB each of INT4, 4 KB of INT8), and (INT4) one group record per block (192 bytes)."""
+    if kind == KIND_INT8:
+        return ks * (mt * 128 + 2 * blk * W8WGMMA_BLOCK_BYTES)
     return ks * (mt * 128 + 2 * blk * W4WGMMA_BLOCK_BYTES) + 2 * blk * GEMV_GROUP_BYTES
 
 
-def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1) -> int:
+def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4) -> int:
     """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8."""
     budget = W4WGMMA_SMEM_LIMIT - 1024 - 16
-    return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk, ks) + 16))
+    return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16))
 
 
-def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, ks: int = 1) -> int:
+def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, ks: int = 1, kind: int = KIND_INT4) -> int:
     """Dynamic shared memory of w4_wgmma_kernel: alignment slack, the ring, 2 mbarriers per stage, the flag."""
-    stages = stages or w4wgmma_stages(mt, blk, ks)
-    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks) + 16) + 16
+    stages = stages or w4wgmma_stages(mt, blk, ks, kind)
+    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16) + 16
 
 
 def w4wgmma_supported(k: int, n: int, group: int) -> bool:
@@ -695,6 +702,7 @@ class W4WgmmaConfig:
     smem: int
     gs: int = 1       # k16 steps per wgmma group (W4WGMMA_GROUP_STEPS)
     ks: int = 1       # 64-k chunks per ring stage (W4WGMMA_STAGE_CHUNKS); splits count stages
+    kind: int = 0     # KIND_INT4, or KIND_INT8 (per-channel scales, no group records)
 
     @property
     def grid(self) -> int:
@@ -733,7 +741,7 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
-                   gs: int = 0, ks: int = 0) -> W4WgmmaConfig:
+                   gs: int = 0, ks: int = 0, kind: int = KIND_INT4) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs)
     from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others default
     to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
@@ -775,8 +783,12 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         part = min(m, mt) * 128 * blk * 4 * 2.0
         cands = range(1, max(1, min(16, kb // 4)) + 1)
         s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
-    stages = w4wgmma_stages(mt, blk, ks)
-    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks), gs, ks)
+    if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
+        raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
+                         f"{(blk, mt, gs, ks)}")
+    stages = w4wgmma_stages(mt, blk, ks, kind)
+    return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks, kind), gs, ks,
+                         kind)
 
 
 def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
@@ -811,6 +823,53 @@ def w4wgmma_pack_reference(q) -> np.ndarray:
         part = part.reshape(kbs, 4, 4, nb // 4, 4, 4, 8)  # (kb, s, c, b // 4, b % 4, t, g)
         words |= part.transpose(3, 0, 4, 5, 6, 2, 1) << np.uint32(4 * i)
     return words.reshape(-1)
+
+
+def w8wgmma_pack_reference(w) -> np.ndarray:
+    """The wgmma-major INT8 layout of an int8 weight (N, K) as uint32 words (NumPy; what w8wgmma_pack_kernel makes;
+    N % 256 == 0, K % 64 == 0).  Word [b // 4, kc, b % 4, t, lane, s, h] (lane = 4 g + c) holds channel
+    n = 64 b + 16 t + g + 8 h at k = 64 kc + 16 s + (2 c, 2 c + 1, 2 c + 8, 2 c + 9) in bytes 0-3."""
+    w = np.asarray(w, np.int8).view(np.uint8).astype(np.uint32)
+    n, k = w.shape
+    # w as (sb, b4, t, h, g, kc, s, p, c, e): n = 64 (4 sb + b4) + 16 t + 8 h + g, k = 64 kc + 16 s + 8 p + 2 c + e
+    v = w.reshape(n // 256, 4, 4, 2, 8, k // 64, 4, 2, 4, 2)
+    words = np.zeros((n // 256, k // 64, 4, 4, 8, 4, 4, 2), np.uint32)  # [sb, kc, b4, t, g, c, s, h]
+    for byte in range(4):
+        p, e = byte // 2, byte % 2
+        part = v[:, :, :, :, :, :, :, p, :, e]            # (sb, b4, t, h, g, kc, s, c)
+        words |= part.transpose(0, 5, 1, 2, 4, 7, 6, 3) << np.uint32(8 * byte)
+    return words.reshape(-1)
+
+
+def w8wgmma_unpack_reference(words, k: int, n: int) -> np.ndarray:
+    """Inverse of w8wgmma_pack_reference from the consumer's side (mirrors w4_wgmma_kernel<..., W_INT8>'s reads):
+    warp t of a consumer warpgroup loads 32 bytes per lane at byte 32 (32 t + lane) of its block's 4 KB chunk
+    (b // 4, kc, b % 4); words 2 s and 2 s + 1 are k16 step s, rows g and g + 8; sc::int8_pair takes bytes 0-1 to A
+    registers 0 / 1 (k 2c, 2c + 1) and bytes 2-3 to registers 2 / 3 (k 2c + 8, 2c + 9).  Returns int8 (N, K); raises
+    if any element is read twice or never."""
+    wd = np.asarray(words, np.uint32).reshape(n // 256, k // 64, 4, 128 * 8)
+    out = np.zeros((n, k), np.int16)
+    seen = np.zeros((n, k), np.int8)
+    for b in range(n // 64):
+        for kc in range(k // 64):
+            chunk = wd[b // 4, kc, b % 4]
+            for t in range(4):
+                for lane in range(32):
+                    g, c = lane // 4, lane % 4
+                    for s in range(4):
+                        for h in range(2):
+                            word = int(chunk[(32 * t + lane) * 8 + 2 * s + h])
+                            for byte in range(4):
+                                row = 64 * b + 16 * t + g + 8 * h
+                                col = 64 * kc + 16 * s + 2 * c + 8 * (byte // 2) + byte % 2
+                                if seen[row, col]:
+                                    raise AssertionError(f"(n={row}, k={col}) read twice")
+                                seen[row, col] = 1
+                                val = (word >> (8 * byte)) & 255
+                                out[row, col] = val - 256 if val >= 128 else val
+    if not seen.all():
+        raise AssertionError("some weights never read")
+    return out.astype(np.int8)
 
 
 def w4wgmma_groups_reference(recs, n: int, ng: int) -> np.ndarray:
@@ -1015,13 +1074,16 @@ def _marlin_kernel(dtype: str, mt: int, defines: tuple = ()) -> Kernel:
 
 @lru_cache(maxsize=None)
 def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, gs: int = 1,
-                    ks: int = 1) -> Kernel:
-    stages = stages or w4wgmma_stages(mt, blk, ks)
+                    ks: int = 1, kind: int = KIND_INT4) -> Kernel:
+    stages = stages or w4wgmma_stages(mt, blk, ks, kind)
     tail = ("" if gs == 1 else f", {gs}") if ks == 1 else f", {gs}, {ks}"
+    if kind == KIND_INT8:
+        tail = f", {gs}, {ks}, 1"
     return Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4_wgmma_kernel<{A.CTYPE[dtype]}, {mt}, {blk}, {stages}{tail}>",
                   hopper=True)
 
 
+_W8WGMMA_PACK = Kernel(W4WGMMA_SOURCE, "quant_sm90::w8wgmma_pack_kernel<1>", hopper=True)
 _W4WGMMA_PACK = {fmt: Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4wgmma_pack_kernel<{fmt}>", hopper=True)
                  for fmt in (FMT_AWQ, FMT_GPTQ)}
 
@@ -1053,12 +1115,15 @@ def all_kernels() -> list:
                 if mt == 64:  # 128-k stages (ks = 2), for measurements at small M (blk = 4: gs 1 only, more spill)
                     for gs in ((1,) if blk == 4 else (1, 4)):
                         out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=2))
+        for blk, mt, gs, ks in sorted(W8WGMMA_VARIANTS):
+            out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=ks, kind=KIND_INT8))
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())
     out.extend(_GEMV_PACK_GROUPS.values())
     out.append(_GEMV_PACK_INT8)
     out.extend(_W4WGMMA_PACK.values())
+    out.append(_W8WGMMA_PACK)
     return out
 
 
@@ -1253,7 +1318,7 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     kernel for M <= 16; returns y (the caller's library).  Before all of these: w4_wgmma_kernel where
     _w4_applies (use_w4wgmma: sm_90, 17 <= M <= 1024 by default, to 8192 from N = 8192)."""
     if rows and _w4_applies(gemv, xa, rows, n, k):
-        return _launch_w4wgmma(gemv, xa, rows, k, ldx, bias_ptr, n)
+        return _launch_w4wgmma(gemv, xa, rows, k, ldx, bias_ptr, n, scales_ptr)
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
             and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
         return _launch_marlin(gemv, xa, rows, k, ldx, bias_ptr, n)
@@ -1341,6 +1406,23 @@ W4WGMMA_AUTO_LARGE_MIN_M = 32   # layers with N K > 8192 x 8192
 _W4WGMMA_OVERRIDE: dict = {}
 
 
+# INT8 on w4_wgmma_kernel (KIND = W_INT8): not measured on a GPU yet, so off unless SPEEDCORE_QUANT_W8WGMMA=1 (read
+# at import; also needed at prepack, which then builds the wgmma-major INT8 copy: the weight's size again).
+_W8WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W8WGMMA")
+W8WGMMA_M_RANGE = (17, 8192)
+
+
+def w8wgmma_supported(k: int, n: int) -> bool:
+    """INT8 shapes w4_wgmma_kernel covers: N % 256 == 0 (super-blocks), K % 64 == 0."""
+    return n % 256 == 0 and k % W4WGMMA_BK == 0 and k > 0
+
+
+def use_w8wgmma(m: int, n: int, k: int, cc: tuple = (9, 0)) -> bool:
+    """Dispatch for prepacked INT8 layers with the wgmma-major copy: M in W8WGMMA_M_RANGE with the switch on."""
+    return (_W8WGMMA_MODE == "on" and tuple(cc) == (9, 0) and w8wgmma_supported(k, n)
+            and W8WGMMA_M_RANGE[0] <= m <= W8WGMMA_M_RANGE[1])
+
+
 def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
     """Dispatch for prepacked INT4 layers (a pure function but for the _W4WGMMA_MODE switch): w4_wgmma_kernel on
     compute capability 9.0 where w4wgmma_supported holds, for M in W4WGMMA_AUTO_M ("auto", the default; from
@@ -1357,9 +1439,12 @@ def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
 
 
 def _w4_applies(gl, xa, rows: int, n: int, k: int) -> bool:
-    """Whether this call of a layer with fragment-major copy ``gl`` takes w4_wgmma_kernel."""
-    return (gl is not None and gl.w4_ptr != 0 and gl.dtype == xa.dtype
-            and use_w4wgmma(rows, n, k, gl.spg * GEMV_STEP_K, device_info(xa.device).cc))
+    """Whether this call of a layer with fragment-major copy ``gl`` takes w4_wgmma_kernel (INT4, or INT8)."""
+    if gl is None or gl.w4_ptr == 0:
+        return False
+    if gl.kind == KIND_INT8:
+        return use_w8wgmma(rows, n, k, device_info(xa.device).cc)
+    return gl.dtype == xa.dtype and use_w4wgmma(rows, n, k, gl.spg * GEMV_STEP_K, device_info(xa.device).cc)
 
 
 def use_stream(kind: int, m: int, n: int, k: int, group: int = 0) -> bool:
@@ -1497,22 +1582,25 @@ def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):
 
 
 @lru_cache(maxsize=8192)
-def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, override: tuple):
-    cfg = w4wgmma_config(rows, n, k, sms, **dict(override))
-    scalars = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(group // W4WGMMA_BK),
-               np.int32(k // group), np.int32(cfg.m_tiles), np.int32(cfg.splits))
-    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks)
+def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, override: tuple,
+                  kind: int = KIND_INT4):
+    cfg = w4wgmma_config(rows, n, k, sms, **dict(override), kind=kind)
+    spg, ng = (group // W4WGMMA_BK, k // group) if kind == KIND_INT4 else (1, 1)  # INT8: no groups
+    scalars = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(spg), np.int32(ng),
+               np.int32(cfg.m_tiles), np.int32(cfg.splits))
+    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, kind=kind)
     return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem), scalars
 
 
-def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n):
-    """y (rows, N) by w4_wgmma_kernel; x rows must be 16-byte aligned (TMA)."""
+def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n, scales_ptr=0):
+    """y (rows, N) by w4_wgmma_kernel; x rows must be 16-byte aligned (TMA).  INT8 layers: ``scales_ptr``, the
+    per-channel scales in x's dtype, takes the group records' place."""
     from . import _tma
 
     y, y_ptr = _alloc_out(xa, rows, n)
-    group = gl.spg * GEMV_STEP_K
+    group = gl.spg * GEMV_STEP_K if gl.kind == KIND_INT4 else 0
     cfg, kernel, lcfg, scalars = _w4wgmma_plan(xa.dtype, rows, n, k, group, device_info(xa.device).sms,
-                                               tuple(sorted(_W4WGMMA_OVERRIDE.items())))
+                                               tuple(sorted(_W4WGMMA_OVERRIDE.items())), gl.kind)
     tmap_x = _tma.tile_map_2d(xa.ptr, xa.dtype, rows=rows, cols=k, row_stride=ldx, box_rows=cfg.mt,
                               box_cols=W4WGMMA_BK)
     stream = A.stream_of(xa)
@@ -1520,7 +1608,8 @@ def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n):
     if cfg.splits > 1:
         ws_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
         tickets_ptr = _ticket_buffer(xa, stream, cfg.m_tiles * cfg.n_tiles).ptr
-    args = (tmap_x, y_ptr, ws_ptr, tickets_ptr, gl.w4_ptr, gl.w4_g_ptr, bias_ptr) + scalars
+    g_ptr = gl.w4_g_ptr if gl.kind == KIND_INT4 else scales_ptr
+    args = (tmap_x, y_ptr, ws_ptr, tickets_ptr, gl.w4_ptr, g_ptr, bias_ptr) + scalars
     launch(kernel, lcfg, args, device=xa.device, stream=stream)
     return y
 
@@ -1550,6 +1639,18 @@ def _w4wgmma_groups(recs, nb: int, ng: int):
     return A.wrap(t, "w4wgmma_groups")
 
 
+def _w8wgmma_pack(wa, k, n):
+    """The wgmma-major INT8 copy (w8wgmma_pack_kernel), or None where the INT8 w4_wgmma_kernel is off or cannot run."""
+    if _W8WGMMA_MODE != "on" or device_info(wa.device).cc != (9, 0) or not w8wgmma_supported(k, n):
+        return None
+    words = A.empty(wa, (n * k // 4,), "int32", name="w8wgmma_weight")
+    total = words.shape[0]
+    launch(_W8WGMMA_PACK, LaunchConfig((-(-total // 256),), (256,)),
+           (words.ptr, wa.ptr, np.int32(k // W4WGMMA_BK), np.int64(_row_stride(wa)), np.int64(total)),
+           device=wa.device, stream=A.stream_of(wa))
+    return words
+
+
 def _gemv_pack(fmt, qa, za, sa, k, n, group):
     """The fragment-major copy (and INT4 group records) of a checked layer, made on the GPU."""
     stream = A.stream_of(qa)
@@ -1559,7 +1660,9 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
         launch(_GEMV_PACK_INT8, LaunchConfig((-(-total // 256),), (256,)),
                (words.ptr, qa.ptr, np.int32(k // GEMV_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
                device=qa.device, stream=stream)
-        return _GemvLayer(KIND_INT8, None, words.obj, None, words.ptr, 0, 1, 1)
+        w8 = _w8wgmma_pack(qa, k, n)
+        return _GemvLayer(KIND_INT8, None, words.obj, None, words.ptr, 0, 1, 1, w8.obj if w8 is not None else None,
+                          w8.ptr if w8 is not None else 0)
     words = A.empty(qa, (n * k // 8,), "int32", name="gemv_weight")
     total = words.shape[0]
     launch(_GEMV_PACK_INT4[fmt], LaunchConfig((-(-total // 256),), (256,)),
@@ -2125,7 +2228,7 @@ def int8_linear(x, weight, scales=None, *, bias=None):
     pk = _check_packed(A.wrap(packed, "packed", optional=True), FMT_INT8, k, n, wa)
     sa = _as_dtype(sa, xa.dtype, "scales")
     fast = n % 64 == 0 and k % 16 == 0 and _aligned_rows(wa)
-    if not fast or use_dense(rows, xa.lib, xa.dtype):
+    if not fast or (use_dense(rows, xa.lib, xa.dtype) and not _w4_applies(gemv, xa, rows, n, k)):
         if not fast and xa.lib != "torch" and xa.dtype != "float16":
             raise ValueError(f"int8_linear: N={n}, K={k} needs the dense path, which needs torch or float16 "
                              f"with CuPy (the fast kernel needs N % 64 == 0, K % 16 == 0, 16-byte aligned rows)")

@@ -66,9 +66,12 @@ def install_fake_gpu(monkeypatch, w4_copy: bool):
         w4 = None
         if w4_copy and kind == Q.KIND_INT4 and Q._W4WGMMA_MODE != "off" and Q.w4wgmma_supported(k, n, group):
             w4 = FakeTensor((n * k // 8,), "int32")
+        if w4_copy and kind == Q.KIND_INT8 and Q._W8WGMMA_MODE == "on" and Q.w8wgmma_supported(k, n):
+            w4 = FakeTensor((n * k // 4,), "int32")  # the wgmma-major INT8 copy
         return Q._GemvLayer(kind, None if kind == Q.KIND_INT8 else sa.dtype, w, None, w.ptr, 0x9000,
                             max(group // 32, 1), -(-k // group) if group else 1, w4,
-                            w4.ptr if w4 is not None else 0, None, 0xA000 if w4 is not None else 0)
+                            w4.ptr if w4 is not None else 0, None,
+                            0xA000 if w4 is not None and kind == Q.KIND_INT4 else 0)
 
     monkeypatch.setattr(Q, "_gemv_pack", gemv_pack)
     return calls, maps

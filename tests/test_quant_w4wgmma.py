@@ -93,6 +93,78 @@ def test_pack_kernel_index_math_matches_reference(fmt):
     assert np.array_equal(_pack_kernel_mirror(fmt, qw, k, n), Q.w4wgmma_pack_reference(q))
 
 
+def test_w8_layout_roundtrip_and_hand_made():
+    """INT8 wgmma-major layout: every byte read once from the consumer's side; single bytes land in the word and
+    byte position the m16n8k16 A fragment says (int8_pair: bytes 0-1 registers 0 / 1, bytes 2-3 registers 2 / 3)."""
+    rng = np.random.default_rng(11)
+    for n, k in ((256, 64), (512, 192)):
+        w = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        words = Q.w8wgmma_pack_reference(w)
+        assert words.dtype == np.uint32 and words.shape == (n * k // 4,)
+        assert np.array_equal(Q.w8wgmma_unpack_reference(words, k, n), w)
+    n, k = 512, 128
+    for (nn, kk) in ((0, 0), (0, 1), (0, 8), (8, 9), (3, 2), (16, 17), (63, 63), (64, 64), (255, 127), (300, 70),
+                     (511, 5)):
+        w = np.zeros((n, k), np.int8)
+        w[nn, kk] = -3
+        words = Q.w8wgmma_pack_reference(w)
+        (idx,) = np.nonzero(words)
+        b, t, h, g = nn // 64, (nn % 64) // 16, (nn % 16) // 8, nn % 8
+        kc, s, p, c, e = kk // 64, (kk % 64) // 16, (kk % 16) // 8, (kk % 8) // 2, kk % 2
+        expect = (((((b // 4) * (k // 64) + kc) * 4 + b % 4) * 128 + 32 * t + 4 * g + c) * 8 + 2 * s + h)
+        assert list(idx) == [expect], (nn, kk)
+        assert words[idx[0]] == 0xFD << (8 * (2 * p + e)), (nn, kk, hex(words[idx[0]]))
+
+
+def _w8_pack_kernel_mirror(w, k, n):
+    """w8wgmma_pack_kernel's index math, vectorized over the thread index (one word per thread)."""
+    kc_count = k // 64
+    idx = np.arange(n * k // 4, dtype=np.int64)
+    h, s, lane, t = idx & 1, (idx >> 1) & 3, (idx >> 3) & 31, (idx >> 8) & 3
+    rest = idx >> 12
+    kc, b = rest % kc_count, rest // kc_count * 4 + ((idx >> 10) & 3)
+    g, c = lane >> 2, lane & 3
+    row = 64 * b + 16 * t + g + 8 * h
+    col = 64 * kc + 16 * s + 2 * c
+    u = np.asarray(w, np.int8).view(np.uint8).astype(np.int64)
+    word = u[row, col] | (u[row, col + 1] << 8) | (u[row, col + 8] << 16) | (u[row, col + 9] << 24)
+    return word.astype(np.uint32)
+
+
+def test_w8_pack_kernel_index_math_matches_reference():
+    rng = np.random.default_rng(12)
+    n, k = 768, 320
+    w = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    assert np.array_equal(_w8_pack_kernel_mirror(w, k, n), Q.w8wgmma_pack_reference(w))
+
+
+def test_w8_config_and_switch():
+    """INT8 configs: the INT4 default shapes with 4 KB blocks and no records (more stages fit less), other shapes
+    refused; the switch is off by default (not yet measured) and gates prepack's copy and the dispatch."""
+    c = Q.w4wgmma_config(64, 8192, 8192, 132, kind=Q.KIND_INT8)
+    assert (c.blk, c.mt, c.gs, c.kind) == (2, 64, 4, Q.KIND_INT8)
+    assert Q.w4wgmma_stage_bytes(64, 2, 1, Q.KIND_INT8) == 64 * 128 + 4 * 4096
+    assert c.smem == Q.w4wgmma_smem_bytes(64, 2, c.stages, 1, Q.KIND_INT8) <= Q.W4WGMMA_SMEM_LIMIT
+    for m in (17, 65, 200, 1000, 8192):
+        for n, k in ((8192, 8192), (28672, 8192), (4096, 4096)):
+            c = Q.w4wgmma_config(m, n, k, 132, kind=Q.KIND_INT8)
+            assert (c.blk, c.mt, c.gs, c.ks) in Q.W8WGMMA_VARIANTS and c.smem <= Q.W4WGMMA_SMEM_LIMIT
+    with pytest.raises(ValueError):
+        Q.w4wgmma_config(64, 8192, 8192, 132, blk=4, kind=Q.KIND_INT8)
+    with pytest.raises(ValueError):
+        Q.w4wgmma_config(64, 8192, 8192, 132, ks=2, mt=64, kind=Q.KIND_INT8)
+    assert Q.w8wgmma_supported(64, 256) and not Q.w8wgmma_supported(64, 192) and not Q.w8wgmma_supported(96, 256)
+    old = Q._W8WGMMA_MODE
+    try:
+        Q._W8WGMMA_MODE = "auto"
+        assert not Q.use_w8wgmma(64, 8192, 8192)
+        Q._W8WGMMA_MODE = "on"
+        assert Q.use_w8wgmma(17, 8192, 8192) and Q.use_w8wgmma(8192, 8192, 8192)
+        assert not Q.use_w8wgmma(16, 8192, 8192) and not Q.use_w8wgmma(64, 8192, 8192, cc=(8, 0))
+    finally:
+        Q._W8WGMMA_MODE = old
+
+
 def _to_half_bits(v, dtype):
     """float64 values rounded once to fp16 / bf16 (round to nearest even), as 16-bit patterns."""
     v = np.asarray(v, np.float64)
@@ -387,7 +459,12 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 44 and all(k.hopper for k in ks)
+    assert len(ks) == 63 and all(k.hopper for k in ks)
+    assert "quant_sm90::w8wgmma_pack_kernel<1>" in names
+    for dt in ("__half", "__nv_bfloat16"):  # INT8 (KIND = 1): the INT4 default shapes
+        for blk, mt, gs, ks_ in Q.W8WGMMA_VARIANTS:
+            stages = Q.w4wgmma_stages(mt, blk, ks_, Q.KIND_INT8)
+            assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, {blk}, {stages}, {gs}, {ks_}, 1>" in names
     for dt in ("__half", "__nv_bfloat16"):  # 128-k stages at 64 rows
         for shape in ("2, 6, 1, 2", "2, 6, 4, 2", "1, 8, 1, 2", "1, 8, 4, 2", "4, 4, 1, 2"):
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, 64, {shape}>" in names
@@ -502,6 +579,36 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
     assert maps[0][1]["box_rows"] == cfg.mt
     d = Q.w4wgmma_config(m, n, k, 132)
     assert kernel2.name == Q._w4wgmma_kernel("float16", d.mt, d.blk, d.stages, gs=d.gs).name
+
+
+@pytest.mark.parametrize("m", [17, 64, 300])
+def test_w8_launch_arguments(fake_gpu, m):
+    """INT8 with the W8 switch on: prepack_int8 keeps the wgmma-major INT8 copy, and int8_linear launches the INT8
+    w4_wgmma_kernel (also above MAX_MMA_M, where the dense path ran) with the per-channel scales in the records'
+    place and no groups; switch off: neither."""
+    calls, maps = fake_gpu
+    k, n = 1024, 1536
+    x = FakeTensor((m, k), "bfloat16")
+    old = Q._W8WGMMA_MODE
+    try:
+        Q._W8WGMMA_MODE = "on"
+        pw = Q.prepack_int8(FakeTensor((n, k), "int8"), FakeTensor((n,), "bfloat16"))
+        assert pw.gemv is not None and pw.gemv.w4_ptr != 0 and pw.gemv.w4_g_ptr == 0
+        Q.int8_linear(x, pw)
+        cfg = Q.w4wgmma_config(m, n, k, 132, kind=Q.KIND_INT8)
+        (kernel, lcfg, args), = calls
+        assert kernel.name == Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks,
+                                                kind=Q.KIND_INT8).name and kernel.name.endswith(", 1>")
+        assert tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
+        assert args[4] == pw.gemv.w4_ptr and args[5] == pw.fast.scales_ptr != 0
+        assert [int(a) for a in args[7:]] == [m, n, k // 64, 1, 1, cfg.m_tiles, cfg.splits]
+        calls.clear()
+        Q._W8WGMMA_MODE = "auto"  # not measured yet: off by default
+        if m <= Q.MAX_MMA_M:  # (above, the dense path, which the fakes cannot run)
+            Q.int8_linear(x, pw)
+            assert calls and "w4_wgmma" not in calls[0][0].name
+    finally:
+        Q._W8WGMMA_MODE = old
 
 
 # -------------------------------------------------------------------------------------------------- GPU tests
@@ -674,6 +781,63 @@ def test_w4wgmma_group_steps_small(dtype, m, n, k, g, override):
             y1 = _linear(Q.FMT_AWQ, x, layer, bias)
         assert _w4wgmma_name(dtype, m, n, k, base) in names, names
     assert torch.equal(y, y1)
+
+
+@contextlib.contextmanager
+def _w8(mode):
+    old = Q._W8WGMMA_MODE
+    Q._W8WGMMA_MODE = mode
+    try:
+        yield
+    finally:
+        Q._W8WGMMA_MODE = old
+
+
+@pytest.mark.gpu
+def test_w8_pack_kernel_matches_reference_small():
+    torch = _torch()
+    rng = np.random.default_rng(21)
+    n, k = 768, 320
+    w = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    with _w8("on"):
+        layer = Q.prepack_int8(torch.from_numpy(w).cuda(), torch.ones(n, device="cuda", dtype=torch.bfloat16))
+    assert layer.gemv is not None and layer.gemv.w4_ptr != 0
+    got = layer.gemv.w4_weight.cpu().numpy().view(np.uint32)
+    assert np.array_equal(got, Q.w8wgmma_pack_reference(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k,override", [
+    (17, 512, 1024, {}), (64, 768, 2048, {}), (100, 256, 640, {"splits": 3}), (130, 1024, 512, {}),
+    (300, 512, 1024, {}), (1000, 256, 256, {}), (40, 2048, 1024, {"gs": 1}), (257, 512, 768, {"blk": 1, "mt": 256})])
+def test_w8wgmma_small(dtype, m, n, k, override):
+    """INT8 on w4_wgmma_kernel (switch on at prepack and call): every byte value, per-channel scales, bias, odd M
+    (also above MAX_MMA_M, instead of the dense path), split-K; NaN-poisoned outputs, twice; against float64
+    x @ (q s)^T per row (1e-2), and within 2e-2 of the switch-off path on the same layer."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m * 5 + n + k)
+    q = ((np.arange(n * k) * 37 + rng.integers(0, 256)) % 256 - 128).astype(np.int8).reshape(n, k)
+    s_t = torch.from_numpy((rng.random(n) * 0.02 + 0.001).astype(np.float32)).cuda().to(td)
+    w_nk = q.astype(np.float64) * s_t.double().cpu().numpy()[:, None]
+    x = torch.randn(m, k, device="cuda", dtype=td)
+    bias = torch.randn(n, device="cuda", dtype=td)
+    ref = (x.double().cpu().numpy() @ w_nk.T) + bias.double().cpu().numpy()
+    with _w8("on"), _w4("on", **override):
+        layer = Q.prepack_int8(torch.from_numpy(q).cuda(), s_t)
+        assert layer.gemv is not None and layer.gemv.w4_ptr != 0
+        for _ in range(2):
+            poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+            del poison
+            with launched() as names:
+                y = Q.int8_linear(x, layer, bias=bias)
+            assert any("w4_wgmma_kernel" in nm and nm.endswith(", 1>") for nm in names), names
+            err = (torch.from_numpy(ref) - y.double().cpu()).norm(dim=1) / torch.from_numpy(ref).norm(dim=1)
+            assert bool(torch.isfinite(y).all()) and err.max().item() < 1e-2
+    with _w8("off"):
+        y_old = Q.int8_linear(x, layer, bias=bias)
+    assert (y.float() - y_old.float()).abs().max().item() <= 2e-2 * y_old.float().abs().max().item() + 1e-3
 
 
 @pytest.mark.gpu

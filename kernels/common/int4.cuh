@@ -1,4 +1,5 @@
-// Register-level dequantization shared by the weight-only quantized kernels (kernels/quant.cu, quant_sm90.cu).
+// Register-level dequantization shared by the weight-only quantized kernels (kernels/quant.cu, quant_sm90.cu):
+// 4-bit values (int4_fragment) and signed bytes (int8_pair).
 //
 // 4-bit values become fp16 / bf16 by OR-ing them into the mantissa of a magic number (1024 for fp16, 128 for
 // bf16); one fma then removes magic + zero point exactly and one multiplies by the scale, so (q - z) s is rounded
@@ -81,6 +82,19 @@ __device__ __forceinline__ void int4_fragment(unsigned (&a)[4], unsigned wd, uns
   a[1] = fma2<T>(a[1], s1, Bits<T>::NEG_ZERO);
   a[2] = fma2<T>(a[2], s0, Bits<T>::NEG_ZERO);
   a[3] = fma2<T>(a[3], s1, Bits<T>::NEG_ZERO);
+}
+
+// Two signed bytes (selected by SEL from u) to an exact pair of T.
+template <typename T, unsigned SEL> __device__ __forceinline__ unsigned int8_pair(unsigned u) {
+  if constexpr (is_half<T>::value) {
+    // 1024 + (b + 128) in fp16, minus 1152.
+    const unsigned p = __byte_perm(u ^ 0x80808080u, 0x64646464u, SEL);
+    return fma2<T>(p, Bits<T>::ONE, 0xe480e480u);
+  } else {
+    // bf16 holds 128 + (7 low bits) exactly; the sign bit lands on the exponent's lowest bit: 128 or 256.
+    const unsigned p = __byte_perm(u, 0x43434343u, SEL);
+    return fma2<T>(p & 0xff7fff7fu, Bits<T>::ONE, (p & 0xff80ff80u) ^ 0x80008000u);
+  }
 }
 
 }  // namespace sc
