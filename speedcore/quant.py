@@ -103,10 +103,10 @@ W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait gran
 # (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower); 512-channel CTAs (4 A fragment
 # sets per group) leave ptxas too few registers for the wgmma pipeline: it serializes the wgmmas.
 W4WGMMA_NO_GS4 = {(1, 256), (4, 64)}
-# INT8 (KIND = W_INT8) variants built: the INT4 default shapes of w4wgmma_shape (blk, mt, gs), ks = 1, and gs = 1 of
-# each (blk, mt) for comparison.
-W8WGMMA_VARIANTS = {(2, 64, 4, 1), (1, 64, 4, 1), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
-                    (2, 64, 1, 1), (1, 64, 1, 1), (1, 256, 1, 1)}
+# INT8 (KIND = W_INT8) variants built: the INT4 default shapes of w4wgmma_shape (blk, mt, gs, ks), and ks = 1 /
+# gs = 1 of each (blk, mt) for comparison.
+W8WGMMA_VARIANTS = {(2, 64, 4, 2), (1, 64, 4, 2), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
+                    (2, 64, 4, 1), (1, 64, 4, 1), (2, 64, 1, 1), (1, 64, 1, 1), (1, 256, 1, 1)}
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 W4WGMMA_M_RANGE = (17, 8192)
 
@@ -718,12 +718,14 @@ def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float)
 
 @lru_cache(maxsize=8192)
 def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
-    """The default (blk, mt, gs) of w4_wgmma_kernel for an (M, N, K) problem (pure).  From the H200 sweeps
-    (benchmarks/_quant_w4wgmma_probe.py --tune, AWQ bf16, us, at 9d6d23c; the runner-up in brackets):
-    * M <= 64: 64-row tiles in groups of 4 k16 steps: 8192^2 M = 64 34.9 (37.3 with gs 1), 28672 x 8192 87.0
-      (95.4); 128-channel CTAs below N = 8192, where 256-channel ones leave too few tiles: 4096^2 18.1.
-    * M <= 192: 128-row tiles; 128-channel CTAs up to N = 8192 (8192^2 M = 128 43.0 against 50.8, 4096^2 23.7),
-      256-channel ones above (28672 x 8192 110.4 against 132.3).
+    """The default (blk, mt, gs, ks) of w4_wgmma_kernel for an (M, N, K) problem (pure).  From the H200 sweeps
+    (benchmarks/_quant_w4wgmma_probe.py --tune, AWQ bf16, us; the runner-up in brackets):
+    * M <= 64 (at dc766cf): 64-row tiles, 128-k ring stages (ks = 2) in groups of 4 k16 steps: 8192^2 M = 32 27.5
+      (29.4 with 64-k stages), 28672 x 8192 M = 64 67.5 (78.6), 8192 x 28672 M = 64 69.6 (77.7), 4096^2 M = 64 16.7
+      (17.8); 256-channel CTAs from N = 8192 but on 8192^2 above M = 32 (M = 64: 30.3 against 32.4), where
+      128-channel ones give twice the tiles; 512-channel CTAs were slower everywhere (8192^2 M = 64 55.8).
+    * M <= 192 (at 9d6d23c, as below): 128-row tiles; 128-channel CTAs up to N = 8192 (8192^2 M = 128 43.0 against
+      50.8, 4096^2 23.7), 256-channel ones above (28672 x 8192 110.4 against 132.3).
     * M <= 512: 256-row tiles of 128 channels in groups of 2 from N = 8192 (8192^2 M = 256 61.9 against 66.5,
       28672 x 8192 195.0 against 211.6, 8192 x 28672 198.9 against 200.7); below, 128-row tiles in groups of 4
       (4096^2 28.6 against 33.5).
@@ -731,12 +733,12 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
       against 1712), below 128-row tiles of 256 channels (4096^2 M = 1024 58.7 against 68.7)."""
     wide = n >= 8192
     if m <= 64:
-        return (2 if wide else 1), 64, 4
+        return (2 if wide and (m <= 32 or n * k > 8192 * 8192) else 1), 64, 4, 2
     if m <= 192:
-        return (2, 128, 1) if n > 8192 else (1, 128, 1)
+        return (2, 128, 1, 1) if n > 8192 else (1, 128, 1, 1)
     if m <= 512:
-        return (1, 256, 2) if wide else (1, 128, 4)
-    return (1, 256, 2) if wide else (2, 128, 1)
+        return (1, 256, 2, 1) if wide else (1, 128, 4, 1)
+    return (1, 256, 2, 1) if wide else (2, 128, 1, 1)
 
 
 @lru_cache(maxsize=8192)
@@ -752,7 +754,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
-        blk, mt, gs = w4wgmma_shape(m, n, k, sms)
+        blk, mt, gs, ks_default = w4wgmma_shape(m, n, k, sms)
+        ks = ks or (ks_default if k % (W4WGMMA_BK * ks_default) == 0 else 1)  # INT8 takes K % 128 == 64 too
     gs = gs or W4WGMMA_GROUP_STEPS[0]
     if gs not in W4WGMMA_GROUP_STEPS:
         raise ValueError(f"w4wgmma_config: gs must be one of {W4WGMMA_GROUP_STEPS}, got {gs}")
@@ -1322,7 +1325,8 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
             and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
         return _launch_marlin(gemv, xa, rows, k, ldx, bias_ptr, n)
-    if gemv is not None and 0 < rows <= GEMV_MAX_M and (gemv.dtype is None or gemv.dtype == xa.dtype):
+    if (gemv is not None and gemv.w_ptr and 0 < rows <= GEMV_MAX_M
+            and (gemv.dtype is None or gemv.dtype == xa.dtype)):
         if use_bulk(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K, device_info(xa.device).cc):
             return _launch_chunks(True, gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
         if use_stream(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K):
@@ -1655,14 +1659,21 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
     """The fragment-major copy (and INT4 group records) of a checked layer, made on the GPU."""
     stream = A.stream_of(qa)
     if fmt == FMT_INT8:
-        words = A.empty(qa, (n * k // 4,), "int32", name="gemv_weight")
-        total = words.shape[0]
-        launch(_GEMV_PACK_INT8, LaunchConfig((-(-total // 256),), (256,)),
-               (words.ptr, qa.ptr, np.int32(k // GEMV_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
-               device=qa.device, stream=stream)
+        # Either copy may be wanted without the other (the gemv kernels are off for INT8 by default): the layer
+        # holds what some M will use, w_ptr = 0 where the fragment-major copy was not made.
+        words = None
+        if _want_gemv_layout(KIND_INT8, n, k):
+            words = A.empty(qa, (n * k // 4,), "int32", name="gemv_weight")
+            total = words.shape[0]
+            launch(_GEMV_PACK_INT8, LaunchConfig((-(-total // 256),), (256,)),
+                   (words.ptr, qa.ptr, np.int32(k // GEMV_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
+                   device=qa.device, stream=stream)
         w8 = _w8wgmma_pack(qa, k, n)
-        return _GemvLayer(KIND_INT8, None, words.obj, None, words.ptr, 0, 1, 1, w8.obj if w8 is not None else None,
-                          w8.ptr if w8 is not None else 0)
+        if words is None and w8 is None:
+            return None
+        return _GemvLayer(KIND_INT8, None, words.obj if words is not None else None,
+                          None, words.ptr if words is not None else 0, 0, 1, 1,
+                          w8.obj if w8 is not None else None, w8.ptr if w8 is not None else 0)
     words = A.empty(qa, (n * k // 8,), "int32", name="gemv_weight")
     total = words.shape[0]
     launch(_GEMV_PACK_INT4[fmt], LaunchConfig((-(-total // 256),), (256,)),
@@ -2175,8 +2186,7 @@ def prepack_int8(weight, scales, *, dtype=None) -> Int8Weight:
     packed = fast = gemv = None
     if n % 64 == 0 and k % 16 == 0 and _aligned_rows(wa) and sa.is_contiguous():
         packed = _pack(FMT_INT8, wa, k, n).obj
-        if _want_gemv_layout(KIND_INT8, n, k):
-            gemv = _gemv_pack(FMT_INT8, wa, None, sa, k, n, 0)
+        gemv = _gemv_pack(FMT_INT8, wa, None, sa, k, n, 0)
         fast = _make_fast(FMT_INT8, packed, wa, None, sa, k, n, 0, gemv)
     return Int8Weight(wa.obj, sa.obj, k, n, packed, fast, gemv)
 

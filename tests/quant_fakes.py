@@ -68,6 +68,10 @@ def install_fake_gpu(monkeypatch, w4_copy: bool):
             w4 = FakeTensor((n * k // 8,), "int32")
         if w4_copy and kind == Q.KIND_INT8 and Q._W8WGMMA_MODE == "on" and Q.w8wgmma_supported(k, n):
             w4 = FakeTensor((n * k // 4,), "int32")  # the wgmma-major INT8 copy
+        if kind == Q.KIND_INT8 and not Q._want_gemv_layout(kind, n, k):  # as _gemv_pack: either copy alone
+            if w4 is None:
+                return None
+            w = type("NoCopy", (), {"ptr": 0})()
         return Q._GemvLayer(kind, None if kind == Q.KIND_INT8 else sa.dtype, w, None, w.ptr, 0x9000,
                             max(group // 32, 1), -(-k // group) if group else 1, w4,
                             w4.ptr if w4 is not None else 0, None,

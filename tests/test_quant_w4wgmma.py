@@ -141,10 +141,11 @@ def test_w8_pack_kernel_index_math_matches_reference():
 def test_w8_config_and_switch():
     """INT8 configs: the INT4 default shapes with 4 KB blocks and no records (more stages fit less), other shapes
     refused; the switch is off by default (not yet measured) and gates prepack's copy and the dispatch."""
-    c = Q.w4wgmma_config(64, 8192, 8192, 132, kind=Q.KIND_INT8)
-    assert (c.blk, c.mt, c.gs, c.kind) == (2, 64, 4, Q.KIND_INT8)
+    c = Q.w4wgmma_config(32, 8192, 8192, 132, kind=Q.KIND_INT8)
+    assert (c.blk, c.mt, c.gs, c.ks, c.kind) == (2, 64, 4, 2, Q.KIND_INT8)
     assert Q.w4wgmma_stage_bytes(64, 2, 1, Q.KIND_INT8) == 64 * 128 + 4 * 4096
-    assert c.smem == Q.w4wgmma_smem_bytes(64, 2, c.stages, 1, Q.KIND_INT8) <= Q.W4WGMMA_SMEM_LIMIT
+    assert Q.w4wgmma_stage_bytes(64, 2, 2, Q.KIND_INT8) == 2 * (64 * 128 + 4 * 4096)
+    assert c.smem == Q.w4wgmma_smem_bytes(64, 2, c.stages, 2, Q.KIND_INT8) <= Q.W4WGMMA_SMEM_LIMIT
     for m in (17, 65, 200, 1000, 8192):
         for n, k in ((8192, 8192), (28672, 8192), (4096, 4096)):
             c = Q.w4wgmma_config(m, n, k, 132, kind=Q.KIND_INT8)
@@ -152,7 +153,7 @@ def test_w8_config_and_switch():
     with pytest.raises(ValueError):
         Q.w4wgmma_config(64, 8192, 8192, 132, blk=4, kind=Q.KIND_INT8)
     with pytest.raises(ValueError):
-        Q.w4wgmma_config(64, 8192, 8192, 132, ks=2, mt=64, kind=Q.KIND_INT8)
+        Q.w4wgmma_config(64, 8192, 8192, 132, ks=2, mt=64, kind=Q.KIND_INT8)  # gs 1 with ks 2: not built
     assert Q.w8wgmma_supported(64, 256) and not Q.w8wgmma_supported(64, 192) and not Q.w8wgmma_supported(96, 256)
     old = Q._W8WGMMA_MODE
     try:
@@ -336,13 +337,13 @@ def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
 @pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (256, 128), (768, 384)])
 def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
     cfg = Q.w4wgmma_config(m, n, k, 132)
-    assert (cfg.blk, cfg.mt, cfg.gs) == Q.w4wgmma_shape(m, n, k, 132)
+    assert (cfg.blk, cfg.mt, cfg.gs, cfg.ks) == Q.w4wgmma_shape(m, n, k, 132)
     assert cfg.mt in Q.W4WGMMA_SHAPES[cfg.blk] and cfg.gs in Q.W4WGMMA_GROUP_STEPS
     assert cfg.m_tiles * cfg.mt >= m > (cfg.m_tiles - 1) * cfg.mt
     assert cfg.n_tiles * 128 * cfg.blk == n
     kbs = k // 64
     assert 1 <= cfg.splits <= max(1, min(16, kbs // 4))
-    assert cfg.smem == Q.w4wgmma_smem_bytes(cfg.mt, cfg.blk, cfg.stages) <= Q.W4WGMMA_SMEM_LIMIT
+    assert cfg.smem == Q.w4wgmma_smem_bytes(cfg.mt, cfg.blk, cfg.stages, cfg.ks) <= Q.W4WGMMA_SMEM_LIMIT
     if cfg.grid <= 4096:
         seen = np.zeros((cfg.m_tiles, n // 64, kbs), np.int64)
         for (m_tile, split, n_tile, nb0, kb0, kb1) in Q.w4wgmma_work(cfg, k):
@@ -352,27 +353,32 @@ def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
 
 
 def test_config_heuristic_choices():
-    assert Q.w4wgmma_config(64, 8192, 8192, 132).splits == 4       # 32 tiles x 4 = 128 CTAs
+    assert Q.w4wgmma_config(32, 8192, 8192, 132).splits == 4       # 32 tiles x 4 = 128 CTAs
+    assert Q.w4wgmma_config(64, 8192, 8192, 132).splits == 2       # 64 tiles (128 channels) x 2
     assert Q.w4wgmma_config(64, 28672, 8192, 132).splits == 1      # 112 tiles: the partials would cost more
     assert Q.w4wgmma_config(256, 8192, 8192, 132).splits == 2      # 1 m tile x 64 (256 rows, 128 channels)
     assert Q.w4wgmma_config(256, 8192, 8192, 132, blk=2).splits == 2  # 2 m tiles x 32
     assert Q.w4wgmma_config(2048, 8192, 8192, 132).splits == 1
-    # tile shapes (w4wgmma_shape): (blk, mt, gs) by M and layer
+    # tile shapes (w4wgmma_shape): (blk, mt, gs, ks) by M and layer
     shape = lambda m, n, k: Q.w4wgmma_shape(m, n, k, 132)  # noqa: E731
-    assert shape(17, 8192, 8192) == shape(64, 28672, 8192) == (2, 64, 4)
-    assert shape(64, 4096, 4096) == (1, 64, 4)
-    assert shape(65, 8192, 8192) == shape(192, 4096, 4096) == (1, 128, 1)
-    assert shape(128, 28672, 8192) == shape(192, 28672, 8192) == (2, 128, 1)
-    assert shape(256, 8192, 8192) == shape(256, 28672, 8192) == shape(256, 8192, 28672) == (1, 256, 2)
-    assert shape(300, 4096, 4096) == (1, 128, 4)
-    assert shape(513, 8192, 8192) == shape(8192, 28672, 8192) == (1, 256, 2)
-    assert shape(1024, 4096, 4096) == (2, 128, 1)
-    c = Q.w4wgmma_config(64, 8192, 8192, 132, splits=2)   # splits alone keep the heuristic's tile shape
-    assert (c.blk, c.mt, c.gs, c.splits) == (2, 64, 4, 2)
+    assert shape(17, 8192, 8192) == shape(32, 8192, 8192) == shape(64, 28672, 8192) == (2, 64, 4, 2)
+    assert shape(64, 8192, 28672) == (2, 64, 4, 2)
+    assert shape(33, 8192, 8192) == shape(64, 4096, 4096) == (1, 64, 4, 2)
+    assert shape(65, 8192, 8192) == shape(192, 4096, 4096) == (1, 128, 1, 1)
+    assert shape(128, 28672, 8192) == shape(192, 28672, 8192) == (2, 128, 1, 1)
+    assert shape(256, 8192, 8192) == shape(256, 28672, 8192) == shape(256, 8192, 28672) == (1, 256, 2, 1)
+    assert shape(300, 4096, 4096) == (1, 128, 4, 1)
+    assert shape(513, 8192, 8192) == shape(8192, 28672, 8192) == (1, 256, 2, 1)
+    assert shape(1024, 4096, 4096) == (2, 128, 1, 1)
+    c = Q.w4wgmma_config(32, 8192, 8192, 132, splits=2)   # splits alone keep the heuristic's tile shape
+    assert (c.blk, c.mt, c.gs, c.ks, c.splits) == (2, 64, 4, 2, 2)
+    c = Q.w4wgmma_config(64, 1024, 192, 132, kind=Q.KIND_INT8)  # K % 128 == 64 (INT8): 64-k stages
+    assert (c.mt, c.ks) == (64, 1)
     c = Q.w4wgmma_config(300, 8192, 8192, 132, blk=1)     # a tile override: the others at blk 2's defaults
     assert (c.blk, c.mt, c.gs) == (1, 128, 1)
     assert Q.w4wgmma_config(64, 8192, 8192, 132, splits=3).splits == 3
-    assert Q.w4wgmma_config(64, 256, 128, 132, splits=9).splits == 2  # at most one split per stage
+    assert Q.w4wgmma_config(64, 256, 128, 132, splits=9).splits == 1  # at most one split per (128-k) stage
+    assert Q.w4wgmma_config(64, 256, 128, 132, splits=9, ks=1, mt=64, blk=1, gs=4).splits == 2
     assert Q.w4wgmma_config(20, 8192, 8192, 132, mt=128).mt == 128
     with pytest.raises(ValueError):
         Q.w4wgmma_config(0, 8192, 8192, 132)
@@ -459,7 +465,7 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 63 and all(k.hopper for k in ks)
+    assert len(ks) == 67 and all(k.hopper for k in ks)
     assert "quant_sm90::w8wgmma_pack_kernel<1>" in names
     for dt in ("__half", "__nv_bfloat16"):  # INT8 (KIND = 1): the INT4 default shapes
         for blk, mt, gs, ks_ in Q.W8WGMMA_VARIANTS:
@@ -528,11 +534,11 @@ def test_dispatch_launch_arguments(fake_gpu, m):
     cfg = Q.w4wgmma_config(m, n, k, 132)
     assert len(calls) == 3
     for kernel, lcfg, args in calls:
-        assert kernel.name == Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs).name
+        assert kernel.name == Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks).name
         assert kernel.hopper and kernel.name.startswith(f"quant_sm90::w4_wgmma_kernel<__nv_bfloat16, {cfg.mt}, ")
         assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (384,) and lcfg.smem == cfg.smem
         assert len(args) == 14 and args[0] == "tmap"
-        assert [int(a) for a in args[7:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
+        assert [int(a) for a in args[7:]] == [m, n, k // (64 * cfg.ks), g // 64, k // g, cfg.m_tiles, cfg.splits]
         assert all(type(a) is np.int32 for a in args[7:])
         assert (args[2] != 0) == (cfg.splits > 1) and (args[3] != 0) == (cfg.splits > 1)
     assert calls[0][2][4] == pw.gemv.w4_ptr and calls[0][2][5] == pw.gemv.w4_g_ptr and calls[0][2][6] == bias.ptr
@@ -578,7 +584,29 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
     assert (args[2] != 0) == (args[3] != 0) == (cfg.splits > 1)
     assert maps[0][1]["box_rows"] == cfg.mt
     d = Q.w4wgmma_config(m, n, k, 132)
-    assert kernel2.name == Q._w4wgmma_kernel("float16", d.mt, d.blk, d.stages, gs=d.gs).name
+    assert kernel2.name == Q._w4wgmma_kernel("float16", d.mt, d.blk, d.stages, gs=d.gs, ks=d.ks).name
+
+
+def test_w8_copy_without_fragment_major_copy(fake_gpu):
+    """K % 128 != 0 (no streaming kernel, and gemv_kernel is off for INT8): with the W8 switch on, prepack_int8 makes
+    the wgmma-major copy alone (w_ptr = 0), M <= 16 takes quant_mma_kernel, M = 17 the INT8 w4_wgmma_kernel."""
+    calls, _ = fake_gpu
+    k, n = 320, 768
+    old = Q._W8WGMMA_MODE
+    try:
+        Q._W8WGMMA_MODE = "on"
+        pw = Q.prepack_int8(FakeTensor((n, k), "int8"), FakeTensor((n,), "bfloat16"))
+        assert pw.gemv is not None and pw.gemv.w_ptr == 0 and pw.gemv.w4_ptr != 0
+        calls.clear()
+        Q.int8_linear(FakeTensor((8, k), "bfloat16"), pw)
+        assert len(calls) == 1 and "quant_mma_kernel" in calls[0][0].name, [c[0].name for c in calls]
+        calls.clear()
+        Q.int8_linear(FakeTensor((17, k), "bfloat16"), pw)
+        assert len(calls) == 1 and "w4_wgmma_kernel" in calls[0][0].name, [c[0].name for c in calls]
+        Q._W8WGMMA_MODE = "auto"
+        assert Q.prepack_int8(FakeTensor((n, k), "int8"), FakeTensor((n,), "bfloat16")).gemv is None
+    finally:
+        Q._W8WGMMA_MODE = old
 
 
 @pytest.mark.parametrize("m", [17, 64, 300])
@@ -601,7 +629,7 @@ def test_w8_launch_arguments(fake_gpu, m):
                                                 kind=Q.KIND_INT8).name and kernel.name.endswith(", 1>")
         assert tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
         assert args[4] == pw.gemv.w4_ptr and args[5] == pw.fast.scales_ptr != 0
-        assert [int(a) for a in args[7:]] == [m, n, k // 64, 1, 1, cfg.m_tiles, cfg.splits]
+        assert [int(a) for a in args[7:]] == [m, n, k // (64 * cfg.ks), 1, 1, cfg.m_tiles, cfg.splits]
         calls.clear()
         Q._W8WGMMA_MODE = "auto"  # not measured yet: off by default
         if m <= Q.MAX_MMA_M:  # (above, the dense path, which the fakes cannot run)
