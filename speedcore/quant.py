@@ -1410,8 +1410,11 @@ W4WGMMA_AUTO_LARGE_MIN_M = 32   # layers with N K > 8192 x 8192
 _W4WGMMA_OVERRIDE: dict = {}
 
 
-# INT8 on w4_wgmma_kernel (KIND = W_INT8): not measured on a GPU yet, so off unless SPEEDCORE_QUANT_W8WGMMA=1 (read
-# at import; also needed at prepack, which then builds the wgmma-major INT8 copy: the weight's size again).
+# INT8 on w4_wgmma_kernel (KIND = W_INT8), on unless SPEEDCORE_QUANT_W8WGMMA=0 (read at import; also read at
+# prepack, which builds the wgmma-major INT8 copy: the weight's size again).  H200, same run (a492636, us, bf16):
+# 8192^2 M = 64 30.6 against 72.9 for quant_mma_kernel (cuBLAS 38.9), M = 256 62.5 against 105.9 for
+# dequant_int8_kernel + cuBLAS (47.2), M = 2048 355 against 393 (344); 28672 x 8192 M = 17 109 against 123 (123),
+# M = 2048 1416 against 1517 (1287); fp16 alike (28672 x 8192 M = 2048 1455 against 1434: a tie).
 _W8WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W8WGMMA")
 W8WGMMA_M_RANGE = (17, 8192)
 
@@ -1422,8 +1425,8 @@ def w8wgmma_supported(k: int, n: int) -> bool:
 
 
 def use_w8wgmma(m: int, n: int, k: int, cc: tuple = (9, 0)) -> bool:
-    """Dispatch for prepacked INT8 layers with the wgmma-major copy: M in W8WGMMA_M_RANGE with the switch on."""
-    return (_W8WGMMA_MODE == "on" and tuple(cc) == (9, 0) and w8wgmma_supported(k, n)
+    """Dispatch for prepacked INT8 layers with the wgmma-major copy: M in W8WGMMA_M_RANGE unless the switch is off."""
+    return (_W8WGMMA_MODE != "off" and tuple(cc) == (9, 0) and w8wgmma_supported(k, n)
             and W8WGMMA_M_RANGE[0] <= m <= W8WGMMA_M_RANGE[1])
 
 
@@ -1645,7 +1648,7 @@ def _w4wgmma_groups(recs, nb: int, ng: int):
 
 def _w8wgmma_pack(wa, k, n):
     """The wgmma-major INT8 copy (w8wgmma_pack_kernel), or None where the INT8 w4_wgmma_kernel is off or cannot run."""
-    if _W8WGMMA_MODE != "on" or device_info(wa.device).cc != (9, 0) or not w8wgmma_supported(k, n):
+    if _W8WGMMA_MODE == "off" or device_info(wa.device).cc != (9, 0) or not w8wgmma_supported(k, n):
         return None
     words = A.empty(wa, (n * k // 4,), "int32", name="w8wgmma_weight")
     total = words.shape[0]
@@ -2166,7 +2169,10 @@ def _gather_x(xa, rows, k, ldx, pa):
 
 def prepack_int8(weight, scales, *, dtype=None) -> Int8Weight:
     """Prepare an INT8 layer once for :func:`int8_linear`: checks, scales converted to ``dtype`` (the activation
-    dtype) and a tile-major copy of the weight (same size) that the fast kernel streams as contiguous blocks."""
+    dtype) and a tile-major copy of the weight (same size) that the fast kernel streams as contiguous blocks; where
+    the shape fits, also the fragment-major copy of the M <= 16 streaming kernels and, on sm_90 (N % 256 == 0,
+    K % 64 == 0, unless SPEEDCORE_QUANT_W8WGMMA=0), the wgmma-major copy of w4_wgmma_kernel's INT8 variant (each the
+    weight's size)."""
     wa = A.wrap(weight, "weight")
     A.check_dtype(wa, ("int8",))
     if wa.ndim != 2 or wa.shape[0] == 0 or wa.shape[1] == 0:

@@ -66,7 +66,7 @@ def install_fake_gpu(monkeypatch, w4_copy: bool):
         w4 = None
         if w4_copy and kind == Q.KIND_INT4 and Q._W4WGMMA_MODE != "off" and Q.w4wgmma_supported(k, n, group):
             w4 = FakeTensor((n * k // 8,), "int32")
-        if w4_copy and kind == Q.KIND_INT8 and Q._W8WGMMA_MODE == "on" and Q.w8wgmma_supported(k, n):
+        if w4_copy and kind == Q.KIND_INT8 and Q._W8WGMMA_MODE != "off" and Q.w8wgmma_supported(k, n):
             w4 = FakeTensor((n * k // 4,), "int32")  # the wgmma-major INT8 copy
         if kind == Q.KIND_INT8 and not Q._want_gemv_layout(kind, n, k):  # as _gemv_pack: either copy alone
             if w4 is None:

@@ -157,9 +157,9 @@ def test_w8_config_and_switch():
     assert Q.w8wgmma_supported(64, 256) and not Q.w8wgmma_supported(64, 192) and not Q.w8wgmma_supported(96, 256)
     old = Q._W8WGMMA_MODE
     try:
-        Q._W8WGMMA_MODE = "auto"
+        Q._W8WGMMA_MODE = "off"
         assert not Q.use_w8wgmma(64, 8192, 8192)
-        Q._W8WGMMA_MODE = "on"
+        Q._W8WGMMA_MODE = "auto"  # the default: on
         assert Q.use_w8wgmma(17, 8192, 8192) and Q.use_w8wgmma(8192, 8192, 8192)
         assert not Q.use_w8wgmma(16, 8192, 8192) and not Q.use_w8wgmma(64, 8192, 8192, cc=(8, 0))
     finally:
@@ -603,7 +603,7 @@ def test_w8_copy_without_fragment_major_copy(fake_gpu):
         calls.clear()
         Q.int8_linear(FakeTensor((17, k), "bfloat16"), pw)
         assert len(calls) == 1 and "w4_wgmma_kernel" in calls[0][0].name, [c[0].name for c in calls]
-        Q._W8WGMMA_MODE = "auto"
+        Q._W8WGMMA_MODE = "off"
         assert Q.prepack_int8(FakeTensor((n, k), "int8"), FakeTensor((n,), "bfloat16")).gemv is None
     finally:
         Q._W8WGMMA_MODE = old
@@ -631,7 +631,7 @@ def test_w8_launch_arguments(fake_gpu, m):
         assert args[4] == pw.gemv.w4_ptr and args[5] == pw.fast.scales_ptr != 0
         assert [int(a) for a in args[7:]] == [m, n, k // (64 * cfg.ks), 1, 1, cfg.m_tiles, cfg.splits]
         calls.clear()
-        Q._W8WGMMA_MODE = "auto"  # not measured yet: off by default
+        Q._W8WGMMA_MODE = "off"
         if m <= Q.MAX_MMA_M:  # (above, the dense path, which the fakes cannot run)
             Q.int8_linear(x, pw)
             assert calls and "w4_wgmma" not in calls[0][0].name
