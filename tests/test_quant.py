@@ -799,7 +799,7 @@ def test_int8_linear_small(dtype, m, n, k):
     packed = Q.prepack_int8(torch.from_numpy(q).cuda(), s_t)
     assert packed.packed is not None
     yp = Q.int8_linear(x, packed, bias=bias)
-    if packed.gemv is not None and m <= Q.GEMV_MAX_M:
+    if packed.gemv is not None:  # the streaming kernels (M <= 16) or w4_wgmma_kernel's INT8 variant: another order
         err, finite = _rel_err(yp, _ref(x, ref_w, bias))
         assert finite and err < 1e-2, err
     else:
