@@ -129,8 +129,8 @@ def tune_variants(m, n, k, sms):
             if gs != cfg.gs and not (gs == 4 and (cfg.blk, cfg.mt) in Q.W4WGMMA_NO_GS4):
                 grouped.append((f"{tag}g{gs}", {**ov, "gs": gs}, Q.w4wgmma_config(m, n, k, sms, **ov, gs=gs)))
     out += grouped
-    if m <= 64:  # 128-k ring stages at 64-row tiles
-        for blk in (2, 1, 4):
+    if m <= 128:  # 128-k ring stages at 64-row tiles (two of them from M = 65)
+        for blk in (2, 1, 4) if m <= 64 else (2, 1):
             if n % (128 * blk) == 0:
                 for gs in ((1,) if blk == 4 else (1, 4)):
                     cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=64, gs=gs, ks=2)

@@ -724,6 +724,8 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
       (29.4 with 64-k stages), 28672 x 8192 M = 64 67.5 (78.6), 8192 x 28672 M = 64 69.6 (77.7), 4096^2 M = 64 16.7
       (17.8); 256-channel CTAs from N = 8192 but on 8192^2 above M = 32 (M = 64: 30.3 against 32.4), where
       128-channel ones give twice the tiles; 512-channel CTAs were slower everywhere (8192^2 M = 64 55.8).
+    * M <= 128 up to N = 8192 (at 5891054): the same in two 64-row tiles (4096^2 M = 128 20.1 against 23.5 with
+      128-row tiles, 8192 x 28672 119.8 against 125.5, 8192^2 43.0 against 43.9).
     * M <= 192 (at 9d6d23c, as below): 128-row tiles; 128-channel CTAs up to N = 8192 (8192^2 M = 128 43.0 against
       50.8, 4096^2 23.7), 256-channel ones above (28672 x 8192 110.4 against 132.3).
     * M <= 512: 256-row tiles of 128 channels in groups of 2 from N = 8192 (8192^2 M = 256 61.9 against 66.5,
@@ -734,6 +736,8 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
     wide = n >= 8192
     if m <= 64:
         return (2 if wide and (m <= 32 or n * k > 8192 * 8192) else 1), 64, 4, 2
+    if m <= 128 and n <= 8192:
+        return (2 if wide else 1), 64, 4, 2
     if m <= 192:
         return (2, 128, 1, 1) if n > 8192 else (1, 128, 1, 1)
     if m <= 512:
@@ -784,7 +788,9 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     else:
         w_tile = 64.0 * blk * k
         part = min(m, mt) * 128 * blk * 4 * 2.0
-        cands = range(1, max(1, min(16, kb // 4)) + 1)
+        # split only within one wave: 28672 x 8192 M = 17 took 91.4 us in 784 CTAs (7 splits, which the byte
+        # count favoured) against 74.7 in 112 (H200)
+        cands = [c for c in range(1, max(1, min(16, kb // 4)) + 1) if c == 1 or tiles * c <= sms]
         s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
@@ -1400,13 +1406,13 @@ _W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # 53.4 / 80.8 / 37.6, M = 256 76.1 / 117.8 / 47.6, M = 1024 215 / 239 / 178 (fp16 alike); 28672 x 8192 M = 48
 # 95.6 / 130.0 / 119.4, M = 64 98.1 / 138.2 / 119.6, M = 256 215 / 399 / 183, M = 1024 764 / 829 / 618.  With
 # w4wgmma_shape's tiles (--tune sweep), 28672 x 8192 M = 17 / 32 / 48 106.0 / 86.4 / 87.1 against
-# quant_marlin_kernel's 89.2 / 93.7 / 129.9 (larger layers start at M = 32), and M = 2048 is ahead of dequantize +
+# quant_marlin_kernel's 89.2 / 93.7 / 129.9, and since 128-k stages and one-wave splits (5891054) 74.7 at M = 17
+# against 88.3 (8192 x 28672: 61.2 against 89.3), and M = 2048 is ahead of dequantize +
 # cuBLAS from N = 8192 on (8192^2 380 / 404, 28672 x 8192 1357 / 1490, 8192 x 28672 1330 / 1479), not at 4096^2
 # (115 / 111).
 W4WGMMA_AUTO_M = (17, 1024)
 W4WGMMA_AUTO_WIDE_MAX_M = 8192  # the upper end on layers with N >= W4WGMMA_AUTO_WIDE_N
 W4WGMMA_AUTO_WIDE_N = 8192
-W4WGMMA_AUTO_LARGE_MIN_M = 32   # layers with N K > 8192 x 8192
 _W4WGMMA_OVERRIDE: dict = {}
 
 
@@ -1432,14 +1438,11 @@ def use_w8wgmma(m: int, n: int, k: int, cc: tuple = (9, 0)) -> bool:
 
 def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
     """Dispatch for prepacked INT4 layers (a pure function but for the _W4WGMMA_MODE switch): w4_wgmma_kernel on
-    compute capability 9.0 where w4wgmma_supported holds, for M in W4WGMMA_AUTO_M ("auto", the default; from
-    W4WGMMA_AUTO_LARGE_MIN_M on layers larger than 8192 x 8192, up to W4WGMMA_AUTO_WIDE_MAX_M where N >=
-    W4WGMMA_AUTO_WIDE_N) or in W4WGMMA_M_RANGE ("on")."""
+    compute capability 9.0 where w4wgmma_supported holds, for M in W4WGMMA_AUTO_M ("auto", the default; up to
+    W4WGMMA_AUTO_WIDE_MAX_M where N >= W4WGMMA_AUTO_WIDE_N) or in W4WGMMA_M_RANGE ("on")."""
     if _W4WGMMA_MODE == "off" or tuple(cc) != (9, 0) or not w4wgmma_supported(k, n, group):
         return False
     lo, hi = W4WGMMA_M_RANGE if _W4WGMMA_MODE == "on" else W4WGMMA_AUTO_M
-    if _W4WGMMA_MODE == "auto" and n * k > 8192 * 8192:
-        lo = max(lo, W4WGMMA_AUTO_LARGE_MIN_M)
     if _W4WGMMA_MODE == "auto" and n >= W4WGMMA_AUTO_WIDE_N:
         hi = W4WGMMA_AUTO_WIDE_MAX_M
     return lo <= m <= hi

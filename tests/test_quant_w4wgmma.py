@@ -364,7 +364,9 @@ def test_config_heuristic_choices():
     assert shape(17, 8192, 8192) == shape(32, 8192, 8192) == shape(64, 28672, 8192) == (2, 64, 4, 2)
     assert shape(64, 8192, 28672) == (2, 64, 4, 2)
     assert shape(33, 8192, 8192) == shape(64, 4096, 4096) == (1, 64, 4, 2)
-    assert shape(65, 8192, 8192) == shape(192, 4096, 4096) == (1, 128, 1, 1)
+    assert shape(65, 8192, 8192) == shape(128, 8192, 28672) == (2, 64, 4, 2)  # two 64-row tiles
+    assert shape(128, 4096, 4096) == (1, 64, 4, 2)
+    assert shape(129, 8192, 8192) == shape(192, 4096, 4096) == (1, 128, 1, 1)
     assert shape(128, 28672, 8192) == shape(192, 28672, 8192) == (2, 128, 1, 1)
     assert shape(256, 8192, 8192) == shape(256, 28672, 8192) == shape(256, 8192, 28672) == (1, 256, 2, 1)
     assert shape(300, 4096, 4096) == (1, 128, 4, 1)
@@ -438,7 +440,7 @@ def test_supported_shapes_and_switch():
         assert not Q.use_w4wgmma(64, 8192, 8192, 128)
     with _w4("auto"):
         assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(1024, 28672, 8192, 128)
-        assert Q.use_w4wgmma(32, 28672, 8192, 128) and not Q.use_w4wgmma(31, 28672, 8192, 128)
+        assert Q.use_w4wgmma(17, 28672, 8192, 128) and Q.use_w4wgmma(17, 8192, 28672, 128)  # every layer from M = 17
         assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(1025, 4096, 4096, 128)
         assert Q.use_w4wgmma(1024, 4096, 4096, 128)
         assert Q.use_w4wgmma(8192, 8192, 8192, 128) and not Q.use_w4wgmma(8193, 8192, 8192, 128)  # from N = 8192
