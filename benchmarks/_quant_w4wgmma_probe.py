@@ -110,8 +110,6 @@ def tune_variants(m, n, k, sms):
     out = []
     cands = [(1, mt) for mt in Q.W4WGMMA_SHAPES[1] if mt <= max(64, 2 * m) and (m < 1024 or mt >= 128)]
     cands.append((2, min(base.mt, 128)))
-    if m <= 64 and n % 512 == 0:
-        cands.append((4, 64))  # 512-channel CTAs
     for blk, mt in cands:
         heur = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=mt).splits
         for s in ([heur, 1, 2] if blk == 1 and m <= 256 else [heur] if blk != 2 else [1]):
@@ -130,9 +128,9 @@ def tune_variants(m, n, k, sms):
                 grouped.append((f"{tag}g{gs}", {**ov, "gs": gs}, Q.w4wgmma_config(m, n, k, sms, **ov, gs=gs)))
     out += grouped
     if m <= 128:  # 128-k ring stages at 64-row tiles (two of them from M = 65)
-        for blk in (2, 1, 4) if m <= 64 else (2, 1):
+        for blk in (2, 1):
             if n % (128 * blk) == 0:
-                for gs in ((1,) if blk == 4 else (1, 4)):
+                for gs in (1, 4):
                     cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=64, gs=gs, ks=2)
                     out.append((f"b{blk}m64s{cfg.splits}g{gs}k2", {"blk": blk, "mt": 64, "gs": gs, "ks": 2}, cfg))
     return base, out

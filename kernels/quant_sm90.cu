@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   constexpr int NACC = MT / 2;
   constexpr int STEPS = 4 * KS;  // k16 steps per stage
   static_assert(KS == 1 || KS == 2, "a stage is 64 or 128 k");
+  static_assert(BLK == 1 || BLK == 2, "a CTA's 2 or 4 blocks lie in one super-block");
   static_assert(GS == 1 || GS == 2 || GS == 4, "a wgmma group is 1, 2 or 4 of a stage's k16 steps");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (sc::smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -141,22 +142,18 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         // each for weights and records: one per block ran the copy queue long, -8 to -13% time at M <= 64 with 4
         // blocks, H200) and its stages follow each other (a plain stage-major layout, N / 64 x 2 KB between stages,
         // cost 4-8% at M >= 256).
-        // (BLK = 4: 8 blocks, two super-blocks, two copies each; KS = 2 with 4 blocks: both chunks in one copy.)
-        constexpr int PIECE = L::BLOCKS < 4 ? L::BLOCKS : 4;
+        // (KS = 2 with 4 blocks: both chunks in one copy.)
         constexpr int CHUNKS_PER_COPY = L::BLOCKS == 4 ? KS : 1;  // [chunk][block] in shared memory too
         const int kc = kb * KS;  // the stage's first 64-k chunk
+        const long long sb = pnb0 >> 2, b4 = pnb0 & 3;
 #pragma unroll
-        for (int q = 0; q < L::BLOCKS / PIECE; ++q) {
-          const long long sb = (pnb0 >> 2) + q, b4 = pnb0 & 3;
-#pragma unroll
-          for (int ch = 0; ch < KS; ch += CHUNKS_PER_COPY)
-            sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + (ch * L::BLOCKS + q * PIECE) * kBlockBytes,
-                              wq + ((sb * KB * KS + kc + ch) * 4 + b4) * kBlockBytes,
-                              CHUNKS_PER_COPY * PIECE * kBlockBytes, &full[stage]);
-          if constexpr (KIND == W_INT4)
-            sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES + q * PIECE * kRecBytes,
-                              grec + ((sb * NG + kc / SPG) * 4 + b4) * kRecBytes, PIECE * kRecBytes, &full[stage]);
-        }
+        for (int ch = 0; ch < KS; ch += CHUNKS_PER_COPY)
+          sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + ch * L::BLOCKS * kBlockBytes,
+                            wq + ((sb * KB * KS + kc + ch) * 4 + b4) * kBlockBytes,
+                            CHUNKS_PER_COPY * L::BLOCKS * kBlockBytes, &full[stage]);
+        if constexpr (KIND == W_INT4)
+          sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES, grec + ((sb * NG + kc / SPG) * 4 + b4) * kRecBytes,
+                            L::BLOCKS * kRecBytes, &full[stage]);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;

@@ -92,17 +92,15 @@ W4WGMMA_STAGE_CHUNKS = (1, 2)  # 64-k chunks per ring stage (ks); the first is t
 W4WGMMA_BLOCK_BYTES = 2048    # INT4 weights of one 64-channel block x 64 k in the wgmma-major layout
 W8WGMMA_BLOCK_BYTES = 4096    # INT8 weights of one block x 64 k (w4_wgmma_kernel with KIND = W_INT8)
 W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override leaves it open (CTA: 128 BLK channels)
-# Every compiled (mt, blk) shape (w4wgmma_shape picks among the first two kinds): 256-channel CTAs at 64 / 128 rows,
-# 128-channel CTAs (twice the tiles) with mt up to 256 (a 64 x 256 fp32 accumulator: 128 registers per consumer
-# thread, which fits the 232 of setmaxnreg only with one block per warpgroup), and for measurements 512-channel CTAs
-# at 64 rows (blk = 4, N % 512 == 0: each x tile read by half as many CTAs as with blk = 2; at M <= 64 x tiles are
-# as many bytes as the weights, and the data path dominates there).
-W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256), 4: (64,)}
+# Every compiled (mt, blk) shape: 256-channel CTAs at 64 / 128 rows, 128-channel CTAs (twice the tiles) with mt up
+# to 256 (a 64 x 256 fp32 accumulator: 128 registers per consumer thread, which fits the 232 of setmaxnreg only with
+# one block per warpgroup).  (512-channel CTAs at 64 rows, which read each x tile half as often, were slower in
+# every case of the H200 sweep at dc766cf, e.g. 8192^2 M = 64 56.6 against 33.1 us, and were removed.)
+W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
 W4WGMMA_MAX_STAGES = 8
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
-# (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower); 512-channel CTAs (4 A fragment
-# sets per group) leave ptxas too few registers for the wgmma pipeline: it serializes the wgmmas.
-W4WGMMA_NO_GS4 = {(1, 256), (4, 64)}
+# (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower).
+W4WGMMA_NO_GS4 = {(1, 256)}
 # INT8 (KIND = W_INT8) variants built: the INT4 default shapes of w4wgmma_shape (blk, mt, gs, ks), and ks = 1 /
 # gs = 1 of each (blk, mt) for comparison.
 W8WGMMA_VARIANTS = {(2, 64, 4, 2), (1, 64, 4, 2), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
@@ -774,8 +772,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     if n % (128 * blk):
         raise ValueError(f"w4wgmma_config: blk = {blk} needs N % {128 * blk} == 0, got N = {n}")
     ks = ks or W4WGMMA_STAGE_CHUNKS[0]
-    if ks != 1 and (mt != 64 or (blk == 4 and gs != 1) or gs == 2):
-        raise ValueError(f"w4wgmma_config: ks = {ks} is built for mt = 64 with gs 1 or 4 (blk = 4: gs 1) only")
+    if ks != 1 and (mt != 64 or gs == 2):
+        raise ValueError(f"w4wgmma_config: ks = {ks} is built for mt = 64 with gs 1 or 4 only")
     if ks not in W4WGMMA_STAGE_CHUNKS or k % (W4WGMMA_BK * ks):
         raise ValueError(f"w4wgmma_config: ks must be one of {W4WGMMA_STAGE_CHUNKS} with K % (64 ks) == 0, got "
                          f"ks = {ks}, K = {k}")
@@ -1121,8 +1119,8 @@ def all_kernels() -> list:
                 for gs in W4WGMMA_GROUP_STEPS[1:]:
                     if gs != 4 or (blk, mt) not in W4WGMMA_NO_GS4:
                         out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs))
-                if mt == 64:  # 128-k stages (ks = 2), for measurements at small M (blk = 4: gs 1 only, more spill)
-                    for gs in ((1,) if blk == 4 else (1, 4)):
+                if mt == 64:  # 128-k stages (ks = 2): gs 4 the default, gs 1 for measurements
+                    for gs in (1, 4):
                         out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=2))
         for blk, mt, gs, ks in sorted(W8WGMMA_VARIANTS):
             out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=ks, kind=KIND_INT8))
