@@ -176,6 +176,8 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   unsigned afrag[2][GS][BLK][4];
   int stage = 0, prev_stage = -1;
   unsigned phase = 0;
+  // The x ring's first tile; each step's descriptor is this one advanced (wgmma_desc_advance).
+  const unsigned long long x_desc0 = sc::wgmma_desc_k128(ring_x);
   // One ring stage (STEPS = 4 KS k16 steps) as STEPS / GS wgmma groups.  PAR: the stage's parity, which picks the A
   // set of a group when a stage is one group (STEPS = GS = 4); the calls pass it as a literal, so that once inlined
   // the set index is a compile-time constant (NVRTC 13.0 takes a generic lambda for a host function).
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         group_consts<T>(sw, zw, scl[blk], zc[blk]);
       }
     }
-    const unsigned char* xs = ring_x + stage * L::X_BYTES;
+    const unsigned long long xd = sc::wgmma_desc_advance(x_desc0, stage * L::X_BYTES);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       const int set = ((STEPS * PAR + s) / GS) & 1, j = s % GS;
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #pragma unroll
       for (int jj = 0; jj < GS; ++jj) {
         const int sj = s - GS + 1 + jj;  // the k16 step: chunk sj / 4, 32 bytes per step inside the chunk's rows
-        const unsigned long long db = sc::wgmma_desc_k128(xs + (sj / 4) * L::X_CHUNK + (sj % 4) * 32);
+        const unsigned long long db = sc::wgmma_desc_advance(xd, (sj / 4) * L::X_CHUNK + (sj % 4) * 32);
 #pragma unroll
         for (int blk = 0; blk < BLK; ++blk) sc::WgmmaRS<MT, T, 0>::mma(acc[blk], afrag[set][jj][blk], db);
       }

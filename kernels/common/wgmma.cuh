@@ -23,6 +23,15 @@ __device__ __forceinline__ unsigned long long wgmma_desc_k128(const void* smem_p
   return desc;
 }
 
+// `desc` moved `bytes` further into shared memory (a multiple of 16).  Only the low word changes: the start address
+// field (bits 0-13) cannot carry while the result stays inside shared memory (< 256 KB), so the high word stays a
+// loop-invariant constant and a step costs one 32-bit add instead of rebuilding the descriptor from an address
+// (six uniform-datapath instructions before each wgmma in w4_wgmma_kernel's main loop).
+__device__ __forceinline__ unsigned long long wgmma_desc_advance(unsigned long long desc, unsigned bytes) {
+  const unsigned lo = static_cast<unsigned>(desc) + (bytes >> 4);
+  return (static_cast<unsigned long long>(static_cast<unsigned>(desc >> 32)) << 32) | lo;
+}
+
 // Descriptor of an MN-major tile stored as column blocks of 64 MN-elements (128 bytes, 128-byte swizzle) x
 // K rows: within a block, 8-row (8 k) groups are 1024 bytes apart (stride byte offset); consecutive 64-wide
 // MN blocks are `block_bytes` apart (leading byte offset).  Advancing k16 is +16 rows = +2048 bytes.
