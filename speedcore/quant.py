@@ -23,11 +23,12 @@ H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kern
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
 measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
 prepack also builds a wgmma-major INT4 copy (the packed weight's size again) and INT4 layers with N % 256 == 0, K
-and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (from M = 32 on layers larger than 8192 x 8192,
-up to M = 8192 from N = 8192; tile shape per problem: ``w4wgmma_shape``; kernels/quant_sm90.cu: wgmma with the
-dequantized weights as the register A operand, TMA x tiles, split-K where the tiles do not fill the GPU), before
-every other choice including the dense path (``use_w4wgmma``, where it measured ahead;
-``SPEEDCORE_QUANT_W4WGMMA=1`` extends it to 17 <= M <= 8192, ``0`` turns it and the copy off).  Split-K
+and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (up to M = 8192 from N = 8192; tile shape per
+problem: ``w4wgmma_shape``; kernels/quant_sm90.cu: wgmma with the dequantized weights as the register A operand, TMA
+x tiles, split-K where the tiles do not fill the GPU), before every other choice including the dense path
+(``use_w4wgmma``, where it measured ahead; ``SPEEDCORE_QUANT_W4WGMMA=1`` extends it to 17 <= M <= 8192, ``0`` turns
+it and the copy off).  INT8 layers with N % 256 == 0 and K % 64 == 0 get a wgmma-major INT8 copy as well and take
+the kernel's INT8 variant at 17 <= M <= 8192 (``use_w8wgmma``; ``SPEEDCORE_QUANT_W8WGMMA=0`` turns it off).  Split-K
 launches use a per-stream scratch buffer and zeroed counters kept by this module; when capturing a CUDA graph,
 run the largest M once first so that the scratch does not grow (and move) afterwards.
 
