@@ -367,26 +367,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
     const unsigned long long q_desc = sc::wgmma_desc_k128(sQ + cw * 64 * 128);
     const unsigned long long k_desc0 = sc::wgmma_desc_k128(sK);
     const unsigned long long v_desc0 = sc::wgmma_desc_mn128(sV, BN * 128);
-#ifdef FA90_DESC_REBUILD  // A/B switch: each descriptor rebuilt from its address (benchmarks/_fa90_trace.py --ab=)
-    const unsigned char* const q_tile = sQ + cw * 64 * 128;
-    auto issue_s = [&](int st) {
-      const unsigned char* const k_tile = sK + st * KV_BYTES;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int c = kk / 4, off = (kk % 4) * 32;
-        sc::Wgmma<BN, T, 0>::mma(s, sc::wgmma_desc_k128(q_tile + c * BM * 128 + off),
-                                 sc::wgmma_desc_k128(k_tile + c * BN * 128 + off), kk > 0 ? 1 : 0);
-      }
-      sc::wgmma_commit();
-    };
-    auto issue_pv = [&](int st) {
-      const unsigned char* const v_tile = sV + st * KV_BYTES;
-#pragma unroll
-      for (int kk = 0; kk < KP; ++kk)
-        sc::WgmmaRS<D, T, 1>::mma(o, p[kk], sc::wgmma_desc_mn128(v_tile + kk * 16 * 128, BN * 128));
-      sc::wgmma_commit();
-    };
-#else
     auto issue_s = [&](int st) {  // S = Q K^T from the K tile of stage st
       const unsigned long long k_desc = sc::wgmma_desc_advance(k_desc0, st * KV_BYTES);
 #pragma unroll
@@ -404,7 +384,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90_kernel(
         sc::WgmmaRS<D, T, 1>::mma(o, p[kk], sc::wgmma_desc_advance(v_desc, kk * 16 * 128));
       sc::wgmma_commit();
     };
-#endif
     auto fence_s = [&]() {
 #pragma unroll
       for (int i = 0; i < NS; ++i) sc::wgmma_fence_operand(s[i]);

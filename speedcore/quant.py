@@ -1648,6 +1648,11 @@ def _w4wgmma_groups(recs, nb: int, ng: int):
     return A.wrap(t, "w4wgmma_groups")
 
 
+def _obj_ptr(a) -> tuple:
+    """(object, device pointer) of an optional copy: (None, 0) where it was not made."""
+    return (a.obj, a.ptr) if a is not None else (None, 0)
+
+
 def _w8wgmma_pack(wa, k, n):
     """The wgmma-major INT8 copy (w8wgmma_pack_kernel), or None where the INT8 w4_wgmma_kernel is off or cannot run."""
     if _W8WGMMA_MODE == "off" or device_info(wa.device).cc != (9, 0) or not w8wgmma_supported(k, n):
@@ -1676,9 +1681,8 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
         w8 = _w8wgmma_pack(qa, k, n)
         if words is None and w8 is None:
             return None
-        return _GemvLayer(KIND_INT8, None, words.obj if words is not None else None,
-                          None, words.ptr if words is not None else 0, 0, 1, 1,
-                          w8.obj if w8 is not None else None, w8.ptr if w8 is not None else 0)
+        (w_obj, w_ptr), (w8_obj, w8_ptr) = _obj_ptr(words), _obj_ptr(w8)
+        return _GemvLayer(KIND_INT8, None, w_obj, None, w_ptr, 0, 1, 1, w8_obj, w8_ptr)
     words = A.empty(qa, (n * k // 8,), "int32", name="gemv_weight")
     total = words.shape[0]
     launch(_GEMV_PACK_INT4[fmt], LaunchConfig((-(-total // 256),), (256,)),
@@ -1694,8 +1698,7 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
     w4 = _w4wgmma_pack(fmt, qa, k, n, group)
     w4g = _w4wgmma_groups(recs, nb, ng) if w4 is not None else None
     return _GemvLayer(KIND_INT4, sa.dtype, words.obj, recs.obj, words.ptr, recs.ptr, group // GEMV_STEP_K, ng,
-                      w4.obj if w4 is not None else None, w4.ptr if w4 is not None else 0,
-                      w4g.obj if w4g is not None else None, w4g.ptr if w4g is not None else 0)
+                      *_obj_ptr(w4), *_obj_ptr(w4g))
 
 
 @dataclass(frozen=True)
