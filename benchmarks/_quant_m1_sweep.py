@@ -24,7 +24,7 @@ from speedcore.bench import Bench
 b = Bench(quick=True)
 t0 = time.time()
 G = 128
-MS = [int(a) for a in sys.argv[1:]] or [1, 16]
+MS = [int(a) for a in sys.argv[1:] if a.isdigit()] or [1, 16]
 best_rows = []
 
 
@@ -105,14 +105,19 @@ def case(fmt, n, k, dt):
         best_rows.append((label, ours, best, cub, same))
 
 
-for fmt, n, k in (("awq", 28672, 8192), ("awq", 8192, 28672), ("awq", 8192, 8192), ("awq", 4096, 4096),
-                  ("int8", 8192, 8192), ("int8", 28672, 8192)):
-    case(fmt, n, k, torch.bfloat16)
-    torch.cuda.empty_cache()
-case("awq", 28672, 8192, torch.float16)
+def main():
+    for fmt, n, k in (("awq", 28672, 8192), ("awq", 8192, 28672), ("awq", 8192, 8192), ("awq", 4096, 4096),
+                      ("int8", 8192, 8192), ("int8", 28672, 8192)):
+        case(fmt, n, k, torch.bfloat16)
+        torch.cuda.empty_cache()
+    case("awq", 28672, 8192, torch.float16)
 
-print(f"\nsweep done in {time.time() - t0:.0f}s\nbest per case: us; x = cuBLAS / time (same run)")
-print(f"{'case':32s} {'ours':>6s} {'x':>5s} {'best shape':>16s} {'best':>6s} {'x':>5s} {'cuBLAS':>7s} {'gemv=':>6s}")
-for label, ours, (tag, t), cub, same in best_rows:
-    print(f"{label:32s} {ours * 1e3:6.1f} {cub / ours:5.2f} {tag:>16s} {t * 1e3:6.1f} {cub / t:5.2f} {cub * 1e3:7.1f} "
-          f"{same * 1e3:6.1f}")
+    print(f"\nsweep done in {time.time() - t0:.0f}s\nbest per case: us; x = cuBLAS / time (same run)")
+    print(f"{'case':32s} {'ours':>6s} {'x':>5s} {'best shape':>16s} {'best':>6s} {'x':>5s} {'cuBLAS':>7s} {'gemv=':>6s}")
+    for label, ours, (tag, t), cub, same in best_rows:
+        print(f"{label:32s} {ours * 1e3:6.1f} {cub / ours:5.2f} {tag:>16s} {t * 1e3:6.1f} {cub / t:5.2f} "
+              f"{cub * 1e3:7.1f} {same * 1e3:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

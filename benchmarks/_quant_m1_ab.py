@@ -1,0 +1,67 @@
+"""Interleaved A/B of the M <= 16 streaming kernels' launch shapes (not a suite): the cases where
+benchmarks/_quant_m1_sweep.py (one pass, quick timing) saw a variant beat the shipped dispatch by > 3%.  Every
+variant of a case is timed once per round, rounds repeated, medians reported next to cuBLAS (F.linear, same run);
+outputs checked against the shipped dispatch.
+
+    PYTHONPATH=. python3 benchmarks/_quant_m1_ab.py [rounds]      (default 7)
+"""
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from speedcore import quant as Q
+from speedcore.bench import Bench
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _quant_m1_sweep import b, forced, layer_of  # noqa: E402  (same layers, same forcing)
+
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+assert isinstance(b, Bench)
+
+
+def strm(w, pf=0):
+    return (f"strm w{w}f{pf}", "stream", {"warps": w, "prefetch": pf})
+
+
+def bulk(w=0, s=2):
+    return (f"bulk w{w or 'd'}s{s}", "bulk", {"warps": w, "stages": s} if w else {"stages": s})
+
+
+CASES = [
+    ("awq", 28672, 8192, 1, torch.bfloat16, [bulk(), bulk(4, 2), strm(4), strm(8), strm(16)]),
+    ("awq", 28672, 8192, 1, torch.float16, [bulk(), strm(4), strm(8), strm(16)]),
+    ("awq", 8192, 28672, 1, torch.bfloat16, [bulk(), strm(16)]),
+    ("awq", 8192, 8192, 1, torch.bfloat16, [bulk(), strm(16)]),
+    ("awq", 28672, 8192, 16, torch.bfloat16, [strm(3), strm(6), strm(12)]),
+    ("awq", 8192, 8192, 16, torch.bfloat16, [strm(12), strm(6)]),
+    ("int8", 28672, 8192, 1, torch.bfloat16, [strm(2), strm(4), strm(8), strm(16)]),
+    ("int8", 28672, 8192, 16, torch.bfloat16, [strm(2), strm(4), strm(8), strm(16)]),
+    ("int8", 8192, 8192, 16, torch.bfloat16, [strm(8), strm(16)]),
+]
+
+print(f"{'case':34s} {'variant':>10s} {'median us':>9s} {'min':>6s} {'x cuBLAS':>8s}")
+for fmt, n, k, m, dt, vs in CASES:
+    call = layer_of(fmt, n, k, dt)
+    x = torch.randn(m, k, device=b.device, dtype=dt)
+    w = torch.randn(n, k, device=b.device, dtype=dt) * 0.01
+    y = call(x)
+    times = {"ours": [], "cuBLAS": []}
+    for tag, _, _ in vs:
+        times[tag] = []
+    for _ in range(ROUNDS):
+        times["ours"].append(b.time_ms(lambda: call(x)))
+        times["cuBLAS"].append(b.time_ms(lambda: F.linear(x, w)))
+        for tag, which, ov in vs:
+            t, yv = forced(call, x, which, **ov)
+            err = ((yv.float() - y.float()).norm() / y.float().norm()).item()
+            assert err < 1e-3, (tag, err)
+            times[tag].append(t)
+    cub = statistics.median(times["cuBLAS"])
+    label = f"{fmt} {str(dt)[6:]} M={m} {n}x{k}"
+    for tag, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{label:34s} {tag:>10s} {med * 1e3:9.1f} {min(ts) * 1e3:6.1f} {cub / med:8.2f}", flush=True)
+    del call, w
+    torch.cuda.empty_cache()
