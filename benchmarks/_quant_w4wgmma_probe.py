@@ -15,7 +15,7 @@ With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x819
 --tune: the launch-shape sweep instead (AWQ bf16, 8192x8192, 28672x8192, 4096x4096 and 8192x28672, M = 64, 128, 256, 1024, 2048 unless
 given): today's default shape ("def", blk 2) against shapes forced through _W4WGMMA_OVERRIDE: b<BLK>m<MT> (blk = 1:
 128-channel CTAs; the heuristic's split-K), b<BLK>m<MT>s<S> (S splits);
-"...g<GS>": wgmma groups of GS k16 steps; "...k2": 128-k ring stages; "...x2": two CTAs per SM (minb = 2); "/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
+"...g<GS>": wgmma groups of GS k16 steps; "...k2": 128-k ring stages; "/g<N>" is the grid; each output checked against the current dispatch; one line per (layer, M), then a table of
 the best shape per case.
 """
 import sys
@@ -133,12 +133,6 @@ def tune_variants(m, n, k, sms):
                 for gs in (1, 4):
                     cfg = Q.w4wgmma_config(m, n, k, sms, blk=blk, mt=64, gs=gs, ks=2)
                     out.append((f"b{blk}m64s{cfg.splits}g{gs}k2", {"blk": blk, "mt": 64, "gs": gs, "ks": 2}, cfg))
-        for blk, mt in sorted(Q.W4WGMMA_MINB_SHAPES):  # two CTAs per SM ("x2")
-            for ks in Q.W4WGMMA_STAGE_CHUNKS:
-                for gs in (1, 4):
-                    ov = {"blk": blk, "mt": mt, "gs": gs, "ks": ks, "minb": 2}
-                    cfg = Q.w4wgmma_config(m, n, k, sms, **ov)
-                    out.append((f"b{blk}m{mt}s{cfg.splits}g{gs}" + ("k2" if ks == 2 else "") + "x2", ov, cfg))
     return base, out
 
 

@@ -87,8 +87,8 @@ __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(
 // splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
 // KIND = W_INT8 (w8wgmma_pack_kernel's layout): the same with signed bytes converted exactly (sc::int8_pair), no
 // group records, and y scaled per channel in the epilogue by grec read as T scales[N].
-template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1, int KIND = W_INT4, int MINB = 1>
-__global__ void __launch_bounds__(384, MINB) w4_wgmma_kernel(
+template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1, int KIND = W_INT4>
+__global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
     const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
     int N, int KB, int SPG, int NG, int m_tiles, int splits) {
@@ -98,11 +98,6 @@ __global__ void __launch_bounds__(384, MINB) w4_wgmma_kernel(
   constexpr int STEPS = 4 * KS;  // k16 steps per stage
   static_assert(KS == 1 || KS == 2, "a stage is 64 or 128 k");
   static_assert(BLK == 1 || BLK == 2, "a CTA's 2 or 4 blocks lie in one super-block");
-  // MINB = 2: two CTAs per SM (4 consumer warps per scheduler instead of 2: at 64-row tiles the consumers' issue
-  // latency, not the tensor pipe, sets the pace), 80 registers per thread at launch, the producer gives 40 of them
-  // to the consumers (96).
-  static_assert(MINB == 1 || (MINB == 2 && MT * BLK <= 64), "two CTAs per SM only for 64 x 64 consumer tiles");
-  constexpr int CONSUMER_REGS = MINB == 1 ? 232 : 96;
   static_assert(GS == 1 || GS == 2 || GS == 4, "a wgmma group is 1, 2 or 4 of a stage's k16 steps");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (sc::smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -169,7 +164,7 @@ __global__ void __launch_bounds__(384, MINB) w4_wgmma_kernel(
     return;
   }
 
-  sc::setmaxnreg_inc<CONSUMER_REGS>();
+  sc::setmaxnreg_inc<232>();
   const int cw = wg - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
   float acc[BLK][NACC];

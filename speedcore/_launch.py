@@ -72,9 +72,6 @@ class LaunchConfig:
     grid: tuple
     block: tuple
     smem: int = 0  # dynamic shared memory, bytes
-    # Preferred shared-memory carveout, percent of the unified L1 (-1: the driver's choice).  100 lets the driver
-    # place as many CTAs per SM as their shared memory allows (it otherwise may size it for one).
-    carveout: int = -1
 
     def __post_init__(self):
         object.__setattr__(self, "grid", tuple(int(g) for g in (self.grid if isinstance(self.grid, tuple) else (self.grid,))))
@@ -92,7 +89,7 @@ class LoadedKernel:
     """A variant loaded into one device's context, with the dynamic shared memory limit it was given."""
 
     __slots__ = ("kernel", "device", "module", "func", "compiled", "dyn_smem_limit", "num_regs", "static_smem",
-                 "max_threads", "checked", "carveout")
+                 "max_threads", "checked")
 
     def __init__(self, kernel: Kernel, device: DeviceInfo):
         from cupy.cuda import driver
@@ -108,7 +105,6 @@ class LoadedKernel:
         self.static_smem = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.func.ptr)
         self.max_threads = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.func.ptr)
         self.dyn_smem_limit = DEFAULT_DYNAMIC_SMEM
-        self.carveout = -1
         self.checked: set = set()  # configurations that passed check(): launches repeat a few shapes
 
     def check(self, cfg: LaunchConfig) -> None:
@@ -134,12 +130,6 @@ class LoadedKernel:
 
             driver.funcSetAttribute(self.func.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.smem)
             self.dyn_smem_limit = cfg.smem
-        if cfg.carveout >= 0 and cfg.carveout != self.carveout:
-            from cupy.cuda import driver
-
-            driver.funcSetAttribute(self.func.ptr, driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                    cfg.carveout)
-            self.carveout = cfg.carveout
         self.func(cfg.grid, cfg.block, args, cfg.smem, stream)
 
 

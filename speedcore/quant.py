@@ -107,10 +107,6 @@ W4WGMMA_NO_GS4 = {(1, 256)}
 W8WGMMA_VARIANTS = {(2, 64, 4, 2), (1, 64, 4, 2), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
                     (2, 64, 4, 1), (1, 64, 4, 1), (2, 64, 1, 1), (1, 64, 1, 1), (1, 256, 1, 1)}
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
-W4WGMMA_SM_SMEM = 233472      # 228 KB per SM on sm_90 (shared by co-resident CTAs, 1 KB of it reserved per CTA)
-# (blk, mt) also built for two CTAs per SM (minb = 2; 96 consumer registers), INT4 with gs 1 / 4 and ks 1 / 2: for
-# measurements (benchmarks/_quant_w4wgmma_probe.py --tune, "x2").
-W4WGMMA_MINB_SHAPES = {(1, 64)}
 W4WGMMA_M_RANGE = (17, 8192)
 
 
@@ -675,11 +671,9 @@ def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int 
     return ks * (mt * 128 + 2 * blk * W4WGMMA_BLOCK_BYTES) + 2 * blk * GEMV_GROUP_BYTES
 
 
-def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4, minb: int = 1) -> int:
-    """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8; with minb = 2
-    CTAs per SM, in half of the SM's 228 KB less the 1 KB the driver reserves per CTA."""
-    limit = W4WGMMA_SMEM_LIMIT if minb == 1 else W4WGMMA_SM_SMEM // minb - 1024
-    budget = limit - 1024 - 16
+def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4) -> int:
+    """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8."""
+    budget = W4WGMMA_SMEM_LIMIT - 1024 - 16
     return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16))
 
 
@@ -708,7 +702,6 @@ class W4WgmmaConfig:
     gs: int = 1       # k16 steps per wgmma group (W4WGMMA_GROUP_STEPS)
     ks: int = 1       # 64-k chunks per ring stage (W4WGMMA_STAGE_CHUNKS); splits count stages
     kind: int = 0     # KIND_INT4, or KIND_INT8 (per-channel scales, no group records)
-    minb: int = 1     # CTAs per SM the variant is built for (2: W4WGMMA_MINB_SHAPES, INT4, for measurements)
 
     @property
     def grid(self) -> int:
@@ -753,13 +746,12 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
-                   gs: int = 0, ks: int = 0, kind: int = KIND_INT4, minb: int = 0) -> W4WgmmaConfig:
+                   gs: int = 0, ks: int = 0, kind: int = KIND_INT4) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs)
     from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others default
     to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
     W4WGMMA_GROUP_STEPS); ``splits`` overrides the K split (in ring stages), ``ks`` the 64-k chunks per ring stage
-    (default 1; 2 only at mt = 64), ``minb`` = 2 the variant for two CTAs per SM (W4WGMMA_MINB_SHAPES, INT4; the
-    splits then fill 2 sms CTA slots).  (A stream-K variant, a persistent grid splitting the tiles x K stages evenly,
+    (default 1; 2 only at mt = 64).  (A stream-K variant, a persistent grid splitting the tiles x K stages evenly,
     measured slower than these split-K grids in every swept case and was removed.)  Split-K s (1..16, at least 4
     stages per CTA) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
@@ -786,11 +778,6 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     if ks not in W4WGMMA_STAGE_CHUNKS or k % (W4WGMMA_BK * ks):
         raise ValueError(f"w4wgmma_config: ks must be one of {W4WGMMA_STAGE_CHUNKS} with K % (64 ks) == 0, got "
                          f"ks = {ks}, K = {k}")
-    minb = minb or 1
-    if minb not in (1, 2) or (minb == 2 and ((blk, mt) not in W4WGMMA_MINB_SHAPES or kind != KIND_INT4)):
-        raise ValueError(f"w4wgmma_config: minb = 2 only for INT4 (blk, mt) in {sorted(W4WGMMA_MINB_SHAPES)}, got "
-                         f"minb = {minb}, blk = {blk}, mt = {mt}")
-    slots = sms * minb  # CTAs resident at once
     m_tiles = -(-m // mt)
     n_tiles = -(-n // (128 * blk))
     kb = max(1, k // (W4WGMMA_BK * ks))  # ring stages along K
@@ -802,14 +789,14 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         part = min(m, mt) * 128 * blk * 4 * 2.0
         # split only within one wave: 28672 x 8192 M = 17 took 91.4 us in 784 CTAs (7 splits, which the byte
         # count favoured) against 74.7 in 112 (H200)
-        cands = [c for c in range(1, max(1, min(16, kb // 4)) + 1) if c == 1 or tiles * c <= slots]
-        s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, slots, w_tile, part), c))
+        cands = [c for c in range(1, max(1, min(16, kb // 4)) + 1) if c == 1 or tiles * c <= sms]
+        s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")
-    stages = w4wgmma_stages(mt, blk, ks, kind, minb)
+    stages = w4wgmma_stages(mt, blk, ks, kind)
     return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks, kind), gs, ks,
-                         kind, minb)
+                         kind)
 
 
 def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
@@ -1095,11 +1082,11 @@ def _marlin_kernel(dtype: str, mt: int, defines: tuple = ()) -> Kernel:
 
 @lru_cache(maxsize=None)
 def _w4wgmma_kernel(dtype: str, mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, gs: int = 1,
-                    ks: int = 1, kind: int = KIND_INT4, minb: int = 1) -> Kernel:
-    stages = stages or w4wgmma_stages(mt, blk, ks, kind, minb)
+                    ks: int = 1, kind: int = KIND_INT4) -> Kernel:
+    stages = stages or w4wgmma_stages(mt, blk, ks, kind)
     tail = ("" if gs == 1 else f", {gs}") if ks == 1 else f", {gs}, {ks}"
-    if kind == KIND_INT8 or minb != 1:
-        tail = f", {gs}, {ks}, {kind}" + ("" if minb == 1 else f", {minb}")
+    if kind == KIND_INT8:
+        tail = f", {gs}, {ks}, 1"
     return Kernel(W4WGMMA_SOURCE, f"quant_sm90::w4_wgmma_kernel<{A.CTYPE[dtype]}, {mt}, {blk}, {stages}{tail}>",
                   hopper=True)
 
@@ -1136,10 +1123,6 @@ def all_kernels() -> list:
                 if mt == 64:  # 128-k stages (ks = 2): gs 4 the default, gs 1 for measurements
                     for gs in (1, 4):
                         out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=2))
-                if (blk, mt) in W4WGMMA_MINB_SHAPES:  # two CTAs per SM, for measurements
-                    for gs in (1, 4):
-                        for ks in W4WGMMA_STAGE_CHUNKS:
-                            out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=ks, minb=2))
         for blk, mt, gs, ks in sorted(W8WGMMA_VARIANTS):
             out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=ks, kind=KIND_INT8))
     out.append(_PERMUTE_KERNEL)
@@ -1614,9 +1597,8 @@ def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, o
     spg, ng = (group // W4WGMMA_BK, k // group) if kind == KIND_INT4 else (1, 1)  # INT8: no groups
     scalars = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(spg), np.int32(ng),
                np.int32(cfg.m_tiles), np.int32(cfg.splits))
-    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, kind=kind, minb=cfg.minb)
-    carveout = 100 if cfg.minb > 1 else -1  # all of L1 as shared memory, for two CTAs per SM
-    return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem, carveout), scalars
+    kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, kind=kind)
+    return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem), scalars
 
 
 def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n, scales_ptr=0):

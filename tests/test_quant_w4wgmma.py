@@ -352,24 +352,6 @@ def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
         assert (seen == 1).all()
 
 
-def test_two_ctas_per_sm_config():
-    """minb = 2 (measurement variant): half the SM's shared memory each (the driver's 1 KB per CTA included), splits
-    within one wave of 2 x 132 CTA slots, the full carveout requested at launch; other shapes refused."""
-    c = Q.w4wgmma_config(64, 8192, 8192, 132, blk=1, mt=64, gs=4, ks=2, minb=2)
-    assert (c.minb, c.stages) == (2, 4) and 2 * (c.smem + 1024) <= Q.W4WGMMA_SM_SMEM
-    assert c.splits > 1 and c.grid <= 2 * 132
-    assert Q.w4wgmma_config(64, 8192, 8192, 132, blk=1, mt=64, gs=4, ks=1, minb=2).stages == 8
-    for bad in ({"blk": 2, "mt": 64}, {"blk": 1, "mt": 128}, {"blk": 1, "mt": 64, "kind": Q.KIND_INT8}):
-        with pytest.raises(ValueError):
-            Q.w4wgmma_config(64, 8192, 8192, 132, minb=2, **bad)
-    with pytest.raises(ValueError):
-        Q.w4wgmma_config(64, 8192, 8192, 132, blk=1, mt=64, minb=3)
-    override = tuple(sorted({"blk": 1, "mt": 64, "gs": 4, "ks": 2, "minb": 2}.items()))
-    cfg, kernel, lcfg, _ = Q._w4wgmma_plan("bfloat16", 64, 8192, 8192, 128, 132, override)
-    assert lcfg.carveout == 100 and kernel.name == "quant_sm90::w4_wgmma_kernel<__nv_bfloat16, 64, 1, 4, 4, 2, 0, 2>"
-    assert Q._w4wgmma_plan("bfloat16", 64, 8192, 8192, 128, 132, ())[2].carveout == -1
-
-
 def test_config_heuristic_choices():
     assert Q.w4wgmma_config(32, 8192, 8192, 132).splits == 4       # 32 tiles x 4 = 128 CTAs
     assert Q.w4wgmma_config(64, 8192, 8192, 132).splits == 2       # 64 tiles (128 channels) x 2
@@ -483,7 +465,7 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 69 and all(k.hopper for k in ks)
+    assert len(ks) == 61 and all(k.hopper for k in ks)
     assert "quant_sm90::w8wgmma_pack_kernel<1>" in names
     for dt in ("__half", "__nv_bfloat16"):  # INT8 (KIND = 1): the INT4 default shapes
         for blk, mt, gs, ks_ in Q.W8WGMMA_VARIANTS:
@@ -799,11 +781,7 @@ def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
     # 128-k ring stages (ks = 2): 11 stages split 4 ways, groups of 1 and 4 steps (2 per stage)
     (70, 768, 1408, 128, {"ks": 2, "mt": 64, "gs": 4, "splits": 4}), (17, 512, 1024, 256, {"ks": 2, "mt": 64,
                                                                                            "blk": 1, "gs": 4}),
-    (100, 1024, 1408, 128, {"ks": 2, "mt": 64, "blk": 2, "gs": 1, "splits": 3}),
-    # two CTAs per SM (minb = 2: 96 consumer registers, half the ring)
-    (70, 768, 1408, 128, {"minb": 2, "blk": 1, "mt": 64, "gs": 4, "ks": 2, "splits": 4}),
-    (17, 512, 1024, 256, {"minb": 2, "blk": 1, "mt": 64, "gs": 1, "ks": 1}),
-    (100, 1024, 1408, 128, {"minb": 2, "blk": 1, "mt": 64, "gs": 4, "ks": 1, "splits": 3})])
+    (100, 1024, 1408, 128, {"ks": 2, "mt": 64, "blk": 2, "gs": 1, "splits": 3})])
 def test_w4wgmma_group_steps_small(dtype, m, n, k, g, override):
     """wgmma groups of 2 / 4 k16 steps (gs) forced through _W4WGMMA_OVERRIDE, with odd stage counts and split-K
     ranges that begin on odd stages (the A set of gs = 4 follows the stage's parity): against float64 x @ W with
