@@ -648,7 +648,7 @@ def _w4wgmma_name(dtype, m, n, k, override):
     import torch
 
     cfg = Q.w4wgmma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, **override)
-    return Q._w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, minb=cfg.minb).name
+    return Q._w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks).name
 
 
 def _layer(torch, fmt, n, k, g, td, rng):
