@@ -3,7 +3,7 @@ benchmarks/_quant_m1_sweep.py (one pass, quick timing) saw a variant beat the sh
 variant of a case is timed once per round, rounds repeated, medians reported next to cuBLAS (F.linear, same run);
 outputs checked against the shipped dispatch.
 
-    PYTHONPATH=. python3 benchmarks/_quant_m1_ab.py [rounds]      (default 7)
+    PYTHONPATH=. python3 benchmarks/_quant_m1_ab.py [rounds]      (default 5)
 """
 import statistics
 import sys
@@ -17,7 +17,7 @@ from speedcore.bench import Bench
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _quant_m1_sweep import b, forced, layer_of  # noqa: E402  (same layers, same forcing)
 
-ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 assert isinstance(b, Bench)
 
 
@@ -29,17 +29,28 @@ def bulk(w=0, s=2):
     return (f"bulk w{w or 'd'}s{s}", "bulk", {"warps": w, "stages": s} if w else {"stages": s})
 
 
+def old_stream_warps(kind, m, n, k, sms=132):
+    """gemv_stream_kernel's warps per block before the INT8 minimum (one exact wave)."""
+    mt = 1 if m <= 8 else 2
+    return max(1, min(k // 128, (Q.stream_max_warps(kind, mt) * sms) // (n // Q.gemv_block_n(kind))))
+
+
+# The shipped dispatch ("ours") against what it replaced (bulk at INT4 M = 1 with N > K; one-wave INT8 warps) and
+# neighbours; the first group is the sweep's cases, the second checks that the rules carry to other layers.
 CASES = [
-    ("awq", 28672, 8192, 1, torch.bfloat16, [bulk(), bulk(4, 2), strm(4), strm(8), strm(16)]),
-    ("awq", 28672, 8192, 1, torch.float16, [bulk(), strm(4), strm(8), strm(16)]),
-    ("awq", 8192, 28672, 1, torch.bfloat16, [bulk(), strm(16)]),
-    ("awq", 8192, 8192, 1, torch.bfloat16, [bulk(), strm(16)]),
-    ("awq", 28672, 8192, 16, torch.bfloat16, [strm(3), strm(6), strm(12)]),
-    ("awq", 8192, 8192, 16, torch.bfloat16, [strm(12), strm(6)]),
-    ("int8", 28672, 8192, 1, torch.bfloat16, [strm(2), strm(4), strm(8), strm(16)]),
-    ("int8", 28672, 8192, 16, torch.bfloat16, [strm(2), strm(4), strm(8), strm(16)]),
-    ("int8", 8192, 8192, 16, torch.bfloat16, [strm(8), strm(16)]),
+    ("awq", 28672, 8192, 1, torch.bfloat16, [bulk(), strm(4), strm(8)]),
+    ("awq", 28672, 8192, 1, torch.float16, [bulk(), strm(4), strm(8)]),
+    ("awq", 14336, 8192, 1, torch.bfloat16, [bulk(), strm(8)]),
+    ("awq", 14336, 8192, 1, torch.float16, [bulk()]),
+    ("awq", 8192, 28672, 1, torch.bfloat16, [strm(16)]),
 ]
+for n, k in ((28672, 8192), (14336, 4096), (8192, 8192), (4096, 14336), (57344, 8192)):
+    for m in (1, 4, 16):
+        if (n, k) in ((8192, 8192), (4096, 14336)) and m == 4:
+            continue
+        old = old_stream_warps(Q.KIND_INT8, m, n, k)
+        alts = sorted({old, 2 * old, 8, 4} - {0})
+        CASES.append(("int8", n, k, m, torch.bfloat16, [strm(w) for w in alts if w <= 16]))
 
 print(f"{'case':34s} {'variant':>10s} {'median us':>9s} {'min':>6s} {'x cuBLAS':>8s}")
 for fmt, n, k, m, dt, vs in CASES:

@@ -76,6 +76,7 @@ GEMV_CTAS_PER_SM = 2
 # The register-streaming small-M kernel (gemv_stream_kernel) on the same layout; must match kernels/quant.cu.
 STREAM_CHUNK_K = 128        # k per chunk (4 steps): K and (INT4) G must be multiples of it
 STREAM_PREFETCH = 0         # chunks prefetched into L2 ahead of the one being loaded (H200: 1-3 were slower)
+STREAM_INT8_MIN_WARPS = (8, 4)  # INT8: at least this many warps per 32-channel block (M <= 8, M <= 16)
 # gemv_bulk_kernel (sm_90+): the same chunks through cp.async.bulk into per-warp shared-memory rings.
 BULK_MAX_WARPS = 16
 BULK_X_PITCH = 288          # bytes per staged row of x (256 + 32: conflict-free 8-byte reads)
@@ -504,6 +505,11 @@ def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, s
     kc = ks // 4
     wmax = stream_max_warps(kind, mt)
     per_block = max(1, min(kc, (wmax * sms) // nb))
+    if kind == KIND_INT8:
+        # INT8 on wide layers (many 32-channel blocks): a deeper stream per block beats one exact wave (H200, bf16,
+        # 28672x8192, medians of 7 interleaved rounds: M = 1 2 -> 8 warps 67.6 -> 64.4 us, M = 16 2 -> 4 warps
+        # 90.7 -> 79.8 us; 8192x8192 unchanged at 8).
+        per_block = max(per_block, min(kc, STREAM_INT8_MIN_WARPS[mt - 1]))
     w = min(warps or per_block, wmax)
     sp = splits or max(1, min(per_block // w, kc // w))
     pf = STREAM_PREFETCH if prefetch < 0 else prefetch
@@ -1464,14 +1470,17 @@ def use_stream(kind: int, m: int, n: int, k: int, group: int = 0) -> bool:
 
 def use_bulk(kind: int, m: int, n: int, k: int, group: int = 0, cc: tuple = (9, 0)) -> bool:
     """gemv_bulk_kernel (cp.async.bulk, compute capability >= 9.0) instead of gemv_stream_kernel: INT4 at M = 1
-    on layers of N K >= 2^26 (a pure function but for the _BULK_MODE switch).
+    on layers of N K >= 2^26 with N <= K (a pure function but for the _BULK_MODE switch).
 
     Measured on the H200 (same runs, both kernels on the same prepacked layers, bf16): at M = 1 its 2-stage
     rings with the interleaved chunk order took 15.6 / 42.5 / 35.9 us against 16.5 / 43.5 / 38.2 us for
-    8192x8192 / 28672x8192 / 8192x28672; at 4096x4096, at M >= 4 and for INT8 it was as fast or slower."""
+    8192x8192 / 28672x8192 / 8192x28672; at 4096x4096, at M >= 4 and for INT8 it was as fast or slower.  Not
+    where N > K: once gemv_stream_kernel took prefetch 0, it read 28672x8192 in 41.3 / 37.3 us (bf16 / fp16)
+    against the bulk kernel's 42.2 / 41.0 (medians of 7 interleaved rounds, benchmarks/_quant_m1_ab.py); at
+    8192x8192 and 8192x28672 the two stayed within 2%, the bulk kernel ahead or level."""
     if _BULK_MODE == "off" or tuple(cc) < (9, 0) or not use_stream(kind, m, n, k, group):
         return False
-    return _BULK_MODE == "on" or (kind == KIND_INT4 and m == 1 and n * k >= 1 << 26)
+    return _BULK_MODE == "on" or (kind == KIND_INT4 and m == 1 and n * k >= 1 << 26 and n <= k)
 
 
 def use_gemv(kind: int, m: int, n: int, k: int) -> bool:

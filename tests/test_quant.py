@@ -360,8 +360,9 @@ def test_bulk_config(m, n, k):
     assert (c.warps, c.splits, c.grid) == (12, 1, 128)
     c = Q.bulk_config(1, 512, 4096, Q.KIND_INT8, 132, warps=3, splits=3, stages=2)
     assert (c.warps, c.splits, c.stages, c.grid) == (3, 3, 2, 48) and (_stream_chunks(c) == 1).all()
-    # dispatch: INT4, M = 1, N K >= 2^26, sm_90+
-    assert Q.use_bulk(Q.KIND_INT4, 1, 8192, 8192, 128, (9, 0)) and Q.use_bulk(Q.KIND_INT4, 1, 28672, 8192, 128)
+    # dispatch: INT4, M = 1, N K >= 2^26, N <= K, sm_90+
+    assert Q.use_bulk(Q.KIND_INT4, 1, 8192, 8192, 128, (9, 0)) and Q.use_bulk(Q.KIND_INT4, 1, 8192, 28672, 128)
+    assert not Q.use_bulk(Q.KIND_INT4, 1, 28672, 8192, 128)
     assert not Q.use_bulk(Q.KIND_INT4, 2, 8192, 8192, 128) and not Q.use_bulk(Q.KIND_INT4, 1, 4096, 4096, 128)
     assert not Q.use_bulk(Q.KIND_INT8, 1, 8192, 8192) and not Q.use_bulk(Q.KIND_INT4, 1, 8192, 8192, 128, (8, 9))
     with _stream("on", "on"):
@@ -393,6 +394,9 @@ def test_stream_config(m, n, k):
     assert (c.warps, c.splits, c.grid) == (4, 1, 448)
     c = Q.stream_config(1, 4096, 4096, Q.KIND_INT4, 132)
     assert (c.warps, c.splits, c.grid) == (16, 2, 128)
+    # INT8 on wide layers: at least 8 (M <= 8) / 4 (M <= 16) warps per block, past one wave
+    assert [Q.stream_config(m, 28672, 8192, Q.KIND_INT8, 132).warps for m in (1, 16)] == [8, 4]
+    assert [Q.stream_config(m, 8192, 8192, Q.KIND_INT8, 132).warps for m in (1, 16)] == [8, 8]
     # overrides (for measurements) are honoured within the kernel's limits
     c = Q.stream_config(1, 512, 4096, Q.KIND_INT4, 132, warps=3, splits=3, prefetch=2)
     assert (c.warps, c.splits, c.prefetch, c.grid) == (3, 3, 2, 24) and (_stream_chunks(c) == 1).all()
