@@ -18,6 +18,12 @@
 // reading it.  Each consumer keeps one wgmma group in flight: slot s is released after the group of slot
 // s + 1 was issued and the group of slot s has retired.
 //
+// Split-K (splits > 1, decode-sized M whose tiles alone leave SMs idle): a work unit is (tile, split), the splits
+// of a tile adjacent in the unit order, split s taking k blocks [s KB / splits, (s + 1) KB / splits).  Each unit
+// writes its fp32 partial to ws (splits x M x N) and takes a ticket of its tile (tickets: one zeroed int32 per tile,
+// left zeroed); the tile's last unit sums the partials in split order (the same bits whichever unit is last) into
+// its accumulators and runs the epilogue.
+//
 // Epilogue: each consumer converts its accumulators (+ bias, activation) into a swizzled staging buffer of its
 // own and one of its threads stores it with TMA (asynchronously: the consumer goes on with the next tile's
 // wgmmas while the global writes drain, so the Tensor Cores no longer idle for the whole store).  The store
@@ -50,7 +56,7 @@ template <typename T, int BM, int BN, int STAGES, bool B_KMAJOR>
 __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_a, const __grid_constant__ sc::TmaMap tmap_b,
     const __grid_constant__ sc::TmaMap tmap_out, const T* __restrict__ bias, int M, int N, int K, int act,
-    int group_m) {
+    int group_m, float* __restrict__ ws, int* __restrict__ tickets, int splits) {
   constexpr int BK = 64;
   constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
   constexpr bool SPLIT_N = BM == 64;             // consumers split the columns instead of the rows
@@ -75,6 +81,7 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
   unsigned char* staging = ring_b + STAGES * B_BYTES;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(staging + 2 * EPI_BYTES);
   unsigned long long* empty = full + STAGES;
+  volatile int* s_last = reinterpret_cast<volatile int*>(empty + STAGES);  // split-K: this unit sums the tile
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -89,6 +96,7 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
   const int m_tiles = (M + BM - 1) / BM, n_tiles = (N + BN - 1) / BN, tiles = m_tiles * n_tiles;
   const int per_group = group_m * n_tiles;
   const int k_blocks = (K + BK - 1) / BK;
+  const int units = tiles * splits;  // splits <= k_blocks (the host's choice): every unit has a k block
   auto tile_origin = [&](int tile, int& m0, int& n0) {
     const int first_m = (tile / per_group) * group_m;
     const int gsize = min(m_tiles - first_m, group_m);
@@ -103,10 +111,11 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
       sc::tma_prefetch_map(&tmap_b);
       int stage = 0;
       unsigned phase = 0;
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      for (int u = blockIdx.x; u < units; u += gridDim.x) {
         int m0, n0;
-        tile_origin(tile, m0, n0);
-        for (int kb = 0; kb < k_blocks; ++kb) {
+        tile_origin(u / splits, m0, n0);
+        const int split = u % splits;
+        for (int kb = split * k_blocks / splits; kb < (split + 1) * k_blocks / splits; ++kb) {
           sc::mbar_wait(&empty[stage], phase ^ 1);
           sc::mbar_arrive_expect_tx(&full[stage], A_BYTES + B_BYTES);
           sc::tma_load_2d(ring_a + stage * A_BYTES, &tmap_a, kb * BK, m0, &full[stage]);
@@ -140,11 +149,13 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
     float acc[MI][NACC];
     int stage = 0;
     unsigned phase = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
       int m0, n0;
+      const int tile = u / splits, split = u % splits;
       tile_origin(tile, m0, n0);
       int prev_stage = -1;
-      for (int kb = 0; kb < k_blocks; ++kb) {
+      const int kb0 = split * k_blocks / splits, kb1 = (split + 1) * k_blocks / splits;
+      for (int kb = kb0; kb < kb1; ++kb) {
         sc::mbar_wait(&full[stage], phase);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
@@ -161,7 +172,7 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
             sc::Wgmma<WG_N, T, B_KMAJOR ? 0 : 1>::mma(acc[mi], sc::wgmma_desc_k128(a_tile + mi * 64 * 128 + k16 * 32),
-                                                    db, (kb > 0 || k16 > 0) ? 1 : 0);
+                                                    db, (kb > kb0 || k16 > 0) ? 1 : 0);
         }
         sc::wgmma_commit();
 #pragma unroll
@@ -187,6 +198,61 @@ __global__ void __launch_bounds__(384, 1) gemm_wgmma_kernel(
       // Accumulator (mi, 8-column block j, e) sits at row mi * 64 + 16 warp + g (+ 8 for e >= 2) and column
       // 8 j + 2 q (+ 1 for odd e) of this consumer's sub-tile.
       const int g = lane / 4, q = lane % 4;
+      if (splits > 1) {
+        // This lane's accumulators (mi, j, 2 h + e) are row r0 + 64 mi + 8 h and column c0 + 8 j + e of the output;
+        // columns come in pairs (N % 8 == 0: a pair is inside N or outside it).
+        const int r0 = m0 + wg_m0 + 16 * warp + g, c0 = n0 + wg_n0 + 2 * q;
+        float* const part = ws + (long long)split * M * N;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = r0 + 64 * mi + 8 * h;
+            if (row < M) {
+#pragma unroll
+              for (int j = 0; j < WG_N / 8; ++j)
+                if (c0 + 8 * j < N)
+                  *reinterpret_cast<float2*>(part + (long long)row * N + c0 + 8 * j) =
+                      make_float2(acc[mi][4 * j + 2 * h], acc[mi][4 * j + 2 * h + 1]);
+            }
+          }
+        __threadfence();
+        sc::named_bar_sync(3, 256);  // both consumers' partials are out
+        if (threadIdx.x == 128) {
+          const int done = atomicAdd(&tickets[tile], 1);
+          *s_last = done == splits - 1;
+          if (done == splits - 1) tickets[tile] = 0;
+        }
+        sc::named_bar_sync(3, 256);
+        if (!*s_last) continue;  // another unit of this tile finishes it
+        __threadfence();
+        // The tile's sum in split order, this unit's own partial read back with the others: the same bits whichever
+        // unit is last.  Split by split with all of a split's loads in flight together (one L2 round trip per
+        // split, not per element and split).  Rows and columns outside the output stay 0 (the TMA store clips them).
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int i = 0; i < NACC; ++i) acc[mi][i] = 0.f;
+        for (int sp = 0; sp < splits; ++sp) {
+          const float* const p = ws + (long long)sp * M * N;
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = r0 + 64 * mi + 8 * h;
+              if (row < M) {
+                const float* const prow = p + (long long)row * N + c0;
+#pragma unroll
+                for (int j = 0; j < WG_N / 8; ++j)
+                  if (c0 + 8 * j < N) {
+                    const float2 v = __ldcg(reinterpret_cast<const float2*>(prow + 8 * j));
+                    acc[mi][4 * j + 2 * h] += v.x;
+                    acc[mi][4 * j + 2 * h + 1] += v.y;
+                  }
+              }
+            }
+        }
+      }
       // This lane's byte offsets in a store box (rows g and g + 8 of its warp's 16, column 2 q); column block j
       // adds 16 j bytes, which the swizzle turns into an XOR on the chunk bits (rows are 16 and 8 apart, so
       // the row's swizzle bits are those of g).

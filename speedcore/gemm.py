@@ -6,7 +6,8 @@ Three paths, picked by :func:`gemm_path`, a pure function of the problem and the
   consumer warpgroups, one producer warpgroup, register reallocation, a persistent tile scheduler; the
   epilogue goes out through a swizzled staging buffer by asynchronous TMA stores, so the next tile's wgmmas
   start while the last tile's writes drain.  B may be K-major (a Linear weight (N, K)) or N-major (a row-major
-  (K, N) matrix, read transposed by wgmma).
+  (K, N) matrix, read transposed by wgmma).  Where decode-sized M leaves SMs without a tile, the tiles' K is split
+  (:func:`wgmma_splits`; fp32 partials summed in split order by each tile's last unit, deterministic).
 * ``"ampere"`` (sm_80+): mma.sync + ldmatrix from a cp.async ring of swizzled tiles, 64 x 64 warp tiles whose
   fragments are double-buffered in registers (gemm_mma_tile_kernel).
 * ``"skinny"`` (decode: M <= 64, or M <= 32 on sm_90): an mma.sync kernel with narrow N tiles, deep K tiles and
@@ -115,8 +116,9 @@ class WgmmaConfig:
 
     @property
     def smem(self) -> int:
-        # ring + two staging buffers + one mbarrier pair per stage (the kernel aligns the ring to 1024 bytes)
-        return self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.staging + 1024 + 16 * self.stages
+        # ring + two staging buffers + one mbarrier pair per stage + the split-K flag (the kernel aligns the ring
+        # to 1024 bytes)
+        return self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.staging + 1024 + 16 * self.stages + 16
 
 
 _WGMMA_STAGING_MAX = 16384
@@ -208,6 +210,20 @@ def wgmma_config(m: int, n: int, k: int, sms: int, smem_per_block: int, b_kmajor
         if best_cost is None or cost < best_cost * (1 - 1e-9):
             best, best_cost = (bm, bn), cost
     return WgmmaConfig(best[0], best[1], _wgmma_stages(best[0], best[1], smem_per_block))
+
+
+WGMMA_MAX_SPLITS = 16
+WGMMA_MIN_SPLIT_BLOCKS = 4  # 64-k blocks per split at least (the ring's fill and the partials' cost)
+
+
+def wgmma_splits(m: int, n: int, k: int, cfg: WgmmaConfig, sms: int) -> int:
+    """K splits of the Hopper kernel (pure): 1 where the tiles give at least ~3/4 of a wave, else as many as fill
+    one wave of ``sms`` units, at least WGMMA_MIN_SPLIT_BLOCKS k blocks each.  (64 x 4096 x 14336 runs 64 tiles of
+    64 x 64: without splits half the H200's SMs idled, 0.80x cuBLAS.)"""
+    tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
+    if tiles >= 0.75 * sms:
+        return 1
+    return max(1, min(sms // tiles, _ceil(k, cfg.bk) // WGMMA_MIN_SPLIT_BLOCKS, WGMMA_MAX_SPLITS))
 
 
 def _wgmma_stages(bm: int, bn: int, smem_per_block: int) -> int:
@@ -307,7 +323,13 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
         box = cfg.store_box_cols
         tmap_out = _tma.tile_map_2d(oa.ptr, oa.dtype, rows=m, cols=n, row_stride=ldo, box_rows=64, box_cols=box,
                                     swizzle=_STORE_SWIZZLE[box])
-        args = (tmap_a, tmap_b, tmap_out, bias_ptr) + sizes + (act, _GROUP_ARG)
+        splits, tiles = sizes[3:]
+        ws_ptr = tickets_ptr = 0
+        if splits > 1:  # fp32 partials (bytes, shared with the quantized kernels' split-K scratch) and tickets
+            ws_ptr = A.stream_buffer("workspace", aa, stream, splits * m * n * 4, "uint8", min_n=1 << 20).ptr
+            tickets_ptr = A.stream_buffer("tickets", aa, stream, tiles, "int32", zeroed=True).ptr
+        args = (tmap_a, tmap_b, tmap_out, bias_ptr) + sizes[:3] + (act, _GROUP_ARG, ws_ptr, tickets_ptr,
+                                                                   np.int32(splits))
     else:
         args = (oa.ptr, aa.ptr, ba.ptr, bias_ptr) + sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act,
                                                             _GROUP_ARG)
@@ -329,8 +351,11 @@ def _plan(path: str, dtype: str, m: int, n: int, k: int, b_kmajor: bool, sms: in
     sizes = (np.int32(m), np.int32(n), np.int32(k))
     if path == "hopper":
         cfg = wgmma_config(m, n, k, sms, smem_per_block, b_kmajor)
-        grid = min(_ceil(m, cfg.bm) * _ceil(n, cfg.bn), sms)  # persistent: at most one CTA per SM
-        return cfg, _wgmma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
+        splits = wgmma_splits(m, n, k, cfg, sms)
+        tiles = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
+        grid = min(tiles * splits, sms)  # persistent: at most one CTA per SM
+        return (cfg, _wgmma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem),
+                sizes + (splits, tiles))
     cfg = mma_config(m, n, k, sms, smem_per_sm, path == "skinny", b_kmajor)
     grid = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
     return cfg, _mma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes

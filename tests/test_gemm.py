@@ -122,11 +122,48 @@ def test_every_launchable_variant_is_listed():
 def test_plan_matches_heuristics(path, mnk):
     m, n, k = mnk
     cfg, kernel, lcfg, sizes = gemm._plan(path, "bfloat16", m, n, k, True, 132, 233472, 232448)
-    assert [int(v) for v in sizes] == [m, n, k]
+    assert [int(v) for v in sizes[:3]] == [m, n, k]
     assert lcfg.smem == cfg.smem and lcfg.threads == cfg.threads
     assert kernel.name in {kk.name for kk in gemm.all_kernels()}
     tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn)
-    assert lcfg.grid == ((min(tiles, 132),) if path == "hopper" else (tiles,))
+    if path == "hopper":
+        splits = gemm.wgmma_splits(m, n, k, cfg, 132)
+        assert sizes[3:] == (splits, tiles) and lcfg.grid == (min(tiles * splits, 132),)
+    else:
+        assert len(sizes) == 3 and lcfg.grid == (tiles,)
+
+
+@pytest.mark.parametrize("mnk", [(64, 4096, 14336), (64, 4096, 4096), (40, 512, 4096), (33, 264, 200),
+                                 (64, 8, 8), (128, 4096, 14336), (8192, 8192, 8192), (64, 28672, 8192)])
+def test_wgmma_splits_fill_one_wave_and_cover_k_once(mnk):
+    """Split-K of the Hopper kernel: only where the tiles leave SMs idle, within one wave, at least 4 k blocks per
+    split; the kernel's unit decomposition (tile = u / splits, k blocks [s KB / S, (s + 1) KB / S)) covers each
+    tile's k blocks once."""
+    m, n, k = mnk
+    cfg = gemm.wgmma_config(m, n, k, 132, 232448, True)
+    s = gemm.wgmma_splits(m, n, k, cfg, 132)
+    tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn)
+    kb = math.ceil(k / 64)
+    assert 1 <= s <= gemm.WGMMA_MAX_SPLITS
+    if tiles >= 0.75 * 132:
+        assert s == 1
+    else:
+        assert tiles * s <= 132 and (s == 1 or kb // s >= gemm.WGMMA_MIN_SPLIT_BLOCKS)
+    seen = [[0] * kb for _ in range(tiles)]
+    for u in range(tiles * s):
+        t, sp = u // s, u % s
+        for b in range(sp * kb // s, (sp + 1) * kb // s):
+            seen[t][b] += 1
+    assert all(c == 1 for row in seen for c in row)
+    assert all((sp + 1) * kb // s > sp * kb // s for sp in range(s))  # no empty unit
+
+
+def test_wgmma_splits_choices():
+    split = lambda m, n, k: gemm.wgmma_splits(m, n, k, gemm.wgmma_config(m, n, k, 132, 232448, True), 132)  # noqa
+    assert split(64, 4096, 14336) == 2       # 64 tiles of 64 x 64 -> 128 units
+    assert split(40, 512, 4096) == 16        # 8 tiles, 64 k blocks: 16 splits of 4
+    assert split(64, 28672, 8192) == 1 and split(8192, 8192, 8192) == 1 and split(128, 4096, 14336) == 1
+    assert split(64, 8, 8) == 1              # one k block
 
 
 def test_tma_checks():
@@ -276,6 +313,40 @@ def test_hopper_every_tile(tile, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mnk", [(40, 512, 4096), (64, 4096, 1000), (5, 264, 1064), (100, 1032, 2056)])
+def test_hopper_split_k(mnk, dtype):
+    """Split-K on the Hopper path (few tiles, long K): K not a multiple of 64 or of the splits, partial tiles in M
+    and N, bias + activation into a NaN-poisoned strided out view; twice (the tickets reset themselves) with the same
+    bits (the partials are summed in split order); an N-major B as well."""
+    torch = _torch()
+    if _dev_cc(torch) != (9, 0):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    import speedcore
+
+    m, n, k = mnk
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = gemm.wgmma_config(m, n, k, sms, 232448, True)
+    assert gemm.wgmma_splits(m, n, k, cfg, sms) > 1, "the case must split K"
+    dt = getattr(torch, dtype)
+    torch.manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", dtype=dt)
+    w = torch.randn(n, k, device="cuda", dtype=dt) / math.sqrt(k)
+    bias = torch.randn(n, device="cuda", dtype=dt)
+    outs = []
+    for _ in range(2):
+        out_big = torch.full((m, n + 8), float("nan"), device="cuda", dtype=dt)
+        out = out_big[:, :n]
+        speedcore.linear(x, w, bias, activation="silu", out=out, _path="hopper")
+        _assert_close(out, _ref(torch, x, w, bias, "silu"), f"split-K linear {m}x{n}x{k}")
+        assert out_big[:, n:].isnan().all(), "wrote outside the out view"
+        outs.append(out.clone())
+    assert torch.equal(outs[0], outs[1])
+    b = torch.randn(k, n, device="cuda", dtype=dt) / math.sqrt(k)
+    _assert_close(speedcore.matmul(x, b, _path="hopper"), x.float() @ b.float(), f"split-K matmul {m}x{n}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("cfg", sorted(set(gemm.MMA_LARGE + tuple(gemm.MMA_DEEP.values())), key=str),
                          ids=lambda c: f"{c.bm}x{c.bn}w{c.wm}{c.wn}s{c.stages}")
 def test_ampere_every_tile(cfg, dtype, monkeypatch):
@@ -408,6 +479,9 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
                                                                           232448, 233472, 60 << 20))
     monkeypatch.setattr(A, "stream_of", lambda ref: None)
     monkeypatch.setattr(_tma, "_tile_map_bytes", lambda *a: bytes(128))
+    scratch = []
+    monkeypatch.setattr(A, "stream_buffer", lambda kind, ref, stream, n, dtype, **kw: scratch.append(
+        (kind, n, dtype, kw)) or type("B", (), {"ptr": 0x7000 if kind == "workspace" else 0x8000})())
 
     def arr(name, shape, strides, ptr):
         return A.Array(None, "torch", ptr, shape, strides, "bfloat16", 0, name)
@@ -425,8 +499,8 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
             assert [type(v) for v in args[:2]] == [np.ndarray, np.ndarray] and args[0].dtype.itemsize == 128
             assert type(args[2]) is np.ndarray and args[2].dtype.itemsize == 128 and args[3] == 4 << 20
             rest = args[4:]
-            assert [type(v) for v in rest] == [np.int32] * 5
-            assert [int(v) for v in rest] == [m, n, k, 2, gemm.GROUP_M]
+            assert [type(v) for v in rest] == [np.int32] * 5 + [int, int, np.int32]
+            assert [int(v) for v in rest] == [m, n, k, 2, gemm.GROUP_M, 0, 0, 1]  # no split: no scratch
         else:
             assert not kernel.hopper and kernel.source == "gemm.cu"
             assert args[:4] == (3 << 20, 1 << 20, 2 << 20, 4 << 20)
@@ -436,7 +510,17 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
     gemm._gemm(a, m, k, k, arr("b", (k, n), (n, 1), 5 << 20), n, n, False, None, None, o, n, None)
     kernel, cfg, args = calls[-1]
     assert kernel.hopper and kernel.name.endswith("false>") and args[3] == 0
-    assert [int(v) for v in args[4:]] == [m, n, k, 0, gemm.GROUP_M]
+    assert [int(v) for v in args[4:]] == [m, n, k, 0, gemm.GROUP_M, 0, 0, 1]
+    assert not scratch
+    # split-K (decode-sized M on few tiles): fp32 partials in bytes in the shared "workspace", tickets per tile
+    m2, n2, k2 = 40, 512, 4096
+    gemm._gemm(arr("x", (m2, k2), (k2, 1), 1 << 20), m2, k2, k2, arr("weight", (n2, k2), (k2, 1), 2 << 20), n2, k2,
+               True, None, None, arr("out", (m2, n2), (n2, 1), 3 << 20), n2, "hopper")
+    kernel, cfg, args = calls[-1]
+    assert [int(v) for v in args[4:]] == [m2, n2, k2, 0, gemm.GROUP_M, 0x7000, 0x8000, 16]
+    assert scratch == [("workspace", 16 * m2 * n2 * 4, "uint8", {"min_n": 1 << 20}),
+                       ("tickets", 8, "int32", {"zeroed": True})]
+    assert cfg.grid == (8 * 16,)
     with pytest.raises(ValueError, match="16-byte"):
         gemm._gemm(arr("x", (m, k), (k, 1), (1 << 20) + 2), m, k, k, w, n, k, True, None, None, o, n, None)
     big = 1 << 23
