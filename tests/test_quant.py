@@ -397,6 +397,9 @@ def test_stream_config(m, n, k):
     # INT8 on wide layers: at least 8 (M <= 8) / 4 (M <= 16) warps per block, past one wave
     assert [Q.stream_config(m, 28672, 8192, Q.KIND_INT8, 132).warps for m in (1, 16)] == [8, 4]
     assert [Q.stream_config(m, 8192, 8192, Q.KIND_INT8, 132).warps for m in (1, 16)] == [8, 8]
+    # whole CTAs per SM: 9 (INT4, M = 1) / 7 (M = 16) warps per block for 224 blocks round down to 8 / 6
+    assert [Q.stream_config(m, 14336, 8192, Q.KIND_INT4, 132).warps for m in (1, 16)] == [8, 6]
+    assert Q.bulk_config(1, 14336, 8192, Q.KIND_INT4, 132).warps == 8
     # overrides (for measurements) are honoured within the kernel's limits
     c = Q.stream_config(1, 512, 4096, Q.KIND_INT4, 132, warps=3, splits=3, prefetch=2)
     assert (c.warps, c.splits, c.prefetch, c.grid) == (3, 3, 2, 24) and (_stream_chunks(c) == 1).all()
