@@ -134,6 +134,10 @@ WGMMA_TILES = tuple(WGMMA_TILE_EFFICIENCY)
 # (64 x 64) against 0.74; with two 64-row blocks and N >= 14336 the 128-row tiles stayed ahead (128 x 224 at
 # 1.11 for 28672 x 8192).
 WGMMA_DECODE_TILES = ((64, 128), (64, 64), (64, 32))
+# Two 64-row blocks on few weight tiles with long K: 128 x 64 tiles with split-K instead of 64 x 64 (H200, same run,
+# ratio to cuBLAS, bf16 / fp16, 3 rounds: 128x4096x14336 0.815 / 0.799 -> 0.938 / 0.947, 128x4096x11008 0.856 /
+# 0.833 -> 0.956 / 0.951, 96x4096x14336 0.774 / 0.723 -> 0.805 / 0.804; 128x4096x4096 lost: 0.901 -> 0.834).
+WGMMA_ROWS128_MIN_K = 8192
 WGMMA_KMAJOR_ONLY = frozenset({(128, 224), (64, 64), (64, 32)})
 WGMMA_MAX_STAGES = 12
 
@@ -197,11 +201,15 @@ def wgmma_config(m: int, n: int, k: int, sms: int, smem_per_block: int, b_kmajor
     wave both count; ties go to the earlier (larger) tile.  Then as many stages as shared memory holds.
 
     Decode-sized M (one 64-row block, or two when 64 x 128 tiles still make at most ~1.25 waves) takes 64-row
-    tiles instead: 64 x 128 where that gives at least ~3/4 of a wave, else 64 x 64 (K-major B only)."""
+    tiles instead: 64 x 128 where that gives at least ~3/4 of a wave, else 64 x 64 (K-major B only), or with
+    two row blocks and K >= WGMMA_ROWS128_MIN_K 128 x 64 tiles split along K."""
     row_blocks = _ceil(m, 64)
     tiles_128 = row_blocks * _ceil(n, 128)
     if row_blocks == 1 or (row_blocks == 2 and tiles_128 <= 1.25 * sms):
         bn = 128 if tiles_128 >= 0.75 * sms or not b_kmajor else 64
+        if row_blocks == 2 and bn == 64 and k >= WGMMA_ROWS128_MIN_K:
+            # one 128-row tile reads each weight tile once, split-K (wgmma_splits) refills the SMs
+            return WgmmaConfig(128, 64, _wgmma_stages(128, 64, smem_per_block))
         return WgmmaConfig(64, bn, _wgmma_stages(64, bn, smem_per_block))
     best, best_cost = None, None
     for bm, bn in wgmma_tiles(b_kmajor):

@@ -90,6 +90,11 @@ def test_wgmma_config_picks_whole_waves():
     assert pick(64, 14336) == (64, 128) and pick(64, 28672) == (64, 128) and pick(64, 4096, False) == (64, 128)
     assert pick(128, 4096) == (64, 64) and pick(128, 8192) == (64, 128)
     assert pick(128, 14336)[0] == 128 and pick(128, 28672)[0] == 128 and pick(129, 4096)[0] == 128
+    # two row blocks, few weight tiles, long K: 128 x 64 tiles, split along K
+    assert gemm.wgmma_config(128, 4096, 14336, 132, 232448, True) == gemm.WgmmaConfig(128, 64, 8)
+    assert gemm.wgmma_config(96, 4096, 8192, 132, 232448, True).bm == 128
+    assert gemm.wgmma_config(128, 4096, 4096, 132, 232448, True).bm == 64  # short K: 64 x 64 stayed ahead
+    assert gemm.wgmma_config(64, 4096, 14336, 132, 232448, True).bm == 64  # one row block
 
 
 def test_wgmma_staging_matches_kernel():
@@ -162,7 +167,8 @@ def test_wgmma_splits_choices():
     split = lambda m, n, k: gemm.wgmma_splits(m, n, k, gemm.wgmma_config(m, n, k, 132, 232448, True), 132)  # noqa
     assert split(64, 4096, 14336) == 2       # 64 tiles of 64 x 64 -> 128 units
     assert split(40, 512, 4096) == 16        # 8 tiles, 64 k blocks: 16 splits of 4
-    assert split(64, 28672, 8192) == 1 and split(8192, 8192, 8192) == 1 and split(128, 4096, 14336) == 1
+    assert split(64, 28672, 8192) == 1 and split(8192, 8192, 8192) == 1 and split(128, 4096, 4096) == 1
+    assert split(128, 4096, 14336) == 2      # 64 tiles of 128 x 64 -> 128 units
     assert split(64, 8, 8) == 1              # one k block
 
 
@@ -313,7 +319,7 @@ def test_hopper_every_tile(tile, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("mnk", [(40, 512, 4096), (64, 4096, 1000), (5, 264, 1064), (100, 1032, 2056)])
+@pytest.mark.parametrize("mnk", [(40, 512, 4096), (64, 4096, 1000), (5, 264, 1064), (100, 1032, 2056), (100, 1032, 8200)])
 def test_hopper_split_k(mnk, dtype):
     """Split-K on the Hopper path (few tiles, long K): K not a multiple of 64 or of the splits, partial tiles in M
     and N, bias + activation into a NaN-poisoned strided out view; twice (the tickets reset themselves) with the same
