@@ -134,9 +134,10 @@ WGMMA_TILES = tuple(WGMMA_TILE_EFFICIENCY)
 # (64 x 64) against 0.74; with two 64-row blocks and N >= 14336 the 128-row tiles stayed ahead (128 x 224 at
 # 1.11 for 28672 x 8192).
 WGMMA_DECODE_TILES = ((64, 128), (64, 64), (64, 32))
-# Two 64-row blocks on few weight tiles with long K: 128 x 64 tiles with split-K instead of 64 x 64 (H200, same run,
-# ratio to cuBLAS, bf16 / fp16, 3 rounds: 128x4096x14336 0.815 / 0.799 -> 0.938 / 0.947, 128x4096x11008 0.856 /
-# 0.833 -> 0.956 / 0.951, 96x4096x14336 0.774 / 0.723 -> 0.805 / 0.804; 128x4096x4096 lost: 0.901 -> 0.834).
+# Two 64-row blocks on few weight tiles with long K: 128 x 64 tiles with split-K instead of 64 x 64 (H200, same
+# run, benchmarks/_gemm_rows128_ab.py, ratio to cuBLAS, bf16 / fp16, 3 rounds: 128x4096x14336 0.815 / 0.799 ->
+# 0.938 / 0.947, 128x4096x11008 0.856 / 0.833 -> 0.956 / 0.951, 96x4096x14336 0.774 / 0.723 -> 0.805 / 0.804;
+# 128x4096x4096 lost: 0.901 -> 0.834).
 WGMMA_ROWS128_MIN_K = 8192
 WGMMA_KMAJOR_ONLY = frozenset({(128, 224), (64, 64), (64, 32)})
 WGMMA_MAX_STAGES = 12

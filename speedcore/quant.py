@@ -18,8 +18,8 @@ act-order rows sorted by group): prepack once per layer for speed.  Prepacking a
 fragment-major copy (same size as the weight; INT4 plus per-group scale/zero records, ~5%) for the M <= 16
 streaming kernels: ``gemv_stream_kernel`` (every warp streams 4 KB chunks straight into mma fragments) where
 K and G are multiples of 128 (``use_stream``), its cp.async.bulk twin ``gemv_bulk_kernel`` for INT4 at M = 1 on
-large layers with N <= K on sm_90+ (``use_bulk``), else ``gemv_kernel`` or the tile-major kernel (``use_gemv``), all from
-H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kernel`` at 17 <= M <= 128 (a
+large layers with N <= K on sm_90+ (``use_bulk``), else ``gemv_kernel`` or the tile-major kernel (``use_gemv``),
+all from H200 measurements.  INT4 layers with that copy can also take ``quant_marlin_kernel`` at 17 <= M <= 128 (a
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
 measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
 prepack also builds a wgmma-major INT4 copy (the packed weight's size again) and INT4 layers with N % 256 == 0, K

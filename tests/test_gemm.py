@@ -319,7 +319,8 @@ def test_hopper_every_tile(tile, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("mnk", [(40, 512, 4096), (64, 4096, 1000), (5, 264, 1064), (100, 1032, 2056), (100, 1032, 8200)])
+@pytest.mark.parametrize("mnk", [(40, 512, 4096), (64, 4096, 1000), (5, 264, 1064), (100, 1032, 2056),
+                                 (100, 1032, 8200)])
 def test_hopper_split_k(mnk, dtype):
     """Split-K on the Hopper path (few tiles, long K): K not a multiple of 64 or of the splits, partial tiles in M
     and N, bias + activation into a NaN-poisoned strided out view; twice (the tickets reset themselves) with the same
