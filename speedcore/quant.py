@@ -494,11 +494,12 @@ class StreamConfig:
 @lru_cache(maxsize=8192)
 def _packing_warps(per_block: int, per_sm: int) -> int:
     """Warps per CTA for a one-wave grid that wants ``per_block`` warps per block: below ``per_sm`` (the warps an
-    SM holds), the largest divisor of it, so that whole CTAs fill each SM (9-warp CTAs, one per SM under a 16-warp
-    limit, ran 14336x8192 INT4 in two waves: 32.0 us against 23.9 with 8 warps, H200, bf16, M = 1)."""
+    SM holds), the count in [per_block / 2, per_block] whose whole CTAs hold the most warps per SM, the larger on
+    ties (a divisor of per_sm where one is in range: 9-warp CTAs, one per SM under a 16-warp limit, ran 14336x8192
+    INT4 in two waves: 32.0 us against 23.9 with 8 warps, H200, bf16, M = 1)."""
     if per_block >= per_sm:
         return per_block
-    return max(d for d in range(1, per_block + 1) if per_sm % d == 0)
+    return max(range((per_block + 1) // 2, per_block + 1), key=lambda w: ((per_sm // w) * w, w))
 
 
 def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, splits: int = 0,

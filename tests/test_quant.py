@@ -400,6 +400,12 @@ def test_stream_config(m, n, k):
     # whole CTAs per SM: 9 (INT4, M = 1) / 7 (M = 16) warps per block for 224 blocks round down to 8 / 6
     assert [Q.stream_config(m, 14336, 8192, Q.KIND_INT4, 132).warps for m in (1, 16)] == [8, 6]
     assert Q.bulk_config(1, 14336, 8192, Q.KIND_INT4, 132).warps == 8
+    # the packing rule: the largest divisor of a 16- / 12-warp SM (the kernels' limits) ...
+    for per_sm in (12, 16):
+        divisors = [max(d for d in range(1, b + 1) if per_sm % d == 0) for b in range(1, per_sm)]
+        assert [Q._packing_warps(b, per_sm) for b in range(1, per_sm)] == divisors
+    # ... and no collapse to 1-warp CTAs where the SM's count is prime (bulk rings at M = 16: 13 warps)
+    assert Q._packing_warps(9, 13) == 6 and Q._packing_warps(20, 16) == 20
     # overrides (for measurements) are honoured within the kernel's limits
     c = Q.stream_config(1, 512, 4096, Q.KIND_INT4, 132, warps=3, splits=3, prefetch=2)
     assert (c.warps, c.splits, c.prefetch, c.grid) == (3, 3, 2, 24) and (_stream_chunks(c) == 1).all()
