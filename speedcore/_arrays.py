@@ -175,6 +175,7 @@ def empty(ref: Array, shape, dtype: str, name: str = "out", *, zeroed: bool = Fa
 
 
 _stream_buffers: dict = {}
+_retired_buffers: list = []  # outgrown scratch buffers (grow-only, powers of two: at most the live size again)
 
 
 def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: int = 4096,
@@ -185,6 +186,9 @@ def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: i
     key = (kind, ref.lib, ref.device, getattr(stream, "ptr", 0))
     buf = _stream_buffers.get(key)
     if buf is None or buf.numel < n:
+        if buf is not None:
+            # A CUDA graph captured with the old buffer still reads and writes it on replay: keep it allocated.
+            _retired_buffers.append(buf)
         buf = empty(ref, (max(min_n, 1 << max(0, n - 1).bit_length()),), dtype, kind, zeroed=zeroed)
         _stream_buffers[key] = buf
     return buf

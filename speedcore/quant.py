@@ -29,8 +29,9 @@ x tiles, split-K where the tiles do not fill the GPU), before every other choice
 (``use_w4wgmma``, where it measured ahead; ``SPEEDCORE_QUANT_W4WGMMA=1`` extends it to 17 <= M <= 8192, ``0`` turns
 it and the copy off).  INT8 layers with N % 256 == 0 and K % 64 == 0 get a wgmma-major INT8 copy as well and take
 the kernel's INT8 variant at 17 <= M <= 8192 (``use_w8wgmma``; ``SPEEDCORE_QUANT_W8WGMMA=0`` turns it off).  Split-K
-launches use a per-stream scratch buffer and zeroed counters kept by this module; when capturing a CUDA graph,
-run the largest M once first so that the scratch does not grow (and move) afterwards.
+launches use a per-stream scratch buffer and zeroed counters kept by this module (an outgrown buffer stays
+allocated, so CUDA graphs captured with it stay valid; graphs captured on one stream share it: replay them in
+order, not concurrently).
 
 This module also holds round-to-nearest quantizers producing exactly these formats from a float weight (N, K),
 NumPy reference dequantizers, a safetensors reader, and GPU dequantizers.  NumPy-only functions need no GPU.

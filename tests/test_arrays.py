@@ -70,3 +70,27 @@ def test_cpu_torch_tensor_is_rejected():
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="x: expected a CUDA tensor, got a tensor on cpu"):
         A.wrap(torch.zeros(3), "x")
+
+
+def test_stream_buffer_grows_and_keeps_outgrown_buffers(monkeypatch):
+    """Scratch is shared per (kind, stream), grows to powers of two, and an outgrown buffer stays allocated (a CUDA
+    graph captured with it still uses it on replay)."""
+    from types import SimpleNamespace
+
+    made = []
+
+    def fake_empty(ref, shape, dtype, name, zeroed=False):
+        made.append(SimpleNamespace(numel=shape[0], zeroed=zeroed))
+        return made[-1]
+
+    monkeypatch.setattr(A, "empty", fake_empty)
+    monkeypatch.setattr(A, "_stream_buffers", {})
+    monkeypatch.setattr(A, "_retired_buffers", [])
+    ref = SimpleNamespace(lib="torch", device=0)
+    s1, s2 = SimpleNamespace(ptr=1), SimpleNamespace(ptr=2)
+    a = A.stream_buffer("ws", ref, s1, 100, "float32", min_n=16, zeroed=True)
+    assert a.numel == 128 and a.zeroed and A.stream_buffer("ws", ref, s1, 128, "float32") is a
+    assert A.stream_buffer("ws", ref, s2, 10, "float32", min_n=16) is not a        # another stream, its own
+    b = A.stream_buffer("ws", ref, s1, 129, "float32", min_n=16)
+    assert b.numel == 256 and A._retired_buffers == [a]
+    assert A.stream_buffer("ws", ref, s1, 64, "float32") is b                      # never shrinks
