@@ -353,6 +353,47 @@ def test_hopper_split_k(mnk, dtype):
 
 
 @pytest.mark.gpu
+def test_hopper_split_k_in_cuda_graph():
+    """Split-K launches captured by torch.cuda.graph replay correctly with new inputs, also after a larger
+    problem has grown the shared scratch (the captured graph keeps its own buffer)."""
+    torch = _torch()
+    if _dev_cc(torch) != (9, 0):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    import speedcore
+
+    m, n, k = 64, 4096, 8200
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gemm.wgmma_splits(m, n, k, gemm.wgmma_config(m, n, k, sms, 232448, True), sms) > 1
+    torch.manual_seed(7)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and allocate outside the capture
+        speedcore.linear(x, w, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        speedcore.linear(x, w, out=out)
+    big_m, big_k = 128, 16400  # a larger split-K problem (128 x 64 tiles, twice the partials): the scratch grows
+    assert gemm.wgmma_splits(big_m, n, big_k, gemm.wgmma_config(big_m, n, big_k, sms, 232448, True), sms) > 1
+    xb = torch.randn(big_m, big_k, device="cuda", dtype=torch.bfloat16)
+    wb = torch.randn(n, big_k, device="cuda", dtype=torch.bfloat16) / math.sqrt(big_k)
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        yb = speedcore.linear(xb, wb)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        g.replay()
+        g2.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, _ref(torch, x, w, None, "none"), "graph replay")
+        _assert_close(yb, _ref(torch, xb, wb, None, "none"), "second graph replay")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("cfg", sorted(set(gemm.MMA_LARGE + tuple(gemm.MMA_DEEP.values())), key=str),
                          ids=lambda c: f"{c.bm}x{c.bn}w{c.wm}{c.wn}s{c.stages}")

@@ -919,3 +919,33 @@ def test_w4wgmma_memcheck_case_small():
             assert any("w4_wgmma_kernel" in nm for nm in names), names
             torch.cuda.synchronize()
         assert _row_err(y, _ref(x, w_kn)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_quantized_linear_in_cuda_graph():
+    """Prepacked INT4 layers captured by torch.cuda.graph (the M = 1 streaming kernel with split-K partials and
+    w4_wgmma_kernel at M = 64) replay correctly with new inputs."""
+    torch = _torch()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("w4_wgmma_kernel needs sm_90")
+    rng = np.random.default_rng(41)
+    n, k, g = 4096, 4096, 128
+    with _w4("on"):
+        layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, g, torch.bfloat16, rng)
+        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 64)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile outside the capture
+            for x in xs:
+                _linear(Q.FMT_AWQ, x, layer)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys = [_linear(Q.FMT_AWQ, x, layer) for x in xs]
+        for _ in range(2):
+            for x in xs:
+                x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            for x, y in zip(xs, ys):
+                assert _row_err(y, _ref(x, w_kn)) < 1e-2
