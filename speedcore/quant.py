@@ -1822,15 +1822,23 @@ def _aligned_copy(a):
     return A.wrap(a.obj.clone() if a.lib == "torch" else a.obj.copy(), a.name)
 
 
+DEQUANT_ROWS = 4  # k rows per thread of dequant_int4_kernel (must match kernels/quant.cu)
+
+
+def dequant_int4_grid(k: int, n: int) -> tuple:
+    """dequant_int4_kernel's grid: x over the N / 8 packed words (256 threads per block), y over the k rows,
+    DEQUANT_ROWS per thread (grid-strided past the 65535-block limit of y)."""
+    return (-(-(n // 8) // 256), min(-(-k // DEQUANT_ROWS), 65535))
+
+
 def _dequant_launch(fmt, ref, qw, qz, scales, g_idx, k, n, group):
     qw, scales = _aligned_copy(qw), _aligned_copy(scales)
     wa = A.empty(ref, (k, n), scales.dtype, name="weight")
-    total = k * (n // 8)
-    if total:
+    if k * n:
         args = (wa.ptr, qw.ptr, qz.ptr, scales.ptr, g_idx.ptr if g_idx is not None else 0, np.int32(k),
                 np.int32(n), np.int32(group), np.int64(_row_stride(qw)), np.int64(_row_stride(qz)),
                 np.int64(_row_stride(scales)))
-        launch(_dequant_kernel(scales.dtype, fmt), LaunchConfig((-(-total // 256),), (256,)), args,
+        launch(_dequant_kernel(scales.dtype, fmt), LaunchConfig(dequant_int4_grid(k, n), (256,)), args,
                device=ref.device, stream=A.stream_of(ref))
     return wa
 

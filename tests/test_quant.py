@@ -279,6 +279,12 @@ def test_gemv_schedule_covers_every_step_once(blocks, steps, grid):
     assert all(t in (0, steps) for t in ticket)
 
 
+def test_dequant_int4_grid():
+    assert Q.dequant_int4_grid(4096, 4096) == (2, 1024)
+    assert Q.dequant_int4_grid(384, 2056) == (2, 96) and Q.dequant_int4_grid(6, 8) == (1, 2)
+    assert Q.dequant_int4_grid(1 << 20, 64) == (1, 65535)  # rows beyond 65535 x 4 are grid-strided
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 8192, 8192), (1, 28672, 8192), (16, 8192, 28672), (9, 4096, 4096),
                                    (1, 512, 1024), (3, 64, 32)])
 def test_gemv_config(m, n, k):
@@ -882,13 +888,13 @@ def test_int4_exact_rows_small():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_dequantizers_bit_exact_small(dtype):
+@pytest.mark.parametrize("k,n,g", [(256, 192, 64), (384, 2056, 128)])  # one partial block; 257 words: two blocks
+def test_gpu_dequantizers_bit_exact_small(dtype, k, n, g):
     torch = _torch()
     ml_dtypes = pytest.importorskip("ml_dtypes")
     td = getattr(torch, dtype)
     npd = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
     rng = np.random.default_rng(3)
-    k, n, g = 256, 192, 64
     w = rng.standard_normal((n, k)).astype(np.float32)
     qw, qz, s = Q.quantize_awq(w, g)
     s_t = torch.from_numpy(s).cuda().to(td)
