@@ -11,14 +11,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from speedcore import quant as Q
-from speedcore.bench import Bench
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _quant_m1_sweep import b, forced, layer_of  # noqa: E402  (same layers, same forcing)
+from _quant_stream_probe import b, layer_of, run_as  # noqa: E402  (same layers, same forcing)
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-assert isinstance(b, Bench)
 
 
 def strm(w, pf=0):
@@ -56,7 +53,7 @@ for fmt, n, k, m, dt, vs in CASES:
         times["ours"].append(b.time_ms(lambda: call(x)))
         times["cuBLAS"].append(b.time_ms(lambda: F.linear(x, w)))
         for tag, which, ov in vs:
-            t, yv = forced(call, x, which, **ov)
+            t, yv = run_as(call, x, which, **ov)
             err = ((yv.float() - y.float()).norm() / y.float().norm()).item()
             assert err < 1e-3, (tag, err)
             times[tag].append(t)

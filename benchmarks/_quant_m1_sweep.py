@@ -17,42 +17,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-import speedcore
 from speedcore import quant as Q
-from speedcore.bench import Bench
 
-b = Bench(quick=True)
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _quant_stream_probe import b, layer_of, run_as  # noqa: E402  (the same layers and forcing)
+
 t0 = time.time()
-G = 128
 MS = [int(a) for a in sys.argv[1:] if a.isdigit()] or [1, 16]
 best_rows = []
-
-
-def forced(call, x, which, **override):
-    saved = (Q._STREAM_MODE, Q._BULK_MODE)
-    Q._STREAM_MODE = "on"
-    Q._BULK_MODE = "on" if which == "bulk" else "off"
-    (Q._BULK_OVERRIDE if which == "bulk" else Q._STREAM_OVERRIDE).update(override)
-    try:
-        y = call(x)
-        return b.time_ms(lambda: call(x)), y
-    finally:
-        Q._STREAM_MODE, Q._BULK_MODE = saved
-        Q._STREAM_OVERRIDE.clear()
-        Q._BULK_OVERRIDE.clear()
-
-
-def layer_of(fmt, n, k, dt):
-    dev = b.device
-    if fmt == "int8":
-        layer = Q.prepack_int8(torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev),
-                               (torch.rand(n, device=dev) * 0.01 + 0.001).to(dt))
-        return lambda x: speedcore.int8_linear(x, layer)
-    scales = (torch.rand(k // G, n, device=dev) * 0.01 + 0.001).to(dt)
-    qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device=dev)
-    qz = torch.randint(-2**31, 2**31 - 1, (k // G, n // 8), dtype=torch.int32, device=dev)
-    layer = Q.prepack_awq(qw, qz, scales, group_size=G)
-    return lambda x: speedcore.awq_linear(x, layer)
 
 
 def variants(kind, m, n, k, sms):
@@ -91,7 +63,7 @@ def case(fmt, n, k, dt):
         best = ("ours", ours)
         for tag, which, ov in variants(kind, m, n, k, sms):
             try:
-                t, yv = forced(call, x, which, **ov)
+                t, yv = run_as(call, x, which, **ov)
             except Exception as exc:  # noqa: BLE001 (a shape the kernel refuses: say so, go on)
                 cells.append(f"{tag} {type(exc).__name__}")
                 continue

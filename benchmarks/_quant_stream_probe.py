@@ -3,7 +3,8 @@ register pipeline ("prev": -DSC_QUANT_STREAM_UNPIPELINED, the schedule of 4cac39
 scale and the pipeline also at M > 8 ("mt2 xsum": -DSC_QUANT_XSUM_MT2 -DSC_QUANT_PIPELINE_MT2), gemv_stream_kernel and
 gemv_bulk_kernel forced with a few launch shapes, and cuBLAS (F.linear, same dtype).  Every variant's output is
 checked against the shipped one (relative error printed when above 1e-3).  Prints one line per case, a summary
-table last."""
+table last.  The layers and the forcing (``layer_of``, ``run_as``) serve _quant_m1_sweep.py and _quant_m1_ab.py
+too."""
 import time
 
 import torch
@@ -74,26 +75,31 @@ def case(fmt, n, k, dt, ms, variants=()):
     torch.cuda.empty_cache()
 
 
-bf, fp = torch.bfloat16, torch.float16
-tiny = torch.ones(1, device=b.device)
-print(f"launch floor: tiny add_ {b.time_ms(lambda: tiny.add_(1.0))*1e3:.1f} us", flush=True)
-S16 = [("stream", "stream", (), {}), ("bulk", "bulk", (), {}), ("mt2 xsum", "ours", MT2, {}),
-       ("bulk xsum", "bulk", MT2, {})]
-S1 = [("stream", "stream", (), {}), ("bulk", "bulk", (), {})]
-case("awq", 8192, 8192, bf, [16, 12, 9], S16)
-case("awq", 8192, 8192, bf, [1, 4], S1)
-case("awq", 28672, 8192, bf, [16], S16)
-case("awq", 28672, 8192, bf, [1], S1)
-case("awq", 8192, 28672, bf, [1, 16], S16[:2])
-case("awq", 4096, 4096, bf, [1, 16], S16[:2])
-case("awq", 8192, 8192, fp, [1, 16], S16[:2])
-case("int8", 8192, 8192, bf, [1, 16], S1)
-case("int8", 8192, 8192, fp, [1], S1)
-case("int8", 28672, 8192, bf, [1], S1)
+def main():
+    bf, fp = torch.bfloat16, torch.float16
+    tiny = torch.ones(1, device=b.device)
+    print(f"launch floor: tiny add_ {b.time_ms(lambda: tiny.add_(1.0))*1e3:.1f} us", flush=True)
+    S16 = [("stream", "stream", (), {}), ("bulk", "bulk", (), {}), ("mt2 xsum", "ours", MT2, {}),
+           ("bulk xsum", "bulk", MT2, {})]
+    S1 = [("stream", "stream", (), {}), ("bulk", "bulk", (), {})]
+    case("awq", 8192, 8192, bf, [16, 12, 9], S16)
+    case("awq", 8192, 8192, bf, [1, 4], S1)
+    case("awq", 28672, 8192, bf, [16], S16)
+    case("awq", 28672, 8192, bf, [1], S1)
+    case("awq", 8192, 28672, bf, [1, 16], S16[:2])
+    case("awq", 4096, 4096, bf, [1, 16], S16[:2])
+    case("awq", 8192, 8192, fp, [1, 16], S16[:2])
+    case("int8", 8192, 8192, bf, [1, 16], S1)
+    case("int8", 8192, 8192, fp, [1], S1)
+    case("int8", 28672, 8192, bf, [1], S1)
 
-print(f"\nprobe done in {time.time() - t0:.0f}s\nsummary (us, xR = cuBLAS / time)")
-names = ["ours", "prev"] + [v[0] for v in S16]
-print(f"{'case':30s} " + " ".join(f"{nm[:10]:>11s}" for nm in names) + "  cuBLAS")
-for label, row, cub in summary:
-    cells = " ".join((f"{row[nm]*1e3:5.1f}x{cub/row[nm]:4.2f}" if nm in row else "").rjust(11) for nm in names)
-    print(f"{label:30s} {cells} {cub*1e3:6.1f}")
+    print(f"\nprobe done in {time.time() - t0:.0f}s\nsummary (us, xR = cuBLAS / time)")
+    names = ["ours", "prev"] + [v[0] for v in S16]
+    print(f"{'case':30s} " + " ".join(f"{nm[:10]:>11s}" for nm in names) + "  cuBLAS")
+    for label, row, cub in summary:
+        cells = " ".join((f"{row[nm]*1e3:5.1f}x{cub/row[nm]:4.2f}" if nm in row else "").rjust(11) for nm in names)
+        print(f"{label:30s} {cells} {cub*1e3:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

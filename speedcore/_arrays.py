@@ -194,6 +194,14 @@ def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: i
     return buf
 
 
+def split_k_scratch(ref: Array, stream, partial_bytes: int, tickets: int) -> tuple:
+    """(partials pointer, tickets pointer) of a split-K launch on ``stream``: fp32 partial sums (bytes, at least
+    1 MiB) and zeroed int32 per-tile counters.  Shared by every split-K kernel (GEMM, quantized linears): launches
+    on one stream run in order, and each kernel leaves the counters zero again."""
+    return (stream_buffer("workspace", ref, stream, partial_bytes, "uint8", min_n=1 << 20).ptr,
+            stream_buffer("tickets", ref, stream, tickets, "int32", zeroed=True).ptr)
+
+
 def _cupy_dtype(dtype: str):
     if dtype == "bfloat16":
         import ml_dtypes

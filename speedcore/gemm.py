@@ -334,9 +334,8 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
                                     swizzle=_STORE_SWIZZLE[box])
         splits, tiles = sizes[3:]
         ws_ptr = tickets_ptr = 0
-        if splits > 1:  # fp32 partials (bytes, shared with the quantized kernels' split-K scratch) and tickets
-            ws_ptr = A.stream_buffer("workspace", aa, stream, splits * m * n * 4, "uint8", min_n=1 << 20).ptr
-            tickets_ptr = A.stream_buffer("tickets", aa, stream, tiles, "int32", zeroed=True).ptr
+        if splits > 1:
+            ws_ptr, tickets_ptr = A.split_k_scratch(aa, stream, splits * m * n * 4, tiles)
         args = (tmap_a, tmap_b, tmap_out, bias_ptr) + sizes[:3] + (act, _GROUP_ARG, ws_ptr, tickets_ptr,
                                                                    np.int32(splits))
     else:

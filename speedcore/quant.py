@@ -492,7 +492,6 @@ class StreamConfig:
         return self.blocks * self.splits
 
 
-@lru_cache(maxsize=8192)
 def _packing_warps(per_block: int, per_sm: int) -> int:
     """Warps per CTA for a one-wave grid that wants ``per_block`` warps per block: below ``per_sm`` (the warps an
     SM holds), the count in [per_block / 2, per_block] whose whole CTAs hold the most warps per SM, the larger on
@@ -503,6 +502,7 @@ def _packing_warps(per_block: int, per_sm: int) -> int:
     return max(range((per_block + 1) // 2, per_block + 1), key=lambda w: ((per_sm // w) * w, w))
 
 
+@lru_cache(maxsize=8192)
 def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, splits: int = 0,
                   prefetch: int = -1, order: int = -1) -> StreamConfig:
     """Launch shape of gemv_stream_kernel (a pure function of the problem and the SM count; the keyword
@@ -1303,12 +1303,6 @@ def _x_rows(x, k_expected=None):
     return xa, rows, k, ldx
 
 
-def _ticket_buffer(xa, stream, count: int):
-    """Zeroed int32 counters for the split-K reduction; each CTA that finishes a tile resets its counter, so the
-    buffer stays zero between launches on that stream."""
-    return A.stream_buffer("tickets", xa, stream, count, "int32", zeroed=True)
-
-
 @lru_cache(maxsize=8192)
 def _plan(fmt: int, dtype: str, rows: int, n: int, k: int, group: int, sms: int):
     """Everything about a launch that depends only on the problem: config, variant, grid, scalar arguments."""
@@ -1320,11 +1314,6 @@ def _plan(fmt: int, dtype: str, rows: int, n: int, k: int, group: int, sms: int)
     head = (np.int32(rows), np.int32(n), np.int32(k), np.int32(tiles_per_group), np.int32(num_groups))
     tail = (np.int32(cfg.n_tiles), np.int32(cfg.m_chunks), np.int32(cfg.tiles_per_split))
     return cfg, _mma_kernel(dtype, fmt, cfg.mt), LaunchConfig((cfg.grid,), (THREADS,), cfg.smem), head, tail
-
-
-def _workspace_ptr(xa, stream, nbytes: int) -> int:
-    """Scratch for the split-K partials."""
-    return A.stream_buffer("workspace", xa, stream, nbytes, "uint8", min_n=1 << 20).ptr
 
 
 def _alloc_out(xa, rows: int, n: int):
@@ -1362,8 +1351,7 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     stream = A.stream_of(xa)
     partial_ptr = tickets_ptr = 0
     if cfg.splits > 1:
-        partial_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
-        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_chunks * cfg.n_tiles).ptr
+        partial_ptr, tickets_ptr = A.split_k_scratch(xa, stream, cfg.splits * rows * n * 4, cfg.m_chunks * cfg.n_tiles)
     args = (y_ptr, partial_ptr, tickets_ptr, xa.ptr, qw_ptr, qz_ptr, scales_ptr, bias_ptr) + head + (
         np.int64(ldx), np.int64(ldq), np.int64(ldz), np.int64(lds)) + tail + (np.int32(1 if packed else 0),)
     launch(kernel, lcfg, args, device=xa.device, stream=stream)
@@ -1603,8 +1591,8 @@ def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):
     stream = A.stream_of(xa)
     ws_ptr = tickets_ptr = 0
     if cfg.ctas != cfg.n_tiles * cfg.m_chunks:  # some tile is split over CTAs
-        ws_ptr = _workspace_ptr(xa, stream, marlin_workspace_floats(cfg) * 4)
-        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_chunks * cfg.n_tiles).ptr
+        ws_ptr, tickets_ptr = A.split_k_scratch(xa, stream, marlin_workspace_floats(cfg) * 4,
+                                                cfg.m_chunks * cfg.n_tiles)
     args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, gl.w_ptr, gl.g_ptr, bias_ptr) + scalars + (np.int64(ldx),)
     launch(kernel, lcfg, args, device=xa.device, stream=stream)
     return y
@@ -1635,8 +1623,7 @@ def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n, scales_ptr=0):
     stream = A.stream_of(xa)
     ws_ptr = tickets_ptr = 0
     if cfg.splits > 1:
-        ws_ptr = _workspace_ptr(xa, stream, cfg.splits * rows * n * 4)
-        tickets_ptr = _ticket_buffer(xa, stream, cfg.m_tiles * cfg.n_tiles).ptr
+        ws_ptr, tickets_ptr = A.split_k_scratch(xa, stream, cfg.splits * rows * n * 4, cfg.m_tiles * cfg.n_tiles)
     g_ptr = gl.w4_g_ptr if gl.kind == KIND_INT4 else scales_ptr
     args = (tmap_x, y_ptr, ws_ptr, tickets_ptr, gl.w4_ptr, g_ptr, bias_ptr) + scalars
     launch(kernel, lcfg, args, device=xa.device, stream=stream)
