@@ -1353,13 +1353,14 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
 }
 
 // The end of gemv_stream_kernel / gemv_bulk_kernel: sum the CTA's warps through shared memory (red: W * M rows of
-// BN + 4 floats, rows < M only), then store y, or (split-K) add into the zeroed fp32 workspace, where the last of
-// the block's CTAs (ticket) writes y and leaves workspace and ticket zeroed.
+// BN + 4 floats, rows < M only; warp w holds block cb nbc + w % nbc), then store y, or (split-K) add into the zeroed
+// fp32 workspace, where the last of the block group's CTAs (ticket cb) writes y and leaves workspace and ticket
+// zeroed.
 template <typename T, int KIND, int MT>
 __device__ __forceinline__ void stream_epilogue(const float (&acc)[MT][KIND == KIND_INT4 ? 4 : 2][4], float* red,
                                                 T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
                                                 const T* __restrict__ scales, const T* __restrict__ bias, int M, int N,
-                                                int b, int splits) {
+                                                int cb, int nbc, int splits) {
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, RS = BN + 4;
   __shared__ int s_last;
@@ -1376,34 +1377,43 @@ __device__ __forceinline__ void stream_epilogue(const float (&acc)[MT][KIND == K
         if (row < M) red[(warp * M + row) * RS + 16 * t + g + 8 * (j >> 1)] = acc[mt][t][j];
       }
   __syncthreads();
-  const int n0 = b * BN;
+  const int n0 = cb * nbc * BN, items = nbc * M * BN;
   auto store_y = [&](int row, int n, float v) {
     if constexpr (!INT4) v *= sc::to_float(scales[n]);
     if (bias != nullptr) v += sc::to_float(bias[n]);
     y[(long long)row * N + n] = sc::from_float<T>(v);
   };
-  for (int item = tid; item < M * BN; item += blockDim.x) {
-    const int row = item / BN, ch = item % BN;
+  // item = (block j of the group, row, channel): channel n0 + j BN + ch = n0 + (item % (M BN) % BN) + j BN
+  auto split_item = [&](int item, int& j, int& row, int& n) {
+    j = item / (M * BN);
+    const int r = item - j * M * BN;
+    row = r / BN;
+    n = n0 + j * BN + r % BN;
+  };
+  for (int item = tid; item < items; item += blockDim.x) {
+    int j, row, n;
+    split_item(item, j, row, n);
     float v = 0.f;
-    for (int w = 0; w < W; ++w) v += red[(w * M + row) * RS + ch];
-    if (splits == 1) store_y(row, n0 + ch, v);
-    else atomicAdd(ws + (long long)row * N + n0 + ch, v);
+    for (int w = j; w < W; w += nbc) v += red[(w * M + row) * RS + n % BN];
+    if (splits == 1) store_y(row, n, v);
+    else atomicAdd(ws + (long long)row * N + n, v);
   }
   if (splits == 1) return;
   __threadfence();  // this thread's partial sums are visible before the ticket counts them
   __syncthreads();
-  if (tid == 0) s_last = atomicAdd(tickets + b, 1) == splits - 1;
+  if (tid == 0) s_last = atomicAdd(tickets + cb, 1) == splits - 1;
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int item = tid; item < M * BN; item += blockDim.x) {
-    const int row = item / BN, ch = item % BN;
-    float* p = ws + (long long)row * N + n0 + ch;
+  for (int item = tid; item < items; item += blockDim.x) {
+    int j, row, n;
+    split_item(item, j, row, n);
+    float* p = ws + (long long)row * N + n;
     const float v = __ldcg(p);
     __stcg(p, 0.f);  // the workspace stays zero between launches
-    store_y(row, n0 + ch, v);
+    store_y(row, n, v);
   }
-  if (tid == 0) tickets[b] = 0;
+  if (tid == 0) tickets[cb] = 0;
 }
 
 // Which chunks a warp streams, and in what order.  Warp gw of the wpb warps of a block (over its splits CTAs):
@@ -1433,24 +1443,28 @@ struct ChunkOrder {
   }
 };
 
-// y[m, n] = sum_k x[m, k] W[k, n] for M <= 8 MT.  Grid: NB x splits CTAs of W = blockDim.x / 32 warps; block
-// b = blockIdx.x % NB, split = blockIdx.x / NB; warp gw = split W + warp of the block's W splits warps takes
-// its chunks in the given order (ChunkOrder).  Requires KS % 4 == 0 and (INT4) SPG % 4 == 0.
-// Dynamic shared memory: W * M * (BN + 4) floats.  `zero` must be 0 (see dep below).
+// y[m, n] = sum_k x[m, k] W[k, n] for M <= 8 MT.  Grid: (NB / nbc) x splits CTAs of W = blockDim.x / 32 warps
+// (W % nbc == 0); CTA group cb = blockIdx.x % (NB / nbc) owns blocks cb nbc .. cb nbc + nbc - 1, split =
+// blockIdx.x / (NB / nbc); warp w takes block cb nbc + w % nbc as warp gw = split W / nbc + w / nbc of the block's
+// W / nbc x splits warps, its chunks in the given order (ChunkOrder, the same for every block of the group).  So
+// with nbc > 1 the group's nbc warps of one gw read the same x words at about the same time: one L2 read of x per
+// SM instead of nbc (at M = 16, x is as many bytes as the INT4 weights).  Requires KS % 4 == 0 and (INT4)
+// SPG % 4 == 0.  Dynamic shared memory: W * M * (BN + 4) floats.  `zero` must be 0 (see dep below).
 template <typename T, int KIND, int MT>
 __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_stream_kernel(
     T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
     const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
-    const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int prefetch,
+    const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int nbc, int splits, int prefetch,
     int order, unsigned zero, long long ldx) {
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
   extern __shared__ __align__(16) float red[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int W = blockDim.x >> 5;
-  const int b = blockIdx.x % NB, split = blockIdx.x / NB;
-  const int KC = KS / U, wpb = W * splits, gw = split * W + warp;
-  const ChunkOrder chunk(order, KC, wpb, gw, b);
+  const int W = blockDim.x >> 5, groups = NB / nbc, wk = W / nbc;
+  const int cb = blockIdx.x % groups, split = blockIdx.x / groups;
+  const int b = cb * nbc + warp % nbc;
+  const int KC = KS / U, wpb = wk * splits, gw = split * wk + warp / nbc;
+  const ChunkOrder chunk(order, KC, wpb, gw, cb);
 
   const uint4* wb = wpk + (long long)b * KS * 64;
   const unsigned char* gb = grec + (long long)b * NG * 192;
@@ -1572,7 +1586,12 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
   }
   }
 
-  stream_epilogue<T, KIND, MT>(acc, red, y, ws, tickets, scales, bias, M, N, b, splits);
+  // The block group again from %ctaid read anew: kept live across the main loop it cost the fp16 M <= 8 variant its
+  // last registers (spills under the 128-register bound of 16 warps).
+  unsigned cta;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
+  stream_epilogue<T, KIND, MT>(acc, red, y, ws, tickets, scales, bias, M, N, (int)(cta % (unsigned)groups), nbc,
+                               splits);
 }
 
 
@@ -1680,7 +1699,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
   }
   __syncthreads();  // the reduction rows below reuse the other warps' rings
   stream_epilogue<T, KIND, MT>(acc, reinterpret_cast<float*>(smem + ring_off), y, ws, tickets, scales, bias, M, N,
-                               b, splits);
+                               b, 1, splits);
 #endif
 }
 

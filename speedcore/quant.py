@@ -486,10 +486,11 @@ class StreamConfig:
     prefetch: int  # L2 prefetch distance in chunks
     smem: int      # dynamic shared memory: the cross-warp reduction rows
     order: int = 0  # which chunks each warp takes, in what order (ChunkOrder)
+    nbc: int = 1    # blocks per CTA whose warps read the same chunks of x (x from L2 once per group, not per block)
 
     @property
     def grid(self) -> int:
-        return self.blocks * self.splits
+        return self.blocks // self.nbc * self.splits
 
 
 def _packing_warps(per_block: int, per_sm: int) -> int:
@@ -504,13 +505,19 @@ def _packing_warps(per_block: int, per_sm: int) -> int:
 
 @lru_cache(maxsize=8192)
 def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, splits: int = 0,
-                  prefetch: int = -1, order: int = -1) -> StreamConfig:
+                  prefetch: int = -1, order: int = -1, nbc: int = 0) -> StreamConfig:
     """Launch shape of gemv_stream_kernel (a pure function of the problem and the SM count; the keyword
     arguments override the heuristic, for measurements).
 
     One wave of equal warps: about stream_max_warps() warps per SM in all, each block's K shared by
     W <= stream_max_warps() warps of one CTA (the reduction stays in shared memory) and, only where N is too
-    small for that to fill the GPU, by several CTAs (fp32 partials).  Every warp gets at least one 128-k chunk."""
+    small for that to fill the GPU, by several CTAs (fp32 partials).  Every warp gets at least one 128-k chunk.
+    ``nbc``: blocks per CTA, ``warps / nbc`` warps each, the warps of the nbc blocks reading the same x chunks
+    together.  By default 1, but for INT4 at M > 8 where the one-wave warps per block leave room in the CTA without
+    splitting K (nbc = stream_max_warps / warps): 28672 x 8192 M = 16, 448 blocks of 3 warps -> 112 CTAs of 4 blocks,
+    H200, medians of 5 interleaved rounds, 61.7 -> 58.4 us (bf16), 60.4 -> 58.0 (fp16); where sharing needed split-K
+    it lost (8192^2 M = 16 23.0 -> 29.5, 8192 x 28672 52.3 -> 58.6), and INT8 and M <= 8 gained nothing (INT8
+    28672 x 8192 M = 16 81.5 -> 88.0, AWQ M = 4 44.0 -> 43.8)."""
     mt = 1 if m <= 8 else 2
     nb, ks = n // gemv_block_n(kind), k // GEMV_STEP_K
     kc = ks // 4
@@ -522,14 +529,20 @@ def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, s
         # 90.7 -> 79.8 us; 8192x8192 unchanged at 8).
         per_block = max(per_block, min(kc, STREAM_INT8_MIN_WARPS[mt - 1]))
     w = min(warps or _packing_warps(per_block, wmax), wmax)
-    sp = splits or max(1, min(per_block // w, kc // w))
+    if not nbc:
+        nbc = wmax // w if (kind == KIND_INT4 and mt == 2 and not warps and wmax % w == 0 and nb % (wmax // w) == 0
+                            and per_block == w) else 1
+        w *= nbc
+    if nbc < 1 or nb % nbc or w % nbc:
+        raise ValueError(f"stream_config: nbc = {nbc} must divide the {nb} blocks and the {w} warps per CTA")
+    sp = splits or max(1, min(per_block // (w // nbc), kc // (w // nbc)))
     pf = STREAM_PREFETCH if prefetch < 0 else prefetch
     smem = w * max(m, 1) * (gemv_block_n(kind) + 4) * 4
     if order < 0:
         # INT4 at M > 8: rotated runs (H200: 8192x28672 52.5 vs 57.4 us, the other shapes within 1%); else the
         # contiguous runs in order.
         order = 2 if (kind == KIND_INT4 and mt == 2) else 0
-    return StreamConfig(mt, nb, ks, w, sp, pf, smem, order)
+    return StreamConfig(mt, nb, ks, w, sp, pf, smem, order, nbc)
 
 
 @dataclass(frozen=True)
@@ -1537,7 +1550,7 @@ def _stream_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng:
                  defines: tuple = ()):
     cfg = stream_config(rows, n, k, kind, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(cfg.steps), np.int32(spg), np.int32(ng), np.int32(cfg.blocks),
-               np.int32(cfg.splits), np.int32(cfg.prefetch), np.int32(cfg.order), np.uint32(0))
+               np.int32(cfg.nbc), np.int32(cfg.splits), np.int32(cfg.prefetch), np.int32(cfg.order), np.uint32(0))
     return (cfg, _stream_kernel(dtype, kind, cfg.mt, defines), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem),
             scalars)
 

@@ -324,11 +324,17 @@ def _stream_chunks(cfg, order=None):
     """(block, chunk) -> how many warps of the launch cover it, mirroring gemv_stream_kernel's index math."""
     kc = cfg.steps // 4
     seen = np.zeros((cfg.blocks, kc), np.int32)
-    wpb = cfg.warps * cfg.splits
+    nbc = getattr(cfg, "nbc", 1)  # gemv_bulk_kernel: one block per CTA
+    groups, wk = cfg.blocks // nbc, cfg.warps // nbc
+    wpb = wk * cfg.splits
     for cta in range(cfg.grid):
-        b, split = cta % cfg.blocks, cta // cfg.blocks
+        cb, split = cta % groups, cta // groups
+        chunks = {}
         for w in range(cfg.warps):
-            for c in Q.chunk_order(cfg.order if order is None else order, kc, wpb, split * cfg.warps + w, b):
+            b, gw = cb * nbc + w % nbc, split * wk + w // nbc
+            got = Q.chunk_order(cfg.order if order is None else order, kc, wpb, gw, cb)
+            assert chunks.setdefault(w // nbc, got) == got  # a group's warps of one gw read the same x chunks
+            for c in got:
                 seen[b, c] += 1
     return seen
 
@@ -386,7 +392,7 @@ def test_stream_config(m, n, k):
         assert cfg.mt == (1 if m <= 8 else 2)
         assert cfg.blocks * Q.gemv_block_n(kind) == n and cfg.steps * 32 == k
         assert 1 <= cfg.warps <= wmax and cfg.splits >= 1
-        assert cfg.warps * cfg.splits <= cfg.steps // 4              # every warp has at least one chunk
+        assert cfg.warps // cfg.nbc * cfg.splits <= cfg.steps // 4    # every warp has at least one chunk
         assert cfg.grid * cfg.warps <= wmax * 132 or cfg.splits == 1  # one wave (splits only where it fits)
         assert cfg.smem == cfg.warps * m * (Q.gemv_block_n(kind) + 4) * 4 and cfg.smem <= 227 * 1024
         for order in (0, 1, 2):
@@ -415,6 +421,21 @@ def test_stream_config(m, n, k):
     # overrides (for measurements) are honoured within the kernel's limits
     c = Q.stream_config(1, 512, 4096, Q.KIND_INT4, 132, warps=3, splits=3, prefetch=2)
     assert (c.warps, c.splits, c.prefetch, c.grid) == (3, 3, 2, 24) and (_stream_chunks(c) == 1).all()
+    # blocks per CTA sharing x (nbc): the CTA's warps split over its blocks, the splits keep each block's warp count
+    # (by default where the CTAs have room without a K split: INT4 M > 8, 448 blocks of 3 warps -> 4 blocks a CTA)
+    c = Q.stream_config(16, 28672, 8192, Q.KIND_INT4, 132)
+    assert (c.warps, c.nbc, c.splits, c.grid) == (12, 4, 1, 112) and (_stream_chunks(c) == 1).all()
+    assert Q.stream_config(16, 28672, 8192, Q.KIND_INT4, 132, nbc=1).grid == 448
+    assert Q.stream_config(8, 28672, 8192, Q.KIND_INT4, 132).nbc == Q.stream_config(16, 28672, 8192, 1, 132).nbc == 1
+    assert Q.stream_config(16, 8192, 8192, Q.KIND_INT4, 132).nbc == 1  # sharing would need split-K there
+    c = Q.stream_config(16, 8192, 8192, Q.KIND_INT4, 132, nbc=2)
+    assert (c.warps, c.nbc, c.splits, c.grid) == (12, 2, 2, 128) and (_stream_chunks(c) == 1).all()
+    for order in (0, 1, 2):
+        c = Q.stream_config(9, 512, 2048, Q.KIND_INT4, 132, warps=6, nbc=2, splits=3, order=order)
+        assert c.grid == 12 and (_stream_chunks(c) == 1).all()
+    for bad in ({"nbc": 3}, {"warps": 6, "nbc": 4}):  # 128 blocks / 6 warps not divisible
+        with pytest.raises(ValueError):
+            Q.stream_config(16, 8192, 8192, Q.KIND_INT4, 132, **bad)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -647,7 +668,11 @@ def test_gemv_exact_rows_small():
     (16, 1024, 8192, 128, {"order": 1}), (16, 4096, 1024, 256, {"order": 2}), (1, 8192, 1024, 128, {"order": 2}),
     (3, 512, 4096, 128, {"warps": 3, "splits": 3, "prefetch": 2, "order": 2}), (4, 512, 4096, 128, {"order": 1}),
     (12, 320, 2048, 128, {"warps": 5, "splits": 2, "order": 1}),
-    (1, 256, 1024, 128, {"warps": 1, "splits": 8, "prefetch": 0}), (2, 128, 512, 128, {"warps": 2, "prefetch": 3})])
+    (1, 256, 1024, 128, {"warps": 1, "splits": 8, "prefetch": 0}), (2, 128, 512, 128, {"warps": 2, "prefetch": 3}),
+    # blocks per CTA sharing x (stream only; the bulk kernel ignores nbc)
+    (16, 1024, 8192, 128, {"warps": 8, "nbc": 4, "order": 2}), (9, 512, 2048, 128, {"warps": 6, "nbc": 2, "splits": 3}),
+    (16, 4096, 1024, 256, {"warps": 12, "nbc": 4}), (1, 768, 1024, 128, {"warps": 4, "nbc": 2, "order": 1}),
+    (13, 768, 1024, 128, {"warps": 6, "nbc": 2, "order": 0})])
 @pytest.mark.parametrize("bulk", ["off", "on"])
 def test_stream_small(dtype, fmt, m, n, k, g, override, bulk):
     """gemv_stream_kernel and gemv_bulk_kernel (M <= 16, prepacked, K and G multiples of 128): values against
@@ -1016,7 +1041,7 @@ def _same_launch(a, b):
     kb, cb, ab = b
     assert ka == kb and ca == cb
     assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name or "quant_marlin" in ka.name
-                                  else 19 if "gemv_stream" in ka.name else 18 if "gemv_bulk" in ka.name else 21)
+                                  else 20 if "gemv_stream" in ka.name else 18 if "gemv_bulk" in ka.name else 21)
     for u, v in zip(aa, ab):
         assert type(u) is type(v) and u == v, (aa, ab)
 
