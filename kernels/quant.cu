@@ -1377,26 +1377,21 @@ __device__ __forceinline__ void stream_epilogue(const float (&acc)[MT][KIND == K
         if (row < M) red[(warp * M + row) * RS + 16 * t + g + 8 * (j >> 1)] = acc[mt][t][j];
       }
   __syncthreads();
-  const int n0 = cb * nbc * BN, items = nbc * M * BN;
+  const int n0 = cb * nbc * BN;
   auto store_y = [&](int row, int n, float v) {
     if constexpr (!INT4) v *= sc::to_float(scales[n]);
     if (bias != nullptr) v += sc::to_float(bias[n]);
     y[(long long)row * N + n] = sc::from_float<T>(v);
   };
-  // item = (block j of the group, row, channel): channel n0 + j BN + ch = n0 + (item % (M BN) % BN) + j BN
-  auto split_item = [&](int item, int& j, int& row, int& n) {
-    j = item / (M * BN);
-    const int r = item - j * M * BN;
-    row = r / BN;
-    n = n0 + j * BN + r % BN;
-  };
-  for (int item = tid; item < items; item += blockDim.x) {
-    int j, row, n;
-    split_item(item, j, row, n);
-    float v = 0.f;
-    for (int w = j; w < W; w += nbc) v += red[(w * M + row) * RS + n % BN];
-    if (splits == 1) store_y(row, n, v);
-    else atomicAdd(ws + (long long)row * N + n, v);
+  // Block j of the group: channels n0 + j BN + ch, summed over its warps j, j + nbc, ...
+  for (int j = 0; j < nbc; ++j) {
+    for (int item = tid; item < M * BN; item += blockDim.x) {
+      const int row = item / BN, ch = item % BN, n = n0 + j * BN + ch;
+      float v = 0.f;
+      for (int w = j; w < W; w += nbc) v += red[(w * M + row) * RS + ch];
+      if (splits == 1) store_y(row, n, v);
+      else atomicAdd(ws + (long long)row * N + n, v);
+    }
   }
   if (splits == 1) return;
   __threadfence();  // this thread's partial sums are visible before the ticket counts them
@@ -1405,9 +1400,8 @@ __device__ __forceinline__ void stream_epilogue(const float (&acc)[MT][KIND == K
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int item = tid; item < items; item += blockDim.x) {
-    int j, row, n;
-    split_item(item, j, row, n);
+  for (int item = tid; item < nbc * M * BN; item += blockDim.x) {
+    const int row = item / BN % M, n = n0 + item / (M * BN) * BN + item % BN;
     float* p = ws + (long long)row * N + n;
     const float v = __ldcg(p);
     __stcg(p, 0.f);  // the workspace stays zero between launches
@@ -1460,6 +1454,9 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
   constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
   extern __shared__ __align__(16) float red[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  // M <= 8 (MT = 1): one block per CTA, whatever nbc says, so the group arithmetic folds away (kept general, it took
+  // registers from the register pipeline: the fp16 variant spilled under its 128-register bound).
+  if constexpr (MT == 1) nbc = 1;
   const int W = blockDim.x >> 5, groups = NB / nbc, wk = W / nbc;
   const int cb = blockIdx.x % groups, split = blockIdx.x / groups;
   const int b = cb * nbc + warp % nbc;
@@ -1586,12 +1583,7 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
   }
   }
 
-  // The block group again from %ctaid read anew: kept live across the main loop it cost the fp16 M <= 8 variant its
-  // last registers (spills under the 128-register bound of 16 warps).
-  unsigned cta;
-  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
-  stream_epilogue<T, KIND, MT>(acc, red, y, ws, tickets, scales, bias, M, N, (int)(cta % (unsigned)groups), nbc,
-                               splits);
+  stream_epilogue<T, KIND, MT>(acc, red, y, ws, tickets, scales, bias, M, N, cb, nbc, splits);
 }
 
 
