@@ -533,8 +533,9 @@ def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, s
         nbc = wmax // w if (kind == KIND_INT4 and mt == 2 and not warps and wmax % w == 0 and nb % (wmax // w) == 0
                             and per_block == w) else 1
         w *= nbc
-    if nbc < 1 or nb % nbc or w % nbc:
-        raise ValueError(f"stream_config: nbc = {nbc} must divide the {nb} blocks and the {w} warps per CTA")
+    if nbc < 1 or nb % nbc or w % nbc or (nbc > 1 and mt == 1):
+        raise ValueError(f"stream_config: nbc = {nbc} must divide the {nb} blocks and the {w} warps per CTA, and be 1 "
+                         f"at M <= 8 (the kernel's one block per CTA there), got M = {m}")
     sp = splits or max(1, min(per_block // (w // nbc), kc // (w // nbc)))
     pf = STREAM_PREFETCH if prefetch < 0 else prefetch
     smem = w * max(m, 1) * (gemv_block_n(kind) + 4) * 4

@@ -436,6 +436,8 @@ def test_stream_config(m, n, k):
     for bad in ({"nbc": 3}, {"warps": 6, "nbc": 4}):  # 128 blocks / 6 warps not divisible
         with pytest.raises(ValueError):
             Q.stream_config(16, 8192, 8192, Q.KIND_INT4, 132, **bad)
+    with pytest.raises(ValueError):  # M <= 8: one block per CTA (the kernel folds nbc to 1 there)
+        Q.stream_config(8, 8192, 8192, Q.KIND_INT4, 132, warps=16, nbc=2)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -671,7 +673,7 @@ def test_gemv_exact_rows_small():
     (1, 256, 1024, 128, {"warps": 1, "splits": 8, "prefetch": 0}), (2, 128, 512, 128, {"warps": 2, "prefetch": 3}),
     # blocks per CTA sharing x (stream only; the bulk kernel ignores nbc)
     (16, 1024, 8192, 128, {"warps": 8, "nbc": 4, "order": 2}), (9, 512, 2048, 128, {"warps": 6, "nbc": 2, "splits": 3}),
-    (16, 4096, 1024, 256, {"warps": 12, "nbc": 4}), (1, 768, 1024, 128, {"warps": 4, "nbc": 2, "order": 1}),
+    (16, 4096, 1024, 256, {"warps": 12, "nbc": 4}), (10, 768, 1024, 128, {"warps": 4, "nbc": 2, "order": 1}),
     (13, 768, 1024, 128, {"warps": 6, "nbc": 2, "order": 0})])
 @pytest.mark.parametrize("bulk", ["off", "on"])
 def test_stream_small(dtype, fmt, m, n, k, g, override, bulk):
