@@ -40,27 +40,39 @@ CASES = [
     ("int8", 28672, 8192, 16, torch.bfloat16, [strm(2)]),
 ]
 
-print(f"{'case':34s} {'variant':>10s} {'median us':>9s} {'min':>6s} {'x cuBLAS':>8s}")
-for fmt, n, k, m, dt, vs in CASES:
-    call = layer_of(fmt, n, k, dt)
-    x = torch.randn(m, k, device=b.device, dtype=dt)
-    w = torch.randn(n, k, device=b.device, dtype=dt) * 0.01
-    y = call(x)
-    times = {"ours": [], "cuBLAS": []}
-    for tag, _, _ in vs:
-        times[tag] = []
-    for _ in range(ROUNDS):
-        times["ours"].append(b.time_ms(lambda: call(x)))
-        times["cuBLAS"].append(b.time_ms(lambda: F.linear(x, w)))
-        for tag, which, ov in vs:
-            t, yv = run_as(call, x, which, **ov)
-            err = ((yv.float() - y.float()).norm() / y.float().norm()).item()
-            assert err < 1e-3, (tag, err)
-            times[tag].append(t)
-    cub = statistics.median(times["cuBLAS"])
-    label = f"{fmt} {str(dt)[6:]} M={m} {n}x{k}"
-    for tag, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{label:34s} {tag:>10s} {med * 1e3:9.1f} {min(ts) * 1e3:6.1f} {cub / med:8.2f}", flush=True)
-    del call, w
-    torch.cuda.empty_cache()
+def ab(cases, rounds):
+    """Times every case's variants (run_as overrides) against the dispatch and cuBLAS, interleaved over rounds;
+    prints a line per variant and returns a summary line per case."""
+    print(f"{'case':34s} {'variant':>10s} {'median us':>9s} {'min':>6s} {'x cuBLAS':>8s}")
+    summary = []
+    for fmt, n, k, m, dt, vs in cases:
+        call = layer_of(fmt, n, k, dt)
+        x = torch.randn(m, k, device=b.device, dtype=dt)
+        w = torch.randn(n, k, device=b.device, dtype=dt) * 0.01
+        y = call(x)
+        times = {"ours": [], "cuBLAS": []}
+        for tag, _, _ in vs:
+            times[tag] = []
+        for _ in range(rounds):
+            times["ours"].append(b.time_ms(lambda: call(x)))
+            times["cuBLAS"].append(b.time_ms(lambda: F.linear(x, w)))
+            for tag, which, ov in vs:
+                t, yv = run_as(call, x, which, **ov)
+                err = ((yv.float() - y.float()).norm() / y.float().norm()).item()
+                assert err < 1e-3, (tag, err)
+                times[tag].append(t)
+        cub = statistics.median(times["cuBLAS"])
+        label = f"{fmt} {str(dt)[6:]} M={m} {n}x{k}"
+        cells = []
+        for tag, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{label:34s} {tag:>10s} {med * 1e3:9.1f} {min(ts) * 1e3:6.1f} {cub / med:8.2f}", flush=True)
+            cells.append(f"{tag} {med * 1e3:.1f} ({cub / med:.2f})")
+        summary.append(f"{label:34s} " + " | ".join(cells))
+        call = w = None  # free the layer before the next case
+        torch.cuda.empty_cache()
+    return summary
+
+
+if __name__ == "__main__":
+    ab(CASES, ROUNDS)

@@ -99,7 +99,7 @@ for fmt, n, k, m, dt in CASES:
             f"{med['cuBLAS']:7.1f} | new/old {med['old'] / med['new']:.3f}")
     print(line, flush=True)
     summary.append(line)
-    del layer, w
+    layer = w = None  # free the layer before the next case
     torch.cuda.empty_cache()
 print("\nsummary: us, medians of", ROUNDS)
 print("\n".join(summary))

@@ -154,7 +154,7 @@ def main(sizes_mb, reps, only_first):
         row["torch sum"] = size / timed(lambda: t16.sum()) * 1e-12
         dst = torch.empty(size, dtype=torch.uint8, device="cuda")
         row["torch copy (r+w)"] = 2 * size / timed(lambda: dst.copy_(buf[:size])) * 1e-12
-        del dst
+        dst = None
         results.append(row)
         print(f"--- {size >> 20} MB (TB/s read)", flush=True)
         for k, v in row.items():

@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(128 * WGS, 1) wgmma_rate(float* out, int iters
       for (int j = 0; j < GS; ++j) {
         const unsigned off = (s + j) * 32;
         if constexpr (RS) sc::WgmmaRS<N, __nv_bfloat16, 0>::mma(acc, a, sc::wgmma_desc_advance(db, off));
-        else sc::Wgmma<N, __nv_bfloat16, 0>::mma(acc, sc::wgmma_desc_advance(da, off), sc::wgmma_desc_advance(db, off), 1);
+        else sc::Wgmma<N, __nv_bfloat16, 0>::mma(acc, sc::wgmma_desc_advance(da, off), sc::wgmma_desc_advance(db, off),
+                                                 1);
       }
       sc::wgmma_commit();
 #pragma unroll
