@@ -4,7 +4,8 @@ with its own argument list on the same prepacked layers and launch shapes (nbc =
 (the stream kernel forced on, today's launch shape).  Medians of interleaved rounds, outputs checked against each
 other, cuBLAS (F.linear) in the same run.
 
-    PYTHONPATH=. python3 benchmarks/_quant_stream_old_ab.py [rounds]      (default 7)
+    PYTHONPATH=. python3 benchmarks/_quant_stream_old_ab.py [rounds] [--split]      (default 7; --split: the
+    split-K cases instead)
 """
 import dataclasses
 import statistics
@@ -21,7 +22,7 @@ from speedcore._compile import Kernel
 from speedcore._launch import LaunchConfig, launch
 from speedcore.bench import Bench
 
-ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 7
 b = Bench(quick=True)
 G = 128
 
@@ -74,6 +75,11 @@ BF, FP = torch.bfloat16, torch.float16
 CASES = [("awq", 28672, 8192, 1, BF), ("awq", 28672, 8192, 1, FP), ("awq", 28672, 8192, 4, BF),
          ("awq", 28672, 8192, 16, BF), ("awq", 8192, 8192, 16, BF), ("awq", 4096, 4096, 1, BF),
          ("int8", 28672, 8192, 1, BF), ("int8", 8192, 8192, 1, BF), ("int8", 8192, 8192, 16, BF)]
+# split-K launches (the epilogue's atomics and ticket pass): 4096^2 M = 16 (2 CTAs a block), 4096 x 14336 M = 16
+CASES_SPLIT = [("awq", 4096, 4096, 16, BF), ("awq", 4096, 4096, 16, FP), ("awq", 4096, 14336, 16, BF),
+               ("awq", 4096, 4096, 4, BF)]
+if "--split" in sys.argv:
+    CASES = CASES_SPLIT
 
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 summary = []

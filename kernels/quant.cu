@@ -1353,14 +1353,14 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
 }
 
 // The end of gemv_stream_kernel / gemv_bulk_kernel: sum the CTA's warps through shared memory (red: W * M rows of
-// BN + 4 floats, rows < M only; warp w holds block cb nbc + w % nbc), then store y, or (split-K) add into the zeroed
+// BN + 4 floats, rows < M only; warp w holds block cb NBC + w % NBC), then store y, or (split-K) add into the zeroed
 // fp32 workspace, where the last of the block group's CTAs (ticket cb) writes y and leaves workspace and ticket
 // zeroed.
-template <typename T, int KIND, int MT>
+template <typename T, int KIND, int MT, int NBC>
 __device__ __forceinline__ void stream_epilogue(const float (&acc)[MT][KIND == KIND_INT4 ? 4 : 2][4], float* red,
                                                 T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
                                                 const T* __restrict__ scales, const T* __restrict__ bias, int M, int N,
-                                                int cb, int nbc, int splits) {
+                                                int cb, int splits) {
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, RS = BN + 4;
   __shared__ int s_last;
@@ -1377,18 +1377,19 @@ __device__ __forceinline__ void stream_epilogue(const float (&acc)[MT][KIND == K
         if (row < M) red[(warp * M + row) * RS + 16 * t + g + 8 * (j >> 1)] = acc[mt][t][j];
       }
   __syncthreads();
-  const int n0 = cb * nbc * BN;
+  const int n0 = cb * NBC * BN;
   auto store_y = [&](int row, int n, float v) {
     if constexpr (!INT4) v *= sc::to_float(scales[n]);
     if (bias != nullptr) v += sc::to_float(bias[n]);
     y[(long long)row * N + n] = sc::from_float<T>(v);
   };
-  // Block j of the group: channels n0 + j BN + ch, summed over its warps j, j + nbc, ...
-  for (int j = 0; j < nbc; ++j) {
+  // Block j of the group: channels n0 + j BN + ch, summed over its warps j, j + NBC, ...
+#pragma unroll
+  for (int j = 0; j < NBC; ++j) {
     for (int item = tid; item < M * BN; item += blockDim.x) {
       const int row = item / BN, ch = item % BN, n = n0 + j * BN + ch;
       float v = 0.f;
-      for (int w = j; w < W; w += nbc) v += red[(w * M + row) * RS + ch];
+      for (int w = j; w < W; w += NBC) v += red[(w * M + row) * RS + ch];
       if (splits == 1) store_y(row, n, v);
       else atomicAdd(ws + (long long)row * N + n, v);
     }
@@ -1400,12 +1401,15 @@ __device__ __forceinline__ void stream_epilogue(const float (&acc)[MT][KIND == K
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int item = tid; item < nbc * M * BN; item += blockDim.x) {
-    const int row = item / BN % M, n = n0 + item / (M * BN) * BN + item % BN;
-    float* p = ws + (long long)row * N + n;
-    const float v = __ldcg(p);
-    __stcg(p, 0.f);  // the workspace stays zero between launches
-    store_y(row, n, v);
+#pragma unroll
+  for (int j = 0; j < NBC; ++j) {
+    for (int item = tid; item < M * BN; item += blockDim.x) {
+      const int row = item / BN, n = n0 + j * BN + item % BN;
+      float* p = ws + (long long)row * N + n;
+      const float v = __ldcg(p);
+      __stcg(p, 0.f);  // the workspace stays zero between launches
+      store_y(row, n, v);
+    }
   }
   if (tid == 0) tickets[cb] = 0;
 }
@@ -1437,30 +1441,30 @@ struct ChunkOrder {
   }
 };
 
-// y[m, n] = sum_k x[m, k] W[k, n] for M <= 8 MT.  Grid: (NB / nbc) x splits CTAs of W = blockDim.x / 32 warps
-// (W % nbc == 0); CTA group cb = blockIdx.x % (NB / nbc) owns blocks cb nbc .. cb nbc + nbc - 1, split =
-// blockIdx.x / (NB / nbc); warp w takes block cb nbc + w % nbc as warp gw = split W / nbc + w / nbc of the block's
-// W / nbc x splits warps, its chunks in the given order (ChunkOrder, the same for every block of the group).  So
-// with nbc > 1 the group's nbc warps of one gw read the same x words at about the same time: one L2 read of x per
-// SM instead of nbc (at M = 16, x is as many bytes as the INT4 weights).  Requires KS % 4 == 0 and (INT4)
-// SPG % 4 == 0.  Dynamic shared memory: W * M * (BN + 4) floats.  `zero` must be 0 (see dep below).
-template <typename T, int KIND, int MT>
+// y[m, n] = sum_k x[m, k] W[k, n] for M <= 8 MT.  Grid: (NB / NBC) x splits CTAs of W = blockDim.x / 32 warps
+// (W % NBC == 0); CTA group cb = blockIdx.x % (NB / NBC) owns blocks cb NBC .. cb NBC + NBC - 1, split =
+// blockIdx.x / (NB / NBC); warp w takes block cb NBC + w % NBC as warp gw = split W / NBC + w / NBC of the block's
+// W / NBC x splits warps, its chunks in the given order (ChunkOrder, the same for every block of the group).  So
+// with NBC > 1 the group's NBC warps of one gw read the same x words at about the same time: one L2 read of x per
+// SM instead of NBC (at M = 16, x is as many bytes as the INT4 weights).  NBC is a template parameter: as a
+// runtime argument its arithmetic changed ptxas's schedule of the NBC = 1 kernels (4096^2 M = 16 5% slower, H200).
+// Requires KS % 4 == 0 and (INT4) SPG % 4 == 0.  Dynamic shared memory: W * M * (BN + 4) floats.  `zero` must be
+// 0 (see dep below).
+template <typename T, int KIND, int MT, int NBC = 1>
 __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_stream_kernel(
     T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
     const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
-    const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int nbc, int splits, int prefetch,
+    const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int prefetch,
     int order, unsigned zero, long long ldx) {
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
   extern __shared__ __align__(16) float red[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  // M <= 8 (MT = 1): one block per CTA, whatever nbc says, so the group arithmetic folds away (kept general, it took
-  // registers from the register pipeline: the fp16 variant spilled under its 128-register bound).
-  if constexpr (MT == 1) nbc = 1;
-  const int W = blockDim.x >> 5, groups = NB / nbc, wk = W / nbc;
+  static_assert(NBC == 1 || MT == 2, "several blocks per CTA only at M > 8 (the register pipeline has no room)");
+  const int W = blockDim.x >> 5, groups = NB / NBC, wk = W / NBC;
   const int cb = blockIdx.x % groups, split = blockIdx.x / groups;
-  const int b = cb * nbc + warp % nbc;
-  const int KC = KS / U, wpb = wk * splits, gw = split * wk + warp / nbc;
+  const int b = cb * NBC + warp % NBC;
+  const int KC = KS / U, wpb = wk * splits, gw = split * wk + warp / NBC;
   const ChunkOrder chunk(order, KC, wpb, gw, cb);
 
   const uint4* wb = wpk + (long long)b * KS * 64;
@@ -1583,7 +1587,7 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
   }
   }
 
-  stream_epilogue<T, KIND, MT>(acc, red, y, ws, tickets, scales, bias, M, N, cb, nbc, splits);
+  stream_epilogue<T, KIND, MT, NBC>(acc, red, y, ws, tickets, scales, bias, M, N, cb, splits);
 }
 
 
@@ -1690,8 +1694,8 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
     }
   }
   __syncthreads();  // the reduction rows below reuse the other warps' rings
-  stream_epilogue<T, KIND, MT>(acc, reinterpret_cast<float*>(smem + ring_off), y, ws, tickets, scales, bias, M, N,
-                               b, 1, splits);
+  stream_epilogue<T, KIND, MT, 1>(acc, reinterpret_cast<float*>(smem + ring_off), y, ws, tickets, scales, bias, M,
+                                  N, b, splits);
 #endif
 }
 

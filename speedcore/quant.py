@@ -77,6 +77,7 @@ GEMV_CTAS_PER_SM = 2
 # The register-streaming small-M kernel (gemv_stream_kernel) on the same layout; must match kernels/quant.cu.
 STREAM_CHUNK_K = 128        # k per chunk (4 steps): K and (INT4) G must be multiples of it
 STREAM_PREFETCH = 0         # chunks prefetched into L2 ahead of the one being loaded (H200: 1-3 were slower)
+STREAM_NBC_CHOICES = (1, 2, 4)  # blocks per CTA of gemv_stream_kernel built (its NBC; > 1 at M > 8 only)
 STREAM_INT8_MIN_WARPS = (8, 4)  # INT8: at least this many warps per 32-channel block (M <= 8, M <= 16)
 # gemv_bulk_kernel (sm_90+): the same chunks through cp.async.bulk into per-warp shared-memory rings.
 BULK_MAX_WARPS = 16
@@ -514,10 +515,11 @@ def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, s
     small for that to fill the GPU, by several CTAs (fp32 partials).  Every warp gets at least one 128-k chunk.
     ``nbc``: blocks per CTA, ``warps / nbc`` warps each, the warps of the nbc blocks reading the same x chunks
     together.  By default 1, but for INT4 at M > 8 where the one-wave warps per block leave room in the CTA without
-    splitting K (nbc = stream_max_warps / warps): 28672 x 8192 M = 16, 448 blocks of 3 warps -> 112 CTAs of 4 blocks,
-    H200, medians of 5 interleaved rounds, 61.7 -> 58.4 us (bf16), 60.4 -> 58.0 (fp16); where sharing needed split-K
-    it lost (8192^2 M = 16 23.0 -> 29.5, 8192 x 28672 52.3 -> 58.6), and INT8 and M <= 8 gained nothing (INT8
-    28672 x 8192 M = 16 81.5 -> 88.0, AWQ M = 4 44.0 -> 43.8)."""
+    splitting K (nbc = stream_max_warps / warps): 28672 x 8192 M = 16, 448 blocks of 3 warps -> 112 CTAs of 4 blocks
+    (H200, bf16, against the one-block kernel in the same process: 60.6 -> 60.1 us with nbc a template parameter;
+    61.7 -> 58.4 when it was a runtime argument, which however slowed the one-block launches by up to 5%).  Where
+    sharing needed split-K it lost (8192^2 M = 16 23.0 -> 29.5, 8192 x 28672 52.3 -> 58.6), and INT8 gained nothing
+    (28672 x 8192 M = 16 81.5 -> 88.0)."""
     mt = 1 if m <= 8 else 2
     nb, ks = n // gemv_block_n(kind), k // GEMV_STEP_K
     kc = ks // 4
@@ -533,9 +535,9 @@ def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, s
         nbc = wmax // w if (kind == KIND_INT4 and mt == 2 and not warps and wmax % w == 0 and nb % (wmax // w) == 0
                             and per_block == w) else 1
         w *= nbc
-    if nbc < 1 or nb % nbc or w % nbc or (nbc > 1 and mt == 1):
-        raise ValueError(f"stream_config: nbc = {nbc} must divide the {nb} blocks and the {w} warps per CTA, and be 1 "
-                         f"at M <= 8 (the kernel's one block per CTA there), got M = {m}")
+    if nbc not in STREAM_NBC_CHOICES or nb % nbc or w % nbc or (nbc > 1 and mt == 1):
+        raise ValueError(f"stream_config: nbc must be one of {STREAM_NBC_CHOICES}, divide the {nb} blocks and the {w} "
+                         f"warps per CTA, and be 1 at M <= 8 (one block per CTA there), got nbc = {nbc} at M = {m}")
     sp = splits or max(1, min(per_block // (w // nbc), kc // (w // nbc)))
     pf = STREAM_PREFETCH if prefetch < 0 else prefetch
     smem = w * max(m, 1) * (gemv_block_n(kind) + 4) * 4
@@ -1093,8 +1095,9 @@ _STREAM_DEFINES: tuple = ()
 
 
 @lru_cache(maxsize=None)
-def _stream_kernel(dtype: str, kind: int, mt: int, defines: tuple = ()) -> Kernel:
-    return Kernel(SOURCE, f"quant::gemv_stream_kernel<{A.CTYPE[dtype]}, {kind}, {mt}>", options=defines)
+def _stream_kernel(dtype: str, kind: int, mt: int, defines: tuple = (), nbc: int = 1) -> Kernel:
+    tail = "" if nbc == 1 else f", {nbc}"
+    return Kernel(SOURCE, f"quant::gemv_stream_kernel<{A.CTYPE[dtype]}, {kind}, {mt}{tail}>", options=defines)
 
 
 @lru_cache(maxsize=None)
@@ -1142,6 +1145,8 @@ def all_kernels() -> list:
             for mt in (1, 2):
                 out.append(_gemv_kernel(dtype, kind, mt))
                 out.append(_stream_kernel(dtype, kind, mt))
+                if mt == 2:
+                    out.extend(_stream_kernel(dtype, kind, mt, nbc=c) for c in STREAM_NBC_CHOICES[1:])
                 out.append(_bulk_kernel(dtype, kind, mt))
         for mt in MARLIN_MT_CHOICES:
             out.append(_marlin_kernel(dtype, mt))
@@ -1551,9 +1556,9 @@ def _stream_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng:
                  defines: tuple = ()):
     cfg = stream_config(rows, n, k, kind, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(cfg.steps), np.int32(spg), np.int32(ng), np.int32(cfg.blocks),
-               np.int32(cfg.nbc), np.int32(cfg.splits), np.int32(cfg.prefetch), np.int32(cfg.order), np.uint32(0))
-    return (cfg, _stream_kernel(dtype, kind, cfg.mt, defines), LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem),
-            scalars)
+               np.int32(cfg.splits), np.int32(cfg.prefetch), np.int32(cfg.order), np.uint32(0))
+    return (cfg, _stream_kernel(dtype, kind, cfg.mt, defines, cfg.nbc),
+            LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem), scalars)
 
 
 def _launch_chunks(bulk: bool, gl, xa, rows, k, ldx, scales_ptr, bias_ptr, n):

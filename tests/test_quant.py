@@ -205,13 +205,16 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 130
+    assert len(names) == len(set(names)) == 138
     assert "quant_sm90::w4_wgmma_kernel<__nv_bfloat16, 64, 2, 8>" in names
     assert "quant_sm90::w4_wgmma_kernel<__half, 256, 1, 6>" in names  # blk = 1 shapes: measurements only
     assert "quant_sm90::w4_wgmma_kernel<__half, 128, 1, 8, 4>" in names  # wgmma groups of 4 k16 steps
     assert "quant_sm90::w4_wgmma_kernel<__half, 128, 2, 8>" in names
     assert "quant::quant_marlin_kernel<__half, 4>" in names and "quant::quant_marlin_kernel<__nv_bfloat16, 8>" in names
     assert "quant::gemv_stream_kernel<__half, 1, 2>" in names and "quant::gemv_bulk_kernel<__half, 0, 1>" in names
+    for nbc in Q.STREAM_NBC_CHOICES[1:]:  # x-sharing block groups, M > 8 only
+        assert f"quant::gemv_stream_kernel<__nv_bfloat16, 0, 2, {nbc}>" in names
+        assert f"quant::gemv_stream_kernel<__nv_bfloat16, 0, 1, {nbc}>" not in names
     assert "quant::gemv_kernel<__nv_bfloat16, 0, 1>" in names
     assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
 
@@ -436,7 +439,7 @@ def test_stream_config(m, n, k):
     for bad in ({"nbc": 3}, {"warps": 6, "nbc": 4}):  # 128 blocks / 6 warps not divisible
         with pytest.raises(ValueError):
             Q.stream_config(16, 8192, 8192, Q.KIND_INT4, 132, **bad)
-    with pytest.raises(ValueError):  # M <= 8: one block per CTA (the kernel folds nbc to 1 there)
+    with pytest.raises(ValueError):  # M <= 8: one block per CTA (no such variant is built)
         Q.stream_config(8, 8192, 8192, Q.KIND_INT4, 132, warps=16, nbc=2)
 
 
@@ -1043,7 +1046,7 @@ def _same_launch(a, b):
     kb, cb, ab = b
     assert ka == kb and ca == cb
     assert len(aa) == len(ab) == (15 if "gemv_kernel" in ka.name or "quant_marlin" in ka.name
-                                  else 20 if "gemv_stream" in ka.name else 18 if "gemv_bulk" in ka.name else 21)
+                                  else 19 if "gemv_stream" in ka.name else 18 if "gemv_bulk" in ka.name else 21)
     for u, v in zip(aa, ab):
         assert type(u) is type(v) and u == v, (aa, ab)
 
