@@ -7,7 +7,6 @@ other, cuBLAS (F.linear) in the same run.
     PYTHONPATH=. python3 benchmarks/_quant_stream_old_ab.py [rounds] [--split]      (default 7; --split: the
     split-K cases instead)
 """
-import dataclasses
 import statistics
 import sys
 
@@ -88,7 +87,7 @@ for fmt, n, k, m, dt in CASES:
     x = torch.randn(m, k, device=b.device, dtype=dt)
     w = torch.randn(n, k, device=b.device, dtype=dt) * 0.01
     kind = Q.KIND_INT8 if fmt == "int8" else Q.KIND_INT4
-    old_cfg = dataclasses.replace(Q.stream_config(m, n, k, kind, sms, nbc=1))
+    old_cfg = Q.stream_config(m, n, k, kind, sms, nbc=1)
     new_cfg = Q.stream_config(m, n, k, kind, sms)
     y_new, y_old = call_new(fmt, layer, x), call_old(fmt, layer, x, old_cfg)
     err = ((y_new.float() - y_old.float()).norm() / y_old.float().norm()).item()
