@@ -38,6 +38,24 @@
 #include "common/wgmma.cuh"
 #include "common/int4.cuh"
 
+// Diagnostics (benchmarks/_quant_w4_trace.py): with -DW4_TRACE, CTA c stamps w4_trace[c][slot]: 0 globaltimer and
+// 1 clock64() at entry, 2 the SM, 3 the consumers' loop end, 4 the split-K partials handed over, 5 the end of the
+// stores, 6 globaltimer at exit, 7 whether the CTA wrote y; 8 + i the return of consumer warpgroup 1's full wait
+// of stage i, W4_TRACE_PROD + i the producer's empty wait of stage i (clock64, up to 256 stages).
+#ifdef W4_TRACE
+#define W4_TRACE_SLOTS 528
+#define W4_TRACE_PROD 264
+extern "C" __device__ long long w4_trace[512 * W4_TRACE_SLOTS];
+#define W4_MARK(slot, v)                                                                       \
+  do {                                                                                         \
+    if (blockIdx.x < 512 && (slot) < W4_TRACE_SLOTS) w4_trace[blockIdx.x * W4_TRACE_SLOTS + (slot)] = (v); \
+  } while (0)
+#else
+#define W4_MARK(slot, v) \
+  do {                   \
+  } while (0)
+#endif
+
 namespace quant_sm90 {
 
 enum : int { AWQ = 0, GPTQ = 1 };
@@ -117,6 +135,13 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+#ifdef W4_TRACE
+    W4_MARK(0, (long long)sc::globaltimer_ns());
+    W4_MARK(1, clock64());
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    W4_MARK(2, (long long)smid);
+#endif
     for (int s = 0; s < STAGES; ++s) {
       sc::mbar_init(&full[s], 1);
       sc::mbar_init(&empty[s], 8);
@@ -131,8 +156,15 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       sc::tma_prefetch_map(&tmap_x);
       int stage = 0;
       unsigned phase = 0;
+#ifdef W4_TRACE
+      int traced = 0;
+#endif
       auto produce = [&](int kb, int pm0, int pnb0) {
         sc::mbar_wait(&empty[stage], phase ^ 1);
+#ifdef W4_TRACE
+        W4_MARK(W4_TRACE_PROD + traced, clock64());
+        ++traced;
+#endif
         sc::mbar_arrive_expect_tx(&full[stage], L::STAGE);
 #pragma unroll
         for (int ch = 0; ch < KS; ++ch)
@@ -176,6 +208,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   unsigned afrag[2][GS][BLK][4];
   int stage = 0, prev_stage = -1;
   unsigned phase = 0;
+#ifdef W4_TRACE
+  int traced = 0;
+#endif
   // The x ring's first tile; each step's descriptor is this one advanced (wgmma_desc_advance).
   const unsigned long long x_desc0 = sc::wgmma_desc_k128(ring_x);
   // One ring stage (STEPS = 4 KS k16 steps) as STEPS / GS wgmma groups.  PAR: the stage's parity, which picks the A
@@ -183,6 +218,10 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // the set index is a compile-time constant (NVRTC 13.0 takes a generic lambda for a host function).
   auto stage_body = [&](const int PAR) {
     sc::mbar_wait(&full[stage], phase);
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(8 + traced, clock64());
+    ++traced;
+#endif
     // A lane's 4 k16 steps of one chunk and block: 16 bytes of INT4 (a word per step), 32 of INT8 (two per step).
     constexpr int LANE_WORDS = KIND == W_INT8 ? 2 : 1;  // 16-byte loads per lane, chunk and block
     const unsigned char* wst = ring_w + stage * L::W_BYTES + cw * BLK * kBlockBytes + t * 16 * LANE_WORDS;
@@ -274,6 +313,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
   };
   consume(kb_begin, kb_end);
+#ifdef W4_TRACE
+  if (threadIdx.x == 128) W4_MARK(3, clock64());
+#endif
   // The tile's coordinates again, from the CTA index read anew: kept live across the main loop they spilled at
   // MT x BLK = 256 (128 accumulator registers).
   const int cta = (int)ctaid_x();
@@ -320,6 +362,12 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       if (done == splits - 1) *ticket = 0;
     }
     sc::named_bar_sync(1, 256);
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) {
+      W4_MARK(4, clock64());
+      if (!*s_last) W4_MARK(6, (long long)sc::globaltimer_ns());
+    }
+#endif
     if (!*s_last) return;
     __threadfence();
     // The tile's sum in split order (this CTA's own partial included): the same bits whichever CTA is last.  JC
@@ -375,6 +423,13 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     }
     yrow += 8ll * N;
   }
+#ifdef W4_TRACE
+  if (threadIdx.x == 128) {
+    W4_MARK(5, clock64());
+    W4_MARK(6, (long long)sc::globaltimer_ns());
+    W4_MARK(7, 1ll);
+  }
+#endif
 }
 
 // The wgmma-major INT4 copy of a stored AWQ / GPTQ qweight: word (b / 4, kb, b % 4, t, lane, s) (index
