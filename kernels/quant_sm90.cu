@@ -24,8 +24,9 @@
 //   groups of GS steps (GS = 1, 2 or 4), and
 //   dequantizes the next group's A fragments while the previous group is in flight (two A sets; wgmma.wait_group 1);
 //   it releases a stage once the group that read its x tile has retired.
-// * Split-K over `splits` CTAs per tile where the tiles alone do not fill the SMs (fp32 partials in ws, summed in
-//   split order by the tile's last CTA: deterministic), else y is written straight from the accumulators.
+// * Split-K over `splits` CTAs per tile where the tiles alone do not fill the SMs: the tile's CTAs are a cluster and
+//   sum their fp32 accumulators through distributed shared memory, in split order (deterministic); else y is
+//   written straight from the accumulators.
 // * BLK = 1 (128-channel CTAs: twice the tiles of BLK = 2) allows MT = 256 (a 64 x 256 fp32 accumulator is 128
 //   registers per consumer thread).
 // * Accumulator (blk, r) of a consumer thread (warp w, lane 4 g + c) is channel 64 (cw BLK + blk) + 16 w + g
@@ -99,17 +100,17 @@ __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(
 
 // y (M, N) = x (M, K) @ W (+ bias) for a layer in the wgmma-major INT4 layout (wq) with its group records (grec:
 // record (block / 4, group, block % 4) at byte 192 (((block / 4) NG + group) 4 + block % 4)).
-// Grid: m_tiles x splits x (N / (128 BLK)) CTAs, m tile fastest (CTAs reading the same weights run together).
-// CTA (m tile, split, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
+// Grid: splits x m_tiles x (N / (128 BLK)) CTAs, split fastest, then the m tile (CTAs reading the same weights run
+// together).  CTA (split, m tile, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
 // [split KB / splits, (split + 1) KB / splits).  KB = K / (64 KS) stages, SPG = G / 64, NG = K / G.
-// splits > 1: ws holds splits x M x N floats, tickets m_tiles x n_tiles zeroed int32 (left zeroed).
+// splits > 1: launched in clusters of `splits` CTAs (one tile's splits; at most 8), whose ring shared memory must
+// hold the reduce-scatter slots (speedcore.quant.w4wgmma_config checks it).
 // KIND = W_INT8 (w8wgmma_pack_kernel's layout): the same with signed bytes converted exactly (sc::int8_pair), no
 // group records, and y scaled per channel in the epilogue by grec read as T scales[N].
 template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1, int KIND = W_INT4>
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
-    const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets,
-    const unsigned char* __restrict__ wq, const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M,
-    int N, int KB, int SPG, int NG, int m_tiles, int splits) {
+    const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, const unsigned char* __restrict__ wq,
+    const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M, int N, int KB, int SPG, int NG, int m_tiles, int splits) {
   using L = W4Tile<MT, BLK, KS, KIND>;
   constexpr int kBlockBytes = kBlockBytesOf<KIND>;
   constexpr int NACC = MT / 2;
@@ -124,11 +125,10 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   unsigned char* ring_g = ring_w + STAGES * L::W_BYTES;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring_g + STAGES * L::G_BYTES);
   unsigned long long* empty = full + STAGES;
-  int* s_last = reinterpret_cast<int*>(empty + STAGES);
 
-  const int m_tile = blockIdx.x % m_tiles;
-  const int rest = blockIdx.x / m_tiles;
-  const int split = rest % splits, n_tile = rest / splits;
+  const int split = blockIdx.x % splits;  // the CTA's rank in its cluster (the tile's splits)
+  const int rest = blockIdx.x / splits;
+  const int m_tile = rest % m_tiles, n_tile = rest / m_tiles;
   const int m0 = m_tile * MT, nb0 = n_tile * L::BLOCKS;
   const int kb_begin = (int)((long long)split * KB / splits);
   const int kb_end = (int)((long long)(split + 1) * KB / splits);
@@ -192,6 +192,10 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         }
       };
       for (int kb = kb_begin; kb < kb_end; ++kb) produce(kb, m0, nb0);
+    }
+    if (splits > 1) {  // the consumers' two cluster barriers (split-K epilogue)
+      sc::cluster_sync();
+      sc::cluster_sync();
     }
     return;
   }
@@ -319,8 +323,59 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // The tile's coordinates again, from the CTA index read anew: kept live across the main loop they spilled at
   // MT x BLK = 256 (128 accumulator registers).
   const int cta = (int)ctaid_x();
-  const int e_m_tile = cta % m_tiles, e_rest = cta / m_tiles;
-  const int e_split = e_rest % splits, e_n_tile = e_rest / splits;
+  const int e_split = cta % splits, e_rest = cta / splits;
+  const int e_m_tile = e_rest % m_tiles, e_n_tile = e_rest / m_tiles;
+
+  // Split-K: the tile's `splits` CTAs form one cluster and reduce-scatter their accumulators through distributed
+  // shared memory (a round trip of fp32 partials through global memory took 5-17 us at 8192^2 M = 256 on the H200,
+  // a quarter of the kernel).  Row group j (accumulators 4 j .. 4 j + 3 of each block) belongs to rank
+  // owner(j) = ((j + 1) splits - 1) / J, so rank r owns row groups [r J / splits, (r + 1) J / splits).  Every
+  // CTA writes each row group into its owner's ring (free once the whole cluster has passed the first barrier; its
+  // own row groups into its own ring, as choosing between registers and slots in the sum spilled at MT = 256), slot
+  // (source rank, owner-local row group, blk) of 256 threads x 16 bytes; after the second barrier the owner sums the
+  // slots in rank order (the same bits whichever CTA finishes first) and stores those rows of y.
+  constexpr int J = MT / 8;
+  const int jmax = (J + splits - 1) / splits;
+  const int tid = threadIdx.x - 128;
+  if (splits > 1) {
+    sc::cluster_sync();  // every CTA of the cluster is done reading its ring
+    const unsigned base = sc::smem_addr(smem);
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int owner = ((j + 1) * splits - 1) / J;
+      const int jl = j - owner * J / splits;
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk) {
+        const unsigned off = (unsigned)((((e_split * jmax + jl) * BLK + blk) * 256 + tid) * 16);
+        sc::st_cluster_v4(sc::cluster_map(base + off, (unsigned)owner), acc[blk][4 * j], acc[blk][4 * j + 1],
+                          acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
+      }
+    }
+    sc::cluster_sync();  // the partials have landed
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(4, clock64());
+#endif
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      if (((j + 1) * splits - 1) / J != e_split) continue;
+      const int jl = j - e_split * J / splits;
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk) {
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int src = 0; src < splits; ++src) {
+          const float4 v = *reinterpret_cast<const float4*>(smem + (((src * jmax + jl) * BLK + blk) * 256 + tid) * 16);
+          sum.x += v.x;
+          sum.y += v.y;
+          sum.z += v.z;
+          sum.w += v.w;
+        }
+        acc[blk][4 * j] = sum.x;
+        acc[blk][4 * j + 1] = sum.y;
+        acc[blk][4 * j + 2] = sum.z;
+        acc[blk][4 * j + 3] = sum.w;
+      }
+    }
+  }
 
   // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; x row of (j, e): m_lane + 8 j + e.
   const int n_lane = (e_n_tile * L::BLOCKS + cw * BLK) * 64 + 16 * warp + g;
@@ -336,80 +391,13 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     }
 
   // Row by row (x row m_lane + 8 j + e), with running pointers: precomputing every row's address alongside the
-  // accumulators spilled at mt = 128.
-  if (splits > 1) {
-    float* wrow = ws + ((long long)e_split * M + m_lane) * N + n_lane;
-#pragma unroll
-    for (int j = 0; j < MT / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (m_lane + 8 * j + e < M) {
-#pragma unroll
-          for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) wrow[(long long)e * N + 64 * blk + 8 * h] = acc[blk][4 * j + 2 * h + e];
-        }
-      }
-      wrow += 8ll * N;
-    }
-    __threadfence();
-    sc::named_bar_sync(1, 256);
-    if (threadIdx.x == 128) {
-      const int t_cta = (int)ctaid_x();  // read anew: the partials' stores need every register
-      int* ticket = &tickets[t_cta / m_tiles / splits * m_tiles + t_cta % m_tiles];
-      const int done = atomicAdd(ticket, 1);
-      *s_last = done == splits - 1;
-      if (done == splits - 1) *ticket = 0;
-    }
-    sc::named_bar_sync(1, 256);
-#ifdef W4_TRACE
-    if (threadIdx.x == 128) {
-      W4_MARK(4, clock64());
-      if (!*s_last) W4_MARK(6, (long long)sc::globaltimer_ns());
-    }
-#endif
-    if (!*s_last) return;
-    __threadfence();
-    // The tile's sum in split order (this CTA's own partial included): the same bits whichever CTA is last.  JC
-    // row groups (32 loads per thread) at a time, split by split, so that a chunk's loads of one split are in
-    // flight together: a round trip per chunk and split rather than per row and split (the per-row loop was most
-    // of the small-M kernel's fixed cost), without holding the whole tile's loads (that spilled at MT x BLK = 256).
-    constexpr int JC = 8 / BLK;
-    static_assert((MT / 8) % JC == 0, "whole chunks of row groups");
-#pragma unroll
-    for (int j0 = 0; j0 < MT / 8; j0 += JC) {
-#pragma unroll
-      for (int j = j0; j < j0 + JC; ++j)
-#pragma unroll
-        for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[blk][4 * j + i] = 0.f;
-      const float* p = ws + (long long)(m_lane + 8 * j0) * N + n_lane;
-      for (int sp = 0; sp < splits; ++sp, p += (long long)M * N) {
-        const float* prow = p;
-#pragma unroll
-        for (int j = j0; j < j0 + JC; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (m_lane + 8 * j + e < M) {
-#pragma unroll
-              for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                  acc[blk][4 * j + 2 * h + e] += __ldcg(prow + (long long)e * N + 64 * blk + 8 * h);
-            }
-          }
-          prow += 8ll * N;
-        }
-      }
-    }
-  }
+  // accumulators spilled at mt = 128.  With split-K, only the row groups this CTA owns.
   T* yrow = y + (long long)m_lane * N + n_lane;
 #pragma unroll
   for (int j = 0; j < MT / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      if (m_lane + 8 * j + e < M) {
+      if (m_lane + 8 * j + e < M && ((j + 1) * splits - 1) / J == e_split) {
 #pragma unroll
         for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll

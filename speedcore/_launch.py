@@ -1,6 +1,7 @@
 """Device properties, launch configurations, and launching a compiled variant on a stream."""
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -72,6 +73,7 @@ class LaunchConfig:
     grid: tuple
     block: tuple
     smem: int = 0  # dynamic shared memory, bytes
+    cluster: int = 1  # CTAs per thread-block cluster along x (compute capability 9.0; at most 8)
 
     def __post_init__(self):
         object.__setattr__(self, "grid", tuple(int(g) for g in (self.grid if isinstance(self.grid, tuple) else (self.grid,))))
@@ -120,6 +122,13 @@ class LoadedKernel:
                              f"{self.device.smem_per_block_optin}")
         if any(g < 1 for g in cfg.grid) or cfg.grid[0] >= 2**31 or any(g >= 2**16 for g in cfg.grid[1:]):
             raise ValueError(f"{name}: grid {cfg.grid} is out of range")
+        if cfg.cluster != 1:
+            if not 1 <= cfg.cluster <= MAX_CLUSTER or cfg.grid[0] % cfg.cluster:
+                raise ValueError(f"{name}: clusters of {cfg.cluster} CTAs need 1 to {MAX_CLUSTER} CTAs dividing the "
+                                 f"grid's x dimension {cfg.grid[0]}")
+            if self.device.cc < (9, 0):
+                raise ValueError(f"{name}: thread-block clusters need compute capability 9.0, {self.device.name} is "
+                                 f"{self.device.arch}")
 
     def __call__(self, cfg: LaunchConfig, args: tuple, stream) -> None:
         if cfg not in self.checked:
@@ -130,7 +139,62 @@ class LoadedKernel:
 
             driver.funcSetAttribute(self.func.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.smem)
             self.dyn_smem_limit = cfg.smem
-        self.func(cfg.grid, cfg.block, args, cfg.smem, stream)
+        if cfg.cluster == 1:
+            self.func(cfg.grid, cfg.block, args, cfg.smem, stream)
+        else:
+            _launch_cluster(self.func.ptr, cfg, args, stream)
+
+
+MAX_CLUSTER = 8  # the portable cluster size
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID, cuda.h
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfigEx(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@lru_cache(maxsize=None)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfigEx), ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p]
+    return lib
+
+
+def _param_bytes(a) -> bytes:
+    """A kernel argument's bytes as CuPy passes them: Python ints as 8 bytes, NumPy scalars and (by value) small
+    NumPy arrays, such as a TMA tensor map, at their own size."""
+    import numpy as np
+
+    if isinstance(a, (bool, np.bool_)):
+        raise TypeError("kernel arguments: pass flags as numpy.int32")
+    if isinstance(a, int):
+        return (a & (2**64 - 1)).to_bytes(8, "little")
+    if isinstance(a, (np.generic, np.ndarray)):
+        return a.tobytes()
+    raise TypeError(f"kernel arguments: cannot pass {type(a).__name__} to a cluster launch")
+
+
+def _launch_cluster(func_ptr: int, cfg: LaunchConfig, args: tuple, stream) -> None:
+    """cuLaunchKernelEx with a cluster dimension (CuPy launches have no launch attributes)."""
+    bufs = [ctypes.create_string_buffer(_param_bytes(a)) for a in args]
+    params = (ctypes.c_void_p * max(1, len(bufs)))(*[ctypes.cast(b, ctypes.c_void_p) for b in bufs])
+    attr = _LaunchAttribute()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value[0], attr.value[1], attr.value[2] = cfg.cluster, 1, 1
+    grid = tuple(cfg.grid) + (1,) * (3 - len(cfg.grid))
+    block = tuple(cfg.block) + (1,) * (3 - len(cfg.block))
+    c = _LaunchConfigEx((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), cfg.smem,
+                        ctypes.c_void_p(getattr(stream, "ptr", stream) or None), ctypes.pointer(attr), 1)
+    err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(func_ptr), params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} (grid {cfg.grid}, cluster {cfg.cluster})")
 
 
 _loaded: dict = {}

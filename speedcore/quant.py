@@ -102,6 +102,7 @@ W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override 
 # every case of the H200 sweep at dc766cf, e.g. 8192^2 M = 64 56.6 against 33.1 us, and were removed.)
 W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
 W4WGMMA_MAX_STAGES = 8
+W4WGMMA_MAX_SPLITS = 8  # a tile's splits are one thread-block cluster (8: the portable cluster size)
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
 # (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower).
 W4WGMMA_NO_GS4 = {(1, 256)}
@@ -729,7 +730,7 @@ class W4WgmmaConfig:
     blk: int      # 64-channel blocks per consumer warpgroup
     m_tiles: int
     n_tiles: int  # 128 blk-channel tiles
-    splits: int   # CTAs per tile along K (fp32 partials summed by the tile's last CTA)
+    splits: int   # CTAs per tile along K: one cluster, summing its fp32 partials through distributed shared memory
     stages: int
     smem: int
     gs: int = 1       # k16 steps per wgmma group (W4WGMMA_GROUP_STEPS)
@@ -743,7 +744,7 @@ class W4WgmmaConfig:
 
 def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float) -> float:
     """Time of the grid in bytes per SM: waves x (the CTA's share of its tile's weights + its fp32 partial, which
-    is written and read back through L2: counted at half weight)."""
+    crosses to the cluster's other CTAs: counted at half weight)."""
     waves = -(-tiles * splits // sms)
     return waves * (w_tile / splits + (0.5 * part if splits > 1 else 0.0))
 
@@ -785,8 +786,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
     W4WGMMA_GROUP_STEPS); ``splits`` overrides the K split (in ring stages), ``ks`` the 64-k chunks per ring stage
     (default 1; 2 only at mt = 64).  (A stream-K variant, a persistent grid splitting the tiles x K stages evenly,
-    measured slower than these split-K grids in every swept case and was removed.)  Split-K s (1..16, at least 4
-    stages per CTA) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
+    measured slower than these split-K grids in every swept case and was removed.)  Split-K s (1..8, a cluster of s
+    CTAs per tile; at least 4 stages per CTA) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
@@ -817,19 +818,32 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     tiles = m_tiles * n_tiles
     if splits:
         s = max(1, min(splits, kb))
+        if s > W4WGMMA_MAX_SPLITS:
+            raise ValueError(f"w4wgmma_config: at most {W4WGMMA_MAX_SPLITS} splits (one cluster per tile), got {splits}")
     else:
         w_tile = 64.0 * blk * k
         part = min(m, mt) * 128 * blk * 4 * 2.0
         # split only within one wave: 28672 x 8192 M = 17 took 91.4 us in 784 CTAs (7 splits, which the byte
         # count favoured) against 74.7 in 112 (H200)
-        cands = [c for c in range(1, max(1, min(16, kb // 4)) + 1) if c == 1 or tiles * c <= sms]
+        cands = [c for c in range(1, max(1, min(W4WGMMA_MAX_SPLITS, kb // 4)) + 1) if c == 1 or tiles * c <= sms]
         s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")
     stages = w4wgmma_stages(mt, blk, ks, kind)
+    if w4wgmma_reduce_bytes(mt, blk, s) > stages * w4wgmma_stage_bytes(mt, blk, ks, kind):
+        raise ValueError(f"w4wgmma_config: the split-K slots of {s} splits do not fit the ring of mt = {mt}, "
+                         f"blk = {blk}")
     return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks, kind), gs, ks,
                          kind)
+
+
+def w4wgmma_reduce_bytes(mt: int, blk: int, splits: int) -> int:
+    """Shared memory of w4_wgmma_kernel's split-K reduce-scatter (0 without a split): per CTA, one slot per source
+    rank of ceil(J / splits) row groups (J = mt / 8) x blk blocks x 256 threads x 16 bytes, inside the ring."""
+    if splits <= 1:
+        return 0
+    return splits * (-(-(mt // 8) // splits)) * blk * 256 * 16
 
 
 def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
@@ -839,8 +853,8 @@ def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
     kb = k // (W4WGMMA_BK * cfg.ks)
     out = []
     for cta in range(cfg.grid):
-        m_tile, rest = cta % cfg.m_tiles, cta // cfg.m_tiles
-        split, n_tile = rest % cfg.splits, rest // cfg.splits
+        split, rest = cta % cfg.splits, cta // cfg.splits
+        m_tile, n_tile = rest % cfg.m_tiles, rest // cfg.m_tiles
         out.append((m_tile, split, n_tile, n_tile * 2 * cfg.blk, split * kb // cfg.splits * cfg.ks,
                     (split + 1) * kb // cfg.splits * cfg.ks))
     return out
@@ -1625,7 +1639,7 @@ def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, o
     scalars = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(spg), np.int32(ng),
                np.int32(cfg.m_tiles), np.int32(cfg.splits))
     kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, kind=kind)
-    return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem), scalars
+    return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem, cluster=cfg.splits), scalars
 
 
 def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n, scales_ptr=0):
@@ -1640,11 +1654,8 @@ def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n, scales_ptr=0):
     tmap_x = _tma.tile_map_2d(xa.ptr, xa.dtype, rows=rows, cols=k, row_stride=ldx, box_rows=cfg.mt,
                               box_cols=W4WGMMA_BK)
     stream = A.stream_of(xa)
-    ws_ptr = tickets_ptr = 0
-    if cfg.splits > 1:
-        ws_ptr, tickets_ptr = A.split_k_scratch(xa, stream, cfg.splits * rows * n * 4, cfg.m_tiles * cfg.n_tiles)
     g_ptr = gl.w4_g_ptr if gl.kind == KIND_INT4 else scales_ptr
-    args = (tmap_x, y_ptr, ws_ptr, tickets_ptr, gl.w4_ptr, g_ptr, bias_ptr) + scalars
+    args = (tmap_x, y_ptr, gl.w4_ptr, g_ptr, bias_ptr) + scalars
     launch(kernel, lcfg, args, device=xa.device, stream=stream)
     return y
 

@@ -201,3 +201,28 @@ def test_spill_allowance_is_only_for_the_documented_variants():
     assert allowed, "the head dim 256 unmasked sm_90 variants are dispatched"
     assert all(k.source == attention.SOURCE_SM90 and ", 256, 80, " in k.name for k in allowed)
     assert all(allowances[k] == (32, 64) for k in allowed)
+
+
+def test_cluster_launch_packs_arguments_as_cupy_does():
+    """A cluster launch (cuLaunchKernelEx) passes each argument's bytes as CuPy's launch would: Python ints as 8
+    bytes, NumPy scalars at their own size, a small NumPy array (a TMA map) by value; flags must be explicit."""
+    import ctypes
+
+    import numpy as np
+
+    from speedcore import _launch
+
+    assert _launch._param_bytes(0x1234) == (0x1234).to_bytes(8, "little")
+    assert _launch._param_bytes(-1) == b"\xff" * 8
+    assert _launch._param_bytes(np.int32(-2)) == np.int32(-2).tobytes() and len(_launch._param_bytes(np.int32(7))) == 4
+    assert _launch._param_bytes(np.int64(5)) == np.int64(5).tobytes()
+    m = np.zeros(1, dtype=[("words", np.uint64, 16)])
+    m["words"][0] = np.arange(16, dtype=np.uint64)
+    assert _launch._param_bytes(m) == m.tobytes() and len(_launch._param_bytes(m)) == 128
+    with pytest.raises(TypeError):
+        _launch._param_bytes(True)
+    with pytest.raises(TypeError):
+        _launch._param_bytes(1.5)
+    # cuda.h's layouts: CUlaunchAttribute is 72 bytes (value at 8), CUlaunchConfig 56 (stream at 32)
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72 and _launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_launch._LaunchConfigEx) == 56 and _launch._LaunchConfigEx.stream.offset == 32

@@ -240,7 +240,8 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     """w4_wgmma_kernel's data flow in NumPy (float64 math), index for index: per CTA (w4wgmma_work) the producer's
     stage bytes (x tile rows past M zero, each block's 2 KB chunk and group record), each consumer warpgroup's
     dequantized A tiles from the fragment maps, the wgmma products, the accumulator-to-(m, n) mapping of the
-    epilogue, the fp32 partials and the last CTA's sum in split order.  Returns y and a count of writes per element.
+    epilogue, and with split-K the cluster's reduce-scatter: each row group of 8 tile rows summed over the splits in
+    rank order and stored by its owner rank.  Returns y and a count of writes per element.
     words: w4wgmma_pack_reference's super-blocks, recs: w4wgmma_groups_reference's order."""
     kbs, spg, ng = k // 64, g // 64, k // g
     mt, blk = cfg.mt, cfg.blk
@@ -250,6 +251,9 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     writes = np.zeros((m, n), np.int64)
     ws = np.zeros((cfg.splits, m, n))
     arrived = {}
+    rgroups = mt // 8
+    owner = ((np.arange(rgroups) + 1) * cfg.splits - 1) // rgroups  # the kernel's owner(j)
+    assert (np.diff(owner) >= 0).all() and owner[0] == 0 and owner[-1] == cfg.splits - 1
     # epilogue map of a consumer thread's accumulators: (warp, lane, r) -> (channel in block, x row in tile)
     ew, el, er = (a.reshape(-1) for a in np.meshgrid(np.arange(4), np.arange(32), np.arange(mt // 2), indexing="ij"))
     e_row = 16 * ew + el // 4 + 8 * ((er >> 1) & 1)
@@ -284,16 +288,17 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
         if cfg.splits > 1:
             key = (n_tile, m_tile)
             arrived[key] = arrived.get(key, 0) + 1
-            if arrived[key] == cfg.splits:  # the tile's last CTA: sums every split in order
-                for bl in range(2 * blk):
-                    nn = (nb0 + bl) * 64 + e_row
-                    mm = m0 + e_col
-                    ok = mm < m
-                    v = np.zeros(int(ok.sum()))
-                    for sp in range(cfg.splits):
-                        v = v + ws[sp, mm[ok], nn[ok]]
-                    y[mm[ok], nn[ok]] = v + (bias[nn[ok]] if bias is not None else 0.0)
-                    np.add.at(writes, (mm[ok], nn[ok]), 1)
+            if arrived[key] == cfg.splits:  # the whole cluster is past its main loop: each rank sums its row groups
+                for rank in range(cfg.splits):
+                    for bl in range(2 * blk):
+                        nn = (nb0 + bl) * 64 + e_row
+                        mm = m0 + e_col
+                        ok = (mm < m) & (owner[e_col // 8] == rank)
+                        v = np.zeros(int(ok.sum()))
+                        for sp in range(cfg.splits):
+                            v = v + ws[sp, mm[ok], nn[ok]]
+                        y[mm[ok], nn[ok]] = v + (bias[nn[ok]] if bias is not None else 0.0)
+                        np.add.at(writes, (mm[ok], nn[ok]), 1)
     return y, writes
 
 
@@ -342,12 +347,14 @@ def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
     assert cfg.m_tiles * cfg.mt >= m > (cfg.m_tiles - 1) * cfg.mt
     assert cfg.n_tiles * 128 * cfg.blk == n
     kbs = k // 64
-    assert 1 <= cfg.splits <= max(1, min(16, kbs // 4))
+    assert 1 <= cfg.splits <= max(1, min(Q.W4WGMMA_MAX_SPLITS, kbs // 4))
+    assert Q.w4wgmma_reduce_bytes(cfg.mt, cfg.blk, cfg.splits) <= cfg.stages * Q.w4wgmma_stage_bytes(
+        cfg.mt, cfg.blk, cfg.ks)
     assert cfg.smem == Q.w4wgmma_smem_bytes(cfg.mt, cfg.blk, cfg.stages, cfg.ks) <= Q.W4WGMMA_SMEM_LIMIT
     if cfg.grid <= 4096:
         seen = np.zeros((cfg.m_tiles, n // 64, kbs), np.int64)
         for (m_tile, split, n_tile, nb0, kb0, kb1) in Q.w4wgmma_work(cfg, k):
-            assert kb1 > kb0  # every split has at least one stage (the ring and the ticket count on it)
+            assert kb1 > kb0  # every split has at least one stage (the ring waits on it)
             seen[m_tile, nb0:nb0 + 2 * cfg.blk, kb0:kb1] += 1
         assert (seen == 1).all()
 
@@ -380,6 +387,8 @@ def test_config_heuristic_choices():
     assert (c.blk, c.mt, c.gs) == (1, 128, 1)
     assert Q.w4wgmma_config(64, 8192, 8192, 132, splits=3).splits == 3
     assert Q.w4wgmma_config(64, 256, 128, 132, splits=9).splits == 1  # at most one split per (128-k) stage
+    with pytest.raises(ValueError, match="at most 8 splits"):
+        Q.w4wgmma_config(64, 8192, 8192, 132, splits=9)  # a tile's splits are one cluster of at most 8 CTAs
     assert Q.w4wgmma_config(64, 256, 128, 132, splits=9, ks=1, mt=64, blk=1, gs=4).splits == 2
     assert Q.w4wgmma_config(20, 8192, 8192, 132, mt=128).mt == 128
     with pytest.raises(ValueError):
@@ -535,13 +544,13 @@ def test_dispatch_launch_arguments(fake_gpu, m):
         assert kernel.name == Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks).name
         assert kernel.hopper and kernel.name.startswith(f"quant_sm90::w4_wgmma_kernel<__nv_bfloat16, {cfg.mt}, ")
         assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (384,) and lcfg.smem == cfg.smem
-        assert len(args) == 14 and args[0] == "tmap"
-        assert [int(a) for a in args[7:]] == [m, n, k // (64 * cfg.ks), g // 64, k // g, cfg.m_tiles, cfg.splits]
-        assert all(type(a) is np.int32 for a in args[7:])
-        assert (args[2] != 0) == (cfg.splits > 1) and (args[3] != 0) == (cfg.splits > 1)
-    assert calls[0][2][4] == pw.gemv.w4_ptr and calls[0][2][5] == pw.gemv.w4_g_ptr and calls[0][2][6] == bias.ptr
+        assert len(args) == 12 and args[0] == "tmap"
+        assert [int(a) for a in args[5:]] == [m, n, k // (64 * cfg.ks), g // 64, k // g, cfg.m_tiles, cfg.splits]
+        assert all(type(a) is np.int32 for a in args[5:])
+        assert lcfg.cluster == cfg.splits  # a tile's splits are one cluster
+    assert calls[0][2][2] == pw.gemv.w4_ptr and calls[0][2][3] == pw.gemv.w4_g_ptr and calls[0][2][4] == bias.ptr
     assert pw.gemv.w4_g_ptr not in (0, pw.gemv.g_ptr)  # the group-major copy of the records
-    assert calls[2][2][4] == pg.gemv.w4_ptr and calls[2][2][6] == 0
+    assert calls[2][2][2] == pg.gemv.w4_ptr and calls[2][2][4] == 0
     for u, v in zip(calls[0][2], calls[1][2]):
         assert type(u) is type(v) and u == v
     assert maps[0][1] == dict(rows=m, cols=k, row_stride=k, box_rows=cfg.mt, box_cols=64)
@@ -563,7 +572,7 @@ def test_dispatch_launch_arguments(fake_gpu, m):
     (300, {"gs": 2, "blk": 1, "mt": 256}, "w4_wgmma_kernel<__half, 256, 1, 6, 2>")])
 def test_override_launch_arguments(fake_gpu, m, override, name):
     """_W4WGMMA_OVERRIDE reaches the launch: the blk = 1 / gs variants, their grid (twice the channel tiles at
-    blk = 1), workspace and tickets, the tile height in the x tensor map's box, and the default shape again once the
+    blk = 1), the cluster of a split tile, the tile height in the x tensor map's box, and the default shape again once the
     override is gone."""
     calls, maps = fake_gpu
     k, n, g = 1024, 1536, 128
@@ -578,8 +587,8 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
     assert cfg.n_tiles == n // (128 * cfg.blk)
     (kernel, lcfg, args), (kernel2, _, _) = calls
     assert kernel.name == "quant_sm90::" + name and tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
-    assert [int(a) for a in args[7:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
-    assert (args[2] != 0) == (args[3] != 0) == (cfg.splits > 1)
+    assert [int(a) for a in args[5:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
+    assert lcfg.cluster == cfg.splits
     assert maps[0][1]["box_rows"] == cfg.mt
     d = Q.w4wgmma_config(m, n, k, 132)
     assert kernel2.name == Q._w4wgmma_kernel("float16", d.mt, d.blk, d.stages, gs=d.gs, ks=d.ks).name
@@ -626,8 +635,8 @@ def test_w8_launch_arguments(fake_gpu, m):
         assert kernel.name == Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks,
                                                 kind=Q.KIND_INT8).name and kernel.name.endswith(", 1>")
         assert tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
-        assert args[4] == pw.gemv.w4_ptr and args[5] == pw.fast.scales_ptr != 0
-        assert [int(a) for a in args[7:]] == [m, n, k // (64 * cfg.ks), 1, 1, cfg.m_tiles, cfg.splits]
+        assert args[2] == pw.gemv.w4_ptr and args[3] == pw.fast.scales_ptr != 0
+        assert [int(a) for a in args[5:]] == [m, n, k // (64 * cfg.ks), 1, 1, cfg.m_tiles, cfg.splits]
         calls.clear()
         Q._W8WGMMA_MODE = "off"
         if m <= Q.MAX_MMA_M:  # (above, the dense path, which the fakes cannot run)

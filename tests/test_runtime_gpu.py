@@ -29,3 +29,7 @@ def test_device_info_and_launch_checks():
         lk.check(LaunchConfig((1,), (2048,)))
     with pytest.raises(ValueError, match="grid"):
         lk.check(LaunchConfig((0,), (128,)))
+    with pytest.raises(ValueError, match="clusters of 3"):
+        lk.check(LaunchConfig((8,), (128,), cluster=3))  # the cluster must divide the grid
+    with pytest.raises(ValueError, match="clusters of 16"):
+        lk.check(LaunchConfig((16,), (128,), cluster=16))

@@ -111,6 +111,24 @@ __device__ __forceinline__ void named_bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// Thread-block clusters (launched with a cluster dimension, speedcore._launch): every thread of the cluster's CTAs
+// that has not exited arrives, then waits for the others.  Release / acquire: shared-memory writes a thread made
+// before arriving (into its own CTA or a peer's) are visible to every thread of the cluster after the wait.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// The shared::cluster address of the byte at shared-memory offset `addr` (smem_addr) of cluster CTA `rank`.
+__device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// 16 bytes into a cluster CTA's shared memory (an address from cluster_map).
+__device__ __forceinline__ void st_cluster_v4(unsigned addr, float a, float b, float c, float d) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+
 // Warpgroup register reallocation (all 128 threads of a warpgroup execute it).
 template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
