@@ -8,8 +8,9 @@ Columns: plain / traced = kernel time (median of runs, L2 flushed) without / wit
 last exit in the traced run; skew = spread of the CTAs' entries; first = entry to the first stage's data;
 step = median time between stages in the steady state (stages 2..n-1); lat = a stage's full wait returning minus
 the producer's empty wait for it (time from issue to the consumers having it, when the consumers wait); tail = last
-stage's data to the loop end; epi = loop end to exit (last CTA of a split tile / other CTAs); tail_cta = the last
-exit minus the median exit.
+stage's data to the loop end; epi = loop end to exit (CTAs that store y / CTAs that only hand partials over: the
+global-memory split-K of 2faa9c8); xchg = loop end to the partials having landed (the cluster reduce-scatter);
+tail_cta = the last exit minus the median exit.
 """
 import os
 import sys
@@ -94,6 +95,7 @@ def run(b, n, k, m):
     tail = np.median(us(tr[:, 3] - full[:, n_st - 1]))
     epi_last = np.median(us(tr[last, 5] - tr[last, 3])) if last.any() else float("nan")
     epi_other = np.median(us(tr[~last, 4] - tr[~last, 3])) if (~last).any() else float("nan")
+    xchg = np.median(us(tr[:, 4] - tr[:, 3])) if cfg.splits > 1 and last.all() else float("nan")
     span = (tr[:, 6].max() - tr[:, 0].min()) / 1e3
     skew = (tr[:, 0].max() - tr[:, 0].min()) / 1e3
     tail_cta = (tr[:, 6].max() - np.median(tr[:, 6])) / 1e3
@@ -101,7 +103,7 @@ def run(b, n, k, m):
     print(f"{n}x{k} M={m:<5} {shape}")
     print(f"  plain {plain * 1e3:7.1f} us  traced {traced * 1e3:7.1f}  span {span:7.1f}  skew {skew:5.2f}  "
           f"first {first:5.2f}  step {step:5.3f}  lat {lat:5.2f}  tail {tail:5.2f}  epi last {epi_last:5.2f} / "
-          f"other {epi_other:5.2f}  tail_cta {tail_cta:5.2f}  clock {ghz:.2f} GHz", flush=True)
+          f"other {epi_other:5.2f}  xchg {xchg:5.2f}  tail_cta {tail_cta:5.2f}  clock {ghz:.2f} GHz", flush=True)
     if os.environ.get("OUT"):
         np.save(os.path.join(os.environ["OUT"], f"w4trace_{n}x{k}_m{m}.npy"), tr)
     return dict(case=f"{n}x{k} M={m}", plain=plain * 1e3, step=step, first=first, epi=epi_last, lat=lat)
