@@ -377,9 +377,8 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     }
   }
 
-  // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; x row of (j, e): m_lane + 8 j + e.
+  // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; tile row of (j, e): 8 j + 2 c + e.
   const int n_lane = (e_n_tile * L::BLOCKS + cw * BLK) * 64 + 16 * warp + g;
-  const int m_lane = e_m_tile * MT + 2 * c;
   float bv[BLK][2], sv[BLK][2];  // bias, and (INT8) the channel's scale
 #pragma unroll
   for (int blk = 0; blk < BLK; ++blk)
@@ -390,26 +389,42 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         sv[blk][h] = sc::to_float<T>(reinterpret_cast<const T*>(grec)[n_lane + 64 * blk + 8 * h]);
     }
 
-  // Row by row (x row m_lane + 8 j + e), with running pointers: precomputing every row's address alongside the
-  // accumulators spilled at mt = 128.  With split-K, only the row groups this CTA owns.
-  T* yrow = y + (long long)m_lane * N + n_lane;
+  // y through shared memory: each thread writes its values (bias added, INT8 scaled, rounded to T) into a row-major
+  // tile of the CTA's rows x 128 BLK channels, then the 256 consumer threads store whole 16-byte pieces of rows.  The
+  // accumulator layout stores 16 bytes of 4 rows per warp instruction, partial 32-byte sectors of lines not in L2:
+  // storing them straight to y took 4-15 us per CTA on the H200 (ECC merges each partial sector with its DRAM copy).
+  // Rows are padded by 16 bytes so that the four rows 2 c (+ e) of a store land in different banks.  With split-K,
+  // only the row groups [e_split J / splits, (e_split + 1) J / splits) this CTA owns.
+  constexpr int Y_ROW = 128 * BLK * (int)sizeof(T) + 16;
+  sc::named_bar_sync(1, 256);  // both consumer warpgroups are past their last read of the ring (or of the slots)
+  unsigned char* y_s = smem + (2 * c) * Y_ROW + ((cw * BLK) * 64 + 16 * warp + g) * (int)sizeof(T);
 #pragma unroll
-  for (int j = 0; j < MT / 8; ++j) {
+  for (int j = 0; j < J; ++j) {
+    if (((j + 1) * splits - 1) / J != e_split) continue;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (m_lane + 8 * j + e < M && ((j + 1) * splits - 1) / J == e_split) {
+    for (int e = 0; e < 2; ++e)
 #pragma unroll
-        for (int blk = 0; blk < BLK; ++blk)
+      for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if constexpr (KIND == W_INT8)
-              yrow[(long long)e * N + 64 * blk + 8 * h] =
-                  sc::from_float<T>(acc[blk][4 * j + 2 * h + e] * sv[blk][h] + bv[blk][h]);
-            else
-              yrow[(long long)e * N + 64 * blk + 8 * h] = sc::from_float<T>(acc[blk][4 * j + 2 * h + e] + bv[blk][h]);
-      }
+        for (int h = 0; h < 2; ++h) {
+          float v = acc[blk][4 * j + 2 * h + e];
+          if constexpr (KIND == W_INT8) v *= sv[blk][h];
+          *reinterpret_cast<T*>(y_s + (8 * j + e) * Y_ROW + (64 * blk + 8 * h) * (int)sizeof(T)) =
+              sc::from_float<T>(v + bv[blk][h]);
+        }
+  }
+  sc::named_bar_sync(1, 256);
+  {
+    constexpr int PIECES = 128 * BLK * (int)sizeof(T) / 16;  // 16-byte pieces per row
+    const int m0e = e_m_tile * MT;
+    const int r0 = 8 * (e_split * J / splits);
+    const int r1 = min(8 * ((e_split + 1) * J / splits), M - m0e);
+    T* ybase = y + (long long)m0e * N + e_n_tile * L::BLOCKS * 64;
+    for (int i = r0 * PIECES + tid; i < r1 * PIECES; i += 256) {
+      const int r = i / PIECES, q = i % PIECES;
+      *reinterpret_cast<uint4*>(ybase + (long long)r * N + q * (16 / (int)sizeof(T))) =
+          *reinterpret_cast<const uint4*>(smem + r * Y_ROW + q * 16);
     }
-    yrow += 8ll * N;
   }
 #ifdef W4_TRACE
   if (threadIdx.x == 128) {

@@ -130,15 +130,36 @@ class LoadedKernel:
                 raise ValueError(f"{name}: thread-block clusters need compute capability 9.0, {self.device.name} is "
                                  f"{self.device.arch}")
 
+    def allow_smem(self, smem: int) -> None:
+        """Raise the variant's dynamic shared memory limit to ``smem`` bytes (before a launch or a query)."""
+        if smem > self.dyn_smem_limit:
+            from cupy.cuda import driver
+
+            driver.funcSetAttribute(self.func.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            self.dyn_smem_limit = smem
+
+    def max_cluster_ctas(self, cfg: LaunchConfig) -> int:
+        """How many CTAs of ``cfg``'s block, shared memory and cluster size can be resident at once: clusters
+        are placed inside one GPC, so with one CTA per SM the SMs a GPC has beyond a multiple of the cluster
+        size stay idle (e.g. 120 of the H200's 132 SMs for clusters of 4 at ~200 KB per CTA)."""
+        self.allow_smem(cfg.smem)
+        attr = _LaunchAttribute()
+        attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value[0], attr.value[1], attr.value[2] = cfg.cluster, 1, 1
+        block = tuple(cfg.block) + (1,) * (3 - len(cfg.block))
+        c = _LaunchConfigEx((ctypes.c_uint * 3)(cfg.cluster, 1, 1), (ctypes.c_uint * 3)(*block), cfg.smem, None,
+                            ctypes.pointer(attr), 1)
+        n = ctypes.c_int(0)
+        err = _driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(self.func.ptr), ctypes.byref(c))
+        if err:
+            raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUresult {err} ({self.kernel.name})")
+        return n.value * cfg.cluster
+
     def __call__(self, cfg: LaunchConfig, args: tuple, stream) -> None:
         if cfg not in self.checked:
             self.check(cfg)
             self.checked.add(cfg)
-        if cfg.smem > self.dyn_smem_limit:
-            from cupy.cuda import driver
-
-            driver.funcSetAttribute(self.func.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.smem)
-            self.dyn_smem_limit = cfg.smem
+        self.allow_smem(cfg.smem)
         if cfg.cluster == 1:
             self.func(cfg.grid, cfg.block, args, cfg.smem, stream)
         else:
@@ -164,6 +185,9 @@ def _driver():
     lib.cuLaunchKernelEx.restype = ctypes.c_int
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfigEx), ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_void_p]
+    lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
+    lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                 ctypes.POINTER(_LaunchConfigEx)]
     return lib
 
 

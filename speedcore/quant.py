@@ -48,7 +48,7 @@ import numpy as np
 
 from . import _arrays as A
 from ._compile import Kernel
-from ._launch import LaunchConfig, device_info, launch
+from ._launch import LaunchConfig, device_info, get_kernel, launch
 
 SOURCE = "quant.cu"
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -780,14 +780,15 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
-                   gs: int = 0, ks: int = 0, kind: int = KIND_INT4) -> W4WgmmaConfig:
+                   gs: int = 0, ks: int = 0, kind: int = KIND_INT4, cluster_ctas: tuple = ()) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs)
     from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others default
     to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
     W4WGMMA_GROUP_STEPS); ``splits`` overrides the K split (in ring stages), ``ks`` the 64-k chunks per ring stage
     (default 1; 2 only at mt = 64).  (A stream-K variant, a persistent grid splitting the tiles x K stages evenly,
     measured slower than these split-K grids in every swept case and was removed.)  Split-K s (1..8, a cluster of s
-    CTAs per tile; at least 4 stages per CTA) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
+    CTAs per tile; at least 4 stages per CTA, all resident at once: ``cluster_ctas[s - 1]``, where given, is how
+    many CTAs clusters of s can keep resident) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
@@ -825,7 +826,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         part = min(m, mt) * 128 * blk * 4 * 2.0
         # split only within one wave: 28672 x 8192 M = 17 took 91.4 us in 784 CTAs (7 splits, which the byte
         # count favoured) against 74.7 in 112 (H200)
-        cands = [c for c in range(1, max(1, min(W4WGMMA_MAX_SPLITS, kb // 4)) + 1) if c == 1 or tiles * c <= sms]
+        fits = lambda c: tiles * c <= min(sms, cluster_ctas[c - 1] if cluster_ctas else sms)  # noqa: E731
+        cands = [c for c in range(1, max(1, min(W4WGMMA_MAX_SPLITS, kb // 4)) + 1) if c == 1 or fits(c)]
         s = min(cands, key=lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c))
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
@@ -1631,10 +1633,22 @@ def _launch_marlin(gl, xa, rows, k, ldx, bias_ptr, n):
     return y
 
 
+@lru_cache(maxsize=64)
+def _w4_cluster_ctas(kernel: Kernel, device: int, smem: int) -> tuple:
+    """CTAs of ``kernel`` (384 threads, ``smem`` bytes) resident at once in clusters of 1..W4WGMMA_MAX_SPLITS."""
+    lk = get_kernel(kernel, device)
+    return tuple(lk.max_cluster_ctas(LaunchConfig((s,), (384,), smem, cluster=s))
+                 for s in range(1, W4WGMMA_MAX_SPLITS + 1))
+
+
 @lru_cache(maxsize=8192)
-def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, sms: int, override: tuple,
+def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, device: int, sms: int, override: tuple,
                   kind: int = KIND_INT4):
     cfg = w4wgmma_config(rows, n, k, sms, **dict(override), kind=kind)
+    if cfg.splits > 1 and "splits" not in dict(override):  # the split count again, knowing where clusters fit
+        kern = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, kind=kind)
+        cfg = w4wgmma_config(rows, n, k, sms, **dict(override), kind=kind,
+                             cluster_ctas=_w4_cluster_ctas(kern, device, cfg.smem))
     spg, ng = (group // W4WGMMA_BK, k // group) if kind == KIND_INT4 else (1, 1)  # INT8: no groups
     scalars = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(spg), np.int32(ng),
                np.int32(cfg.m_tiles), np.int32(cfg.splits))
@@ -1649,7 +1663,7 @@ def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n, scales_ptr=0):
 
     y, y_ptr = _alloc_out(xa, rows, n)
     group = gl.spg * GEMV_STEP_K if gl.kind == KIND_INT4 else 0
-    cfg, kernel, lcfg, scalars = _w4wgmma_plan(xa.dtype, rows, n, k, group, device_info(xa.device).sms,
+    cfg, kernel, lcfg, scalars = _w4wgmma_plan(xa.dtype, rows, n, k, group, xa.device, device_info(xa.device).sms,
                                                tuple(sorted(_W4WGMMA_OVERRIDE.items())), gl.kind)
     tmap_x = _tma.tile_map_2d(xa.ptr, xa.dtype, rows=rows, cols=k, row_stride=ldx, box_rows=cfg.mt,
                               box_cols=W4WGMMA_BK)

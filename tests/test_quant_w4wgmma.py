@@ -366,6 +366,11 @@ def test_config_heuristic_choices():
     assert Q.w4wgmma_config(256, 8192, 8192, 132).splits == 2      # 1 m tile x 64 (256 rows, 128 channels)
     assert Q.w4wgmma_config(256, 8192, 8192, 132, blk=2).splits == 2  # 2 m tiles x 32
     assert Q.w4wgmma_config(2048, 8192, 8192, 132).splits == 1
+    # clusters of s CTAs must all be resident: on an H200 (120 SMs usable by clusters of 4) 32 tiles x 4 do not fit
+    caps = (132, 132, 132, 120, 130, 126, 126, 128)
+    assert Q.w4wgmma_config(64, 4096, 4096, 132).splits == 4
+    assert Q.w4wgmma_config(64, 4096, 4096, 132, cluster_ctas=caps).splits == 3
+    assert Q.w4wgmma_config(64, 4096, 4096, 132, cluster_ctas=(132,) * 8).splits == 4
     # tile shapes (w4wgmma_shape): (blk, mt, gs, ks) by M and layer
     shape = lambda m, n, k: Q.w4wgmma_shape(m, n, k, 132)  # noqa: E731
     assert shape(17, 8192, 8192) == shape(32, 8192, 8192) == shape(64, 28672, 8192) == (2, 64, 4, 2)
@@ -911,6 +916,24 @@ def test_w4wgmma_gptq_act_order_small(dtype, m):
             y = Q.gptq_linear(x, packed)
         assert any("w4_wgmma_kernel" in nm for nm in names), names
     assert _row_err(y, _ref(x, ref_w)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cluster_capacity_query():
+    """cuOccupancyMaxActiveClusters through _launch: one CTA per SM alone; clusters of s fill whole multiples of s
+    and never more SMs than the GPU has; a launch config's plan never asks for more CTAs than fit."""
+    torch = _torch()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need sm_90")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = Q.w4wgmma_config(64, 4096, 4096, sms)
+    kern = Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks)
+    caps = Q._w4_cluster_ctas(kern, 0, cfg.smem)
+    assert caps[0] == sms
+    for s, c in enumerate(caps, start=1):
+        assert c % s == 0 and sms - 8 * s < c <= sms, caps
+    planned = Q._w4wgmma_plan("bfloat16", 64, 4096, 4096, 128, 0, sms, ())[0]
+    assert planned.grid <= caps[planned.splits - 1]
 
 
 @pytest.mark.gpu
