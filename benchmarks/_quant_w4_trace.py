@@ -26,7 +26,7 @@ from speedcore import _launch, quant as Q  # noqa: E402
 from speedcore._compile import Kernel  # noqa: E402
 from speedcore.bench import Bench  # noqa: E402
 
-SLOTS, PROD, CTAS = 528, 264, 512
+SLOTS, PROD, EPI, CTAS = 528, 264, 250, 512
 G = 128
 CASES = [(8192, 8192, 256), (4096, 4096, 256), (4096, 4096, 64), (8192, 8192, 64), (28672, 8192, 256),
          (8192, 8192, 2048)]
@@ -47,8 +47,9 @@ def run(b, n, k, m):
     lay = layer(n, k, dt)
     x = torch.randn(m, k, device="cuda", dtype=dt)
     call = lambda: speedcore.awq_linear(x, lay)  # noqa: E731
-    cfg = Q.w4wgmma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     y0 = call()
+    cfg = Q._w4wgmma_plan("bfloat16", m, n, k, G, 0, sms, ())[0]  # as launched (split counts that fit clusters)
     plain = b.time_ms(call)
     orig = Q._w4wgmma_kernel
 
@@ -104,6 +105,13 @@ def run(b, n, k, m):
     print(f"  plain {plain * 1e3:7.1f} us  traced {traced * 1e3:7.1f}  span {span:7.1f}  skew {skew:5.2f}  "
           f"first {first:5.2f}  step {step:5.3f}  lat {lat:5.2f}  tail {tail:5.2f}  epi last {epi_last:5.2f} / "
           f"other {epi_other:5.2f}  xchg {xchg:5.2f}  tail_cta {tail_cta:5.2f}  clock {ghz:.2f} GHz", flush=True)
+    # the epilogue's phases (CTAs that store y), p50 / p90 over CTAs, us
+    e = tr[last]
+    marks = [("sync1", 3, EPI), ("send", EPI, EPI + 1), ("sync2", EPI + 1, 4), ("sum", 4, EPI + 2)] if cfg.splits > 1 \
+        else [("-", 3, EPI + 2)]
+    marks += [("bar1", EPI + 2, EPI + 3), ("ytile", EPI + 3, EPI + 4), ("bar2", EPI + 4, EPI + 5), ("copy", EPI + 5, 5)]
+    print("  epilogue " + "  ".join(f"{nm} {np.percentile(us(e[:, b] - e[:, a]), 50):5.2f}/"
+                                     f"{np.percentile(us(e[:, b] - e[:, a]), 90):5.2f}" for nm, a, b in marks))
     if os.environ.get("OUT"):
         np.save(os.path.join(os.environ["OUT"], f"w4trace_{n}x{k}_m{m}.npy"), tr)
     return dict(case=f"{n}x{k} M={m}", plain=plain * 1e3, step=step, first=first, epi=epi_last, lat=lat)

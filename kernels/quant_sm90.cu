@@ -42,10 +42,12 @@
 // Diagnostics (benchmarks/_quant_w4_trace.py): with -DW4_TRACE, CTA c stamps w4_trace[c][slot]: 0 globaltimer and
 // 1 clock64() at entry, 2 the SM, 3 the consumers' loop end, 4 the split-K partials handed over, 5 the end of the
 // stores, 6 globaltimer at exit, 7 whether the CTA wrote y; 8 + i the return of consumer warpgroup 1's full wait
-// of stage i, W4_TRACE_PROD + i the producer's empty wait of stage i (clock64, up to 256 stages).
+// of stage i, W4_TRACE_PROD + i the producer's empty wait of stage i (clock64, up to 256 stages), W4_TRACE_EPI + 0..5
+// the epilogue's phases (cluster barrier, partials sent, sums done, y tile barrier, y tile written, its barrier).
 #ifdef W4_TRACE
 #define W4_TRACE_SLOTS 528
 #define W4_TRACE_PROD 264
+#define W4_TRACE_EPI 250  // epilogue phases (stage stamps past 242 stages collide)
 extern "C" __device__ long long w4_trace[512 * W4_TRACE_SLOTS];
 #define W4_MARK(slot, v)                                                                       \
   do {                                                                                         \
@@ -339,6 +341,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int tid = threadIdx.x - 128;
   if (splits > 1) {
     sc::cluster_sync();  // every CTA of the cluster is done reading its ring
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
+#endif
     const unsigned base = sc::smem_addr(smem);
 #pragma unroll
     for (int j = 0; j < J; ++j) {
@@ -351,6 +356,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
                           acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
       }
     }
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
+#endif
     sc::cluster_sync();  // the partials have landed
 #ifdef W4_TRACE
     if (threadIdx.x == 128) W4_MARK(4, clock64());
@@ -396,7 +404,13 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // Rows are padded by 16 bytes so that the four rows 2 c (+ e) of a store land in different banks.  With split-K,
   // only the row groups [e_split J / splits, (e_split + 1) J / splits) this CTA owns.
   constexpr int Y_ROW = 128 * BLK * (int)sizeof(T) + 16;
+#ifdef W4_TRACE
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
+#endif
   sc::named_bar_sync(1, 256);  // both consumer warpgroups are past their last read of the ring (or of the slots)
+#ifdef W4_TRACE
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 3, clock64());
+#endif
   unsigned char* y_s = smem + (2 * c) * Y_ROW + ((cw * BLK) * 64 + 16 * warp + g) * (int)sizeof(T);
 #pragma unroll
   for (int j = 0; j < J; ++j) {
@@ -413,7 +427,13 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
               sc::from_float<T>(v + bv[blk][h]);
         }
   }
+#ifdef W4_TRACE
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 4, clock64());
+#endif
   sc::named_bar_sync(1, 256);
+#ifdef W4_TRACE
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 5, clock64());
+#endif
   {
     constexpr int PIECES = 128 * BLK * (int)sizeof(T) / 16;  // 16-byte pieces per row
     const int m0e = e_m_tile * MT;
