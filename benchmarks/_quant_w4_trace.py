@@ -107,9 +107,8 @@ def run(b, n, k, m):
           f"other {epi_other:5.2f}  xchg {xchg:5.2f}  tail_cta {tail_cta:5.2f}  clock {ghz:.2f} GHz", flush=True)
     # the epilogue's phases (CTAs that store y), p50 / p90 over CTAs, us
     e = tr[last]
-    marks = [("sync1", 3, EPI), ("send", EPI, EPI + 1), ("sync2", EPI + 1, 4), ("sum", 4, EPI + 2)] if cfg.splits > 1 \
-        else [("-", 3, EPI + 2)]
-    marks += [("bar1", EPI + 2, EPI + 3), ("ytile", EPI + 3, EPI + 4), ("bar2", EPI + 4, EPI + 5), ("copy", EPI + 5, 5)]
+    marks = [("sync1", 3, EPI), ("slots", EPI, EPI + 1), ("sync2", EPI + 1, 4), ("sum+tile", 4, EPI + 2),
+             ("bar", EPI + 2, EPI + 5), ("copy", EPI + 5, 5)]
     print("  epilogue " + "  ".join(f"{nm} {np.percentile(us(e[:, b] - e[:, a]), 50):5.2f}/"
                                      f"{np.percentile(us(e[:, b] - e[:, a]), 90):5.2f}" for nm, a, b in marks))
     if os.environ.get("OUT"):

@@ -328,64 +328,62 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int e_split = cta % splits, e_rest = cta / splits;
   const int e_m_tile = e_rest % m_tiles, e_n_tile = e_rest / m_tiles;
 
-  // Split-K: the tile's `splits` CTAs form one cluster and reduce-scatter their accumulators through distributed
-  // shared memory (a round trip of fp32 partials through global memory took 5-17 us at 8192^2 M = 256 on the H200,
-  // a quarter of the kernel).  Row group j (accumulators 4 j .. 4 j + 3 of each block) belongs to rank
-  // owner(j) = ((j + 1) splits - 1) / J, so rank r owns row groups [r J / splits, (r + 1) J / splits).  Every
-  // CTA writes each row group into its owner's ring (free once the whole cluster has passed the first barrier; its
-  // own row groups into its own ring, as choosing between registers and slots in the sum spilled at MT = 256), slot
-  // (source rank, owner-local row group, blk) of 256 threads x 16 bytes; after the second barrier the owner sums the
-  // slots in rank order (the same bits whichever CTA finishes first) and stores those rows of y.
+  // Epilogue, in three passes over shared memory (the ring, free once every consumer of the cluster is past its last
+  // wgmma), written as loops: it runs once per CTA, and fully unrolled over the accumulators (thousands of
+  // instructions) it ran at the instruction fetch rate, 2-16 us per CTA on the H200.
+  // 1. Every thread stores row group j of its accumulators (accumulators 4 j .. 4 j + 3 of each block: tile rows
+  //    8 j + 2 c + e, channels n_lane + 64 blk + 8 h as [2 h + e]) to the rank that owns it, slot (source rank,
+  //    owner-local row group, blk) of 256 threads x 16 bytes; rank r owns row groups [r jmax, (r + 1) jmax).  With
+  //    split-K the tile's splits are one cluster and the other ranks' slots are in their shared memory; without a
+  //    split every slot is the thread's own.
+  // 2. The owner sums each slot over the source ranks in rank order (the same bits whichever CTA finishes first), adds
+  //    the bias (INT8: scales first), rounds to T and writes its rows to a row-major tile (16-byte chunks XOR-swizzled
+  //    by row, so that the four rows of a warp's store fall in different banks).
+  // 3. The 256 consumer threads store the tile's rows to y in whole 16-byte chunks: storing the accumulator order
+  //    straight to y writes partial sectors.
   constexpr int J = MT / 8;
-  const int jmax = (J + splits - 1) / splits;
+  constexpr int SLOT = BLK * 256 * 16;      // one row group of one source rank, all threads
+  constexpr int Y_ROW = 128 * BLK * (int)sizeof(T);
   const int tid = threadIdx.x - 128;
-  if (splits > 1) {
-    sc::cluster_sync();  // every CTA of the cluster is done reading its ring
+  const int jmax = (J + splits - 1) / splits;
+  const int my_j0 = min(J, e_split * jmax), my_jn = min(J, my_j0 + jmax) - my_j0;
+  unsigned char* y_tile = smem + splits * jmax * SLOT;
+  if (splits > 1) sc::cluster_sync();  // every CTA of the cluster is done reading its ring
+  else sc::named_bar_sync(1, 256);     // both consumer warpgroups are
 #ifdef W4_TRACE
-    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
 #endif
-    const unsigned base = sc::smem_addr(smem);
+  {
+    int owner = 0, jl = 0;
+    const unsigned base = sc::smem_addr(smem) + (unsigned)(e_split * jmax * SLOT + tid * 16);
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      const int owner = ((j + 1) * splits - 1) / J;
-      const int jl = j - owner * J / splits;
 #pragma unroll
       for (int blk = 0; blk < BLK; ++blk) {
-        const unsigned off = (unsigned)((((e_split * jmax + jl) * BLK + blk) * 256 + tid) * 16);
-        sc::st_cluster_v4(sc::cluster_map(base + off, (unsigned)owner), acc[blk][4 * j], acc[blk][4 * j + 1],
-                          acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
+        const unsigned a = base + (unsigned)((jl * BLK + blk) * 256 * 16);
+        if (splits > 1)
+          sc::st_cluster_v4(sc::cluster_map(a, (unsigned)owner), acc[blk][4 * j], acc[blk][4 * j + 1],
+                            acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
+        else
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(acc[blk][4 * j]),
+                       "f"(acc[blk][4 * j + 1]), "f"(acc[blk][4 * j + 2]), "f"(acc[blk][4 * j + 3])
+                       : "memory");
       }
-    }
-#ifdef W4_TRACE
-    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
-#endif
-    sc::cluster_sync();  // the partials have landed
-#ifdef W4_TRACE
-    if (threadIdx.x == 128) W4_MARK(4, clock64());
-#endif
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      if (((j + 1) * splits - 1) / J != e_split) continue;
-      const int jl = j - e_split * J / splits;
-#pragma unroll
-      for (int blk = 0; blk < BLK; ++blk) {
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int src = 0; src < splits; ++src) {
-          const float4 v = *reinterpret_cast<const float4*>(smem + (((src * jmax + jl) * BLK + blk) * 256 + tid) * 16);
-          sum.x += v.x;
-          sum.y += v.y;
-          sum.z += v.z;
-          sum.w += v.w;
-        }
-        acc[blk][4 * j] = sum.x;
-        acc[blk][4 * j + 1] = sum.y;
-        acc[blk][4 * j + 2] = sum.z;
-        acc[blk][4 * j + 3] = sum.w;
+      if (++jl == jmax) {
+        jl = 0;
+        ++owner;
       }
     }
   }
+#ifdef W4_TRACE
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
+#endif
+  if (splits > 1) sc::cluster_sync();  // the partials have landed (without a split each thread reads its own)
+#ifdef W4_TRACE
+  if (threadIdx.x == 128) W4_MARK(4, clock64());
+#endif
 
-  // Epilogue.  Channel of (blk, h): n_lane + 64 blk + 8 h; tile row of (j, e): 8 j + 2 c + e.
+  // Channel of (blk, h): n_lane + 64 blk + 8 h.
   const int n_lane = (e_n_tile * L::BLOCKS + cw * BLK) * 64 + 16 * warp + g;
   float bv[BLK][2], sv[BLK][2];  // bias, and (INT8) the channel's scale
 #pragma unroll
@@ -393,57 +391,48 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       bv[blk][h] = bias != nullptr ? sc::to_float<T>(bias[n_lane + 64 * blk + 8 * h]) : 0.f;
-      if constexpr (KIND == W_INT8)
-        sv[blk][h] = sc::to_float<T>(reinterpret_cast<const T*>(grec)[n_lane + 64 * blk + 8 * h]);
+      sv[blk][h] = KIND == W_INT8 ? sc::to_float<T>(reinterpret_cast<const T*>(grec)[n_lane + 64 * blk + 8 * h]) : 1.f;
     }
-
-  // y through shared memory: each thread writes its values (bias added, INT8 scaled, rounded to T) into a row-major
-  // tile of the CTA's rows x 128 BLK channels, then the 256 consumer threads store whole 16-byte pieces of rows.  The
-  // accumulator layout stores 16 bytes of 4 rows per warp instruction, partial 32-byte sectors of lines not in L2:
-  // storing them straight to y took 4-15 us per CTA on the H200 (ECC merges each partial sector with its DRAM copy).
-  // Rows are padded by 16 bytes so that the four rows 2 c (+ e) of a store land in different banks.  With split-K,
-  // only the row groups [e_split J / splits, (e_split + 1) J / splits) this CTA owns.
-  constexpr int Y_ROW = 128 * BLK * (int)sizeof(T) + 16;
-#ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
-#endif
-  sc::named_bar_sync(1, 256);  // both consumer warpgroups are past their last read of the ring (or of the slots)
-#ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 3, clock64());
-#endif
-  unsigned char* y_s = smem + (2 * c) * Y_ROW + ((cw * BLK) * 64 + 16 * warp + g) * (int)sizeof(T);
+  for (int jl = 0; jl < my_jn; ++jl) {
 #pragma unroll
-  for (int j = 0; j < J; ++j) {
-    if (((j + 1) * splits - 1) / J != e_split) continue;
+    for (int blk = 0; blk < BLK; ++blk) {
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int src = 0; src < splits; ++src) {
+        const float4 v = *reinterpret_cast<const float4*>(smem + ((src * jmax + jl) * BLK + blk) * SLOT / BLK + tid * 16);
+        sum.x += v.x;
+        sum.y += v.y;
+        sum.z += v.z;
+        sum.w += v.w;
+      }
+      const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
-    for (int e = 0; e < 2; ++e)
-#pragma unroll
-      for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v = acc[blk][4 * j + 2 * h + e];
-          if constexpr (KIND == W_INT8) v *= sv[blk][h];
-          *reinterpret_cast<T*>(y_s + (8 * j + e) * Y_ROW + (64 * blk + 8 * h) * (int)sizeof(T)) =
-              sc::from_float<T>(v + bv[blk][h]);
-        }
+      for (int i = 0; i < 4; ++i) {
+        const int h = i >> 1, e = i & 1;
+        const int r = 8 * jl + 2 * c + e;                                            // row of the tile
+        const int b = (((cw * BLK + blk) * 64 + 16 * warp + g + 8 * h)) * (int)sizeof(T);  // byte in the row
+        float v = vals[i];
+        if constexpr (KIND == W_INT8) v *= sv[blk][h];
+        *reinterpret_cast<T*>(y_tile + r * Y_ROW + ((((b >> 4) ^ (r & 7)) << 4) | (b & 15))) =
+            sc::from_float<T>(v + bv[blk][h]);
+      }
+    }
   }
 #ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 4, clock64());
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
 #endif
   sc::named_bar_sync(1, 256);
 #ifdef W4_TRACE
   if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 5, clock64());
 #endif
   {
-    constexpr int PIECES = 128 * BLK * (int)sizeof(T) / 16;  // 16-byte pieces per row
-    const int m0e = e_m_tile * MT;
-    const int r0 = 8 * (e_split * J / splits);
-    const int r1 = min(8 * ((e_split + 1) * J / splits), M - m0e);
-    T* ybase = y + (long long)m0e * N + e_n_tile * L::BLOCKS * 64;
-    for (int i = r0 * PIECES + tid; i < r1 * PIECES; i += 256) {
+    constexpr int PIECES = Y_ROW / 16;  // 16-byte chunks per row
+    const int r0 = e_m_tile * MT + 8 * my_j0;  // the first x row of the tile
+    const int rows = min(8 * my_jn, M - r0);
+    T* ybase = y + (long long)r0 * N + e_n_tile * L::BLOCKS * 64;
+    for (int i = tid; i < rows * PIECES; i += 256) {
       const int r = i / PIECES, q = i % PIECES;
       *reinterpret_cast<uint4*>(ybase + (long long)r * N + q * (16 / (int)sizeof(T))) =
-          *reinterpret_cast<const uint4*>(smem + r * Y_ROW + q * 16);
+          *reinterpret_cast<const uint4*>(y_tile + r * Y_ROW + ((q ^ (r & 7)) << 4));
     }
   }
 #ifdef W4_TRACE

@@ -841,19 +841,19 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")
     stages = w4wgmma_stages(mt, blk, ks, kind)
-    if w4wgmma_reduce_bytes(mt, blk, s) > stages * w4wgmma_stage_bytes(mt, blk, ks, kind):
-        raise ValueError(f"w4wgmma_config: the split-K slots of {s} splits do not fit the ring of mt = {mt}, "
+    if w4wgmma_epilogue_bytes(mt, blk, s) > stages * w4wgmma_stage_bytes(mt, blk, ks, kind):
+        raise ValueError(f"w4wgmma_config: the epilogue of {s} splits does not fit the ring of mt = {mt}, "
                          f"blk = {blk}")
     return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks, kind), gs, ks,
                          kind)
 
 
-def w4wgmma_reduce_bytes(mt: int, blk: int, splits: int) -> int:
-    """Shared memory of w4_wgmma_kernel's split-K reduce-scatter (0 without a split): per CTA, one slot per source
-    rank of ceil(J / splits) row groups (J = mt / 8) x blk blocks x 256 threads x 16 bytes, inside the ring."""
-    if splits <= 1:
-        return 0
-    return splits * (-(-(mt // 8) // splits)) * blk * 256 * 16
+def w4wgmma_epilogue_bytes(mt: int, blk: int, splits: int) -> int:
+    """Shared memory of w4_wgmma_kernel's epilogue, inside the ring: per source rank (one without a split) a slot of
+    jmax = ceil(J / splits) row groups (J = mt / 8) x blk blocks x 256 threads x 16 bytes of fp32 accumulators,
+    then the y tile of the CTA's 8 jmax rows x 128 blk channels (2-byte values)."""
+    jmax = -(-(mt // 8) // splits)
+    return splits * jmax * blk * 256 * 16 + 8 * jmax * 128 * blk * 2
 
 
 def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:

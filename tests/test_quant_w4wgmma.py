@@ -348,7 +348,7 @@ def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
     assert cfg.n_tiles * 128 * cfg.blk == n
     kbs = k // 64
     assert 1 <= cfg.splits <= max(1, min(Q.W4WGMMA_MAX_SPLITS, kbs // 4))
-    assert Q.w4wgmma_reduce_bytes(cfg.mt, cfg.blk, cfg.splits) <= cfg.stages * Q.w4wgmma_stage_bytes(
+    assert Q.w4wgmma_epilogue_bytes(cfg.mt, cfg.blk, cfg.splits) <= cfg.stages * Q.w4wgmma_stage_bytes(
         cfg.mt, cfg.blk, cfg.ks)
     assert cfg.smem == Q.w4wgmma_smem_bytes(cfg.mt, cfg.blk, cfg.stages, cfg.ks) <= Q.W4WGMMA_SMEM_LIMIT
     if cfg.grid <= 4096:
