@@ -791,8 +791,7 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     many CTAs clusters of s can keep resident) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
-    auto_shape = not (blk or mt or gs)
-    if auto_shape:
+    if not (blk or mt or gs):
         blk, mt, gs, ks_default = w4wgmma_shape(m, n, k, sms)
         ks = ks or (ks_default if k % (W4WGMMA_BK * ks_default) == 0 else 1)  # INT8 takes K % 128 == 64 too
     gs = gs or W4WGMMA_GROUP_STEPS[0]
@@ -830,13 +829,9 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         fits = lambda c: tiles * c <= min(sms, cluster_ctas[c - 1] if cluster_ctas else sms)  # noqa: E731
         cost = lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c)  # noqa: E731
         cands = range(1, max(1, min(W4WGMMA_MAX_SPLITS, kb // 4)) + 1)
+        # (where the tuned split's clusters do not all fit, fewer splits beat 128-channel tiles: 8192 x 28672 M = 64
+        # took 1.59x cuBLAS with 32 tiles x 3 and 1.47x with 64 x 2, H200)
         s = min((c for c in cands if c == 1 or fits(c)), key=cost)
-        if auto_shape and blk == 2 and s < min((c for c in cands if c == 1 or tiles * c <= sms), key=cost):
-            # the clusters of the split the shape was tuned with do not all fit (8192 x 28672 M = 64: 32 tiles x 4,
-            # where the H200 keeps 120 CTAs in clusters of 4): 128-channel CTAs give twice the tiles
-            alt = w4wgmma_config(m, n, k, sms, mt=mt, blk=1, gs=gs, ks=ks, kind=kind, cluster_ctas=cluster_ctas)
-            if alt.grid > tiles * s:
-                return alt
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")

@@ -371,11 +371,8 @@ def test_config_heuristic_choices():
     assert Q.w4wgmma_config(64, 4096, 4096, 132).splits == 4
     assert Q.w4wgmma_config(64, 4096, 4096, 132, cluster_ctas=caps).splits == 3
     assert Q.w4wgmma_config(64, 4096, 4096, 132, cluster_ctas=(132,) * 8).splits == 4
-    # 256-channel tiles whose tuned split does not fit fall back to 128-channel tiles (twice the tiles, fewer splits)
     c = Q.w4wgmma_config(64, 8192, 28672, 132, cluster_ctas=caps)
-    assert (c.blk, c.splits, c.grid) == (1, 2, 128)
-    assert Q.w4wgmma_config(64, 8192, 28672, 132).blk == 2
-    assert Q.w4wgmma_config(64, 8192, 28672, 132, blk=2, cluster_ctas=caps).splits == 3  # a shape given stays
+    assert (c.blk, c.splits, c.grid) == (2, 3, 96)
     # tile shapes (w4wgmma_shape): (blk, mt, gs, ks) by M and layer
     shape = lambda m, n, k: Q.w4wgmma_shape(m, n, k, 132)  # noqa: E731
     assert shape(17, 8192, 8192) == shape(32, 8192, 8192) == shape(64, 28672, 8192) == (2, 64, 4, 2)
