@@ -328,17 +328,17 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int e_split = cta % splits, e_rest = cta / splits;
   const int e_m_tile = e_rest % m_tiles, e_n_tile = e_rest / m_tiles;
 
-  // Epilogue, in three passes over shared memory (the ring, free once every consumer of the cluster is past its last
-  // wgmma), written as loops: it runs once per CTA, and fully unrolled over the accumulators (thousands of
-  // instructions) it ran at the instruction fetch rate, 2-16 us per CTA on the H200.
-  // 1. Every thread stores row group j of its accumulators (accumulators 4 j .. 4 j + 3 of each block: tile rows
-  //    8 j + 2 c + e, channels n_lane + 64 blk + 8 h as [2 h + e]) to the rank that owns it, slot (source rank,
-  //    owner-local row group, blk) of 256 threads x 16 bytes; rank r owns row groups [r jmax, (r + 1) jmax).  With
-  //    split-K the tile's splits are one cluster and the other ranks' slots are in their shared memory; without a
-  //    split every slot is the thread's own.
-  // 2. The owner sums each slot over the source ranks in rank order (the same bits whichever CTA finishes first), adds
-  //    the bias (INT8: scales first), rounds to T and writes its rows to a row-major tile (16-byte chunks XOR-swizzled
-  //    by row, so that the four rows of a warp's store fall in different banks).
+  // Epilogue through shared memory (the ring, free once every consumer of the cluster is past its last wgmma).  It
+  // runs once per CTA, so its code runs at the instruction fetch rate: fully unrolled sums took 2-16 us per CTA
+  // on the H200; hence few instructions per accumulator and loops where the registers allow.
+  // 1. Split-K (the tile's splits are one cluster): every thread stores row group j of its accumulators
+  //    (accumulators 4 j .. 4 j + 3 of each block: tile rows 8 j + 2 c + e, channels n_lane + 64 blk + 8 h as
+  //    [2 h + e]) to the rank that owns it, slot (source rank, owner-local row group, blk) of 256 threads x 16 bytes;
+  //    rank r owns row groups [r jmax, (r + 1) jmax).  After the cluster barrier the owner sums each slot over the
+  //    source ranks in rank order (the same bits whichever CTA finishes first).
+  // 2. The bias is added (INT8: the scales applied first), the values rounded to T and written to a row-major tile
+  //    of the CTA's rows (16-byte chunks XOR-swizzled by row, so that the four rows of a warp's store fall in
+  //    different banks); without a split straight from the accumulators.
   // 3. The 256 consumer threads store the tile's rows to y in whole 16-byte chunks: storing the accumulator order
   //    straight to y writes partial sectors.
   constexpr int J = MT / 8;
@@ -348,41 +348,10 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int jmax = (J + splits - 1) / splits;
   const int my_j0 = min(J, e_split * jmax), my_jn = min(J, my_j0 + jmax) - my_j0;
   unsigned char* y_tile = smem + splits * jmax * SLOT;
-  if (splits > 1) sc::cluster_sync();  // every CTA of the cluster is done reading its ring
-  else sc::named_bar_sync(1, 256);     // both consumer warpgroups are
-#ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
-#endif
-  {
-    int owner = 0, jl = 0;
-    const unsigned base = sc::smem_addr(smem) + (unsigned)(e_split * jmax * SLOT + tid * 16);
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-#pragma unroll
-      for (int blk = 0; blk < BLK; ++blk) {
-        const unsigned a = base + (unsigned)((jl * BLK + blk) * 256 * 16);
-        if (owner != e_split)
-          sc::st_cluster_v4(sc::cluster_map(a, (unsigned)owner), acc[blk][4 * j], acc[blk][4 * j + 1],
-                            acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
-        else
-          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(acc[blk][4 * j]),
-                       "f"(acc[blk][4 * j + 1]), "f"(acc[blk][4 * j + 2]), "f"(acc[blk][4 * j + 3])
-                       : "memory");
-      }
-      if (++jl == jmax) {
-        jl = 0;
-        ++owner;
-      }
-    }
-  }
-#ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
-#endif
-  if (splits > 1) sc::cluster_sync();  // the partials have landed (without a split each thread reads its own)
-#ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(4, clock64());
-#endif
-
+  // T value of tile row r, byte b of the row (16-byte chunks XOR-swizzled by row).
+  auto y_at = [&](int r, int b) {
+    return reinterpret_cast<T*>(y_tile + r * Y_ROW + ((((b >> 4) ^ (r & 7)) << 4) | (b & 15)));
+  };
   // Channel of (blk, h): n_lane + 64 blk + 8 h.
   const int n_lane = (e_n_tile * L::BLOCKS + cw * BLK) * 64 + 16 * warp + g;
   float bv[BLK][2], sv[BLK][2];  // bias, and (INT8) the channel's scale
@@ -393,29 +362,81 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       bv[blk][h] = bias != nullptr ? sc::to_float<T>(bias[n_lane + 64 * blk + 8 * h]) : 0.f;
       sv[blk][h] = KIND == W_INT8 ? sc::to_float<T>(reinterpret_cast<const T*>(grec)[n_lane + 64 * blk + 8 * h]) : 1.f;
     }
-  // (4 row groups per iteration: one at a time waited out each shared-memory load's latency, 3.5 us at MT = 256)
-#pragma unroll 4
-  for (int jl = 0; jl < my_jn; ++jl) {
+  if (splits == 1) {
+    // Without a split the slots would only be a round trip: the tile straight from the accumulators (unrolled, but
+    // two instructions per value).
+    sc::named_bar_sync(1, 256);  // both consumer warpgroups are done reading the ring
 #pragma unroll
-    for (int blk = 0; blk < BLK; ++blk) {
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int src = 0; src < splits; ++src) {
-        const float4 v = *reinterpret_cast<const float4*>(smem + ((src * jmax + jl) * BLK + blk) * SLOT / BLK + tid * 16);
-        sum.x += v.x;
-        sum.y += v.y;
-        sum.z += v.z;
-        sum.w += v.w;
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int blk = 0; blk < BLK; ++blk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = i >> 1, e = i & 1;
+          float v = acc[blk][4 * j + i];
+          if constexpr (KIND == W_INT8) v *= sv[blk][h];
+          *y_at(8 * j + 2 * c + e, ((cw * BLK + blk) * 64 + 16 * warp + g + 8 * h) * (int)sizeof(T)) =
+              sc::from_float<T>(v + bv[blk][h]);
+        }
+  } else {
+    sc::cluster_sync();  // every CTA of the cluster is done reading its ring
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
+#endif
+    {
+      int owner = 0, jl = 0;
+      const unsigned base = sc::smem_addr(smem) + (unsigned)(e_split * jmax * SLOT + tid * 16);
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk) {
+          const unsigned a = base + (unsigned)((jl * BLK + blk) * 256 * 16);
+          if (owner != e_split)
+            sc::st_cluster_v4(sc::cluster_map(a, (unsigned)owner), acc[blk][4 * j], acc[blk][4 * j + 1],
+                              acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
+          else
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(acc[blk][4 * j]),
+                         "f"(acc[blk][4 * j + 1]), "f"(acc[blk][4 * j + 2]), "f"(acc[blk][4 * j + 3])
+                         : "memory");
+        }
+        if (++jl == jmax) {
+          jl = 0;
+          ++owner;
+        }
       }
-      const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+    }
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
+#endif
+    sc::cluster_sync();  // the partials have landed
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(4, clock64());
+#endif
+
+    // (4 row groups per iteration: one at a time waited out each shared-memory load's latency, 3.5 us at MT = 256)
+#pragma unroll 4
+    for (int jl = 0; jl < my_jn; ++jl) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1, e = i & 1;
-        const int r = 8 * jl + 2 * c + e;                                            // row of the tile
-        const int b = (((cw * BLK + blk) * 64 + 16 * warp + g + 8 * h)) * (int)sizeof(T);  // byte in the row
-        float v = vals[i];
-        if constexpr (KIND == W_INT8) v *= sv[blk][h];
-        *reinterpret_cast<T*>(y_tile + r * Y_ROW + ((((b >> 4) ^ (r & 7)) << 4) | (b & 15))) =
-            sc::from_float<T>(v + bv[blk][h]);
+      for (int blk = 0; blk < BLK; ++blk) {
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int src = 0; src < splits; ++src) {
+          const float4 v =
+              *reinterpret_cast<const float4*>(smem + ((src * jmax + jl) * BLK + blk) * SLOT / BLK + tid * 16);
+          sum.x += v.x;
+          sum.y += v.y;
+          sum.z += v.z;
+          sum.w += v.w;
+        }
+        const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = i >> 1, e = i & 1;
+          const int r = 8 * jl + 2 * c + e;                                                // tile row
+          const int b = ((cw * BLK + blk) * 64 + 16 * warp + g + 8 * h) * (int)sizeof(T);  // byte in the row
+          float v = vals[i];
+          if constexpr (KIND == W_INT8) v *= sv[blk][h];
+          *y_at(r, b) = sc::from_float<T>(v + bv[blk][h]);
+        }
       }
     }
   }
