@@ -65,6 +65,7 @@ enum : int { AWQ = 0, GPTQ = 1 };
 enum : int { W_INT4 = 0, W_INT8 = 1 };  // the weights' kind (KIND)
 constexpr int kBK = 64;            // k per chunk (KS chunks per ring stage): one 128-byte TMA row of x
 constexpr int kRecBytes = 192;     // group record of one INT4 block (64 scales + 64 zero bytes)
+constexpr int W4_MAX_SPLITS = 8;   // a tile's splits are one cluster (speedcore.quant.W4WGMMA_MAX_SPLITS)
 // Weights of one 64-channel block x 64 k: 2 KB of INT4, 4 KB of INT8.
 template <int KIND> constexpr int kBlockBytesOf = KIND == W_INT8 ? 4096 : 2048;
 
@@ -419,13 +420,17 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #pragma unroll
       for (int blk = 0; blk < BLK; ++blk) {
         float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int src = 0; src < splits; ++src) {
-          const float4 v =
-              *reinterpret_cast<const float4*>(smem + ((src * jmax + jl) * BLK + blk) * SLOT / BLK + tid * 16);
-          sum.x += v.x;
-          sum.y += v.y;
-          sum.z += v.z;
-          sum.w += v.w;
+        // unrolled to the largest cluster, so that the loads of 4 row groups are in flight together
+#pragma unroll
+        for (int src = 0; src < W4_MAX_SPLITS; ++src) {
+          if (src < splits) {
+            const float4 v =
+                *reinterpret_cast<const float4*>(smem + ((src * jmax + jl) * BLK + blk) * SLOT / BLK + tid * 16);
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+          }
         }
         const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
