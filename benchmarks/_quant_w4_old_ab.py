@@ -1,0 +1,65 @@
+"""Interleaved A/B of w4_wgmma_kernel against an older copy (not a suite): kernels/_quant_sm90_old.cu, when it
+exists, is an earlier kernels/quant_sm90.cu (``git show 2faa9c8:kernels/quant_sm90.cu``: split-K through global
+partials, the epilogue storing accumulators straight to y), launched with its own argument list on the same
+prepacked layers and today's launch shape, on cases without a K split (where the two grids are the same).  Medians
+of interleaved rounds, outputs compared, cuBLAS in the same run.
+
+    PYTHONPATH=. python3 benchmarks/_quant_w4_old_ab.py N:K:M ...
+"""
+import statistics
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import speedcore
+from speedcore import _tma, quant as Q
+from speedcore._compile import Kernel
+from speedcore._launch import launch
+from speedcore.bench import Bench
+
+G = 128
+
+
+def main():
+    b = Bench(quick=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for arg in sys.argv[1:]:
+        n, k, m = (int(v) for v in arg.split(":"))
+        scales = (torch.rand(k // G, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+        qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
+        qz = torch.randint(-2**31, 2**31 - 1, (k // G, n // 8), dtype=torch.int32, device="cuda")
+        lay = Q.prepack_awq(qw, qz, scales, group_size=G)
+        gl = lay.gemv
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.01
+        cfg, kern, lcfg, scalars = Q._w4wgmma_plan("bfloat16", m, n, k, G, 0, sms, ())
+        assert cfg.splits == 1, "the old kernel's grid order differs with a K split"
+        old = Kernel("_quant_sm90_old.cu", kern.name, hopper=True)
+        y_old = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        tmap = _tma.tile_map_2d(x.data_ptr(), "bfloat16", rows=m, cols=k, row_stride=k, box_rows=cfg.mt, box_cols=64)
+        stream = Q.A.stream_of(Q.A.wrap(x, "x"))
+
+        def call_old():
+            launch(old, lcfg, (tmap, y_old.data_ptr(), 0, 0, gl.w4_ptr, gl.w4_g_ptr, 0) + scalars, device=0,
+                   stream=stream)
+
+        y_new = speedcore.awq_linear(x, lay)
+        call_old()
+        torch.cuda.synchronize()
+        same = torch.equal(y_new, y_old)
+        t = {"new": [], "old": []}
+        for r in range(6):
+            for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
+                fn = (lambda: speedcore.awq_linear(x, lay)) if name == "new" else call_old
+                t[name].append(b.time_ms(fn) * 1e3)
+        cub = b.time_ms(lambda: F.linear(x, w)) * 1e3
+        tn, to = statistics.median(t["new"]), statistics.median(t["old"])
+        print(f"{n}x{k} M={m} b{cfg.blk} m{cfg.mt}: new {tn:7.1f} us  old {to:7.1f}  new/old {tn / to:.3f}  "
+              f"cuBLAS {cub:7.1f}  same bits {same}  max diff {np.float32((y_new.float() - y_old.float()).abs().max().item()):.3g}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
