@@ -143,12 +143,7 @@ class LoadedKernel:
         are placed inside one GPC, so with one CTA per SM the SMs a GPC has beyond a multiple of the cluster
         size stay idle (e.g. 120 of the H200's 132 SMs for clusters of 4 at ~200 KB per CTA)."""
         self.allow_smem(cfg.smem)
-        attr = _LaunchAttribute()
-        attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value[0], attr.value[1], attr.value[2] = cfg.cluster, 1, 1
-        block = tuple(cfg.block) + (1,) * (3 - len(cfg.block))
-        c = _LaunchConfigEx((ctypes.c_uint * 3)(cfg.cluster, 1, 1), (ctypes.c_uint * 3)(*block), cfg.smem, None,
-                            ctypes.pointer(attr), 1)
+        c, _ = _config_ex(LaunchConfig((cfg.cluster,), cfg.block, cfg.smem, cfg.cluster), None)
         n = ctypes.c_int(0)
         err = _driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(self.func.ptr), ctypes.byref(c))
         if err:
@@ -205,17 +200,23 @@ def _param_bytes(a) -> bytes:
     raise TypeError(f"kernel arguments: cannot pass {type(a).__name__} to a cluster launch")
 
 
-def _launch_cluster(func_ptr: int, cfg: LaunchConfig, args: tuple, stream) -> None:
-    """cuLaunchKernelEx with a cluster dimension (CuPy launches have no launch attributes)."""
-    bufs = [ctypes.create_string_buffer(_param_bytes(a)) for a in args]
-    params = (ctypes.c_void_p * max(1, len(bufs)))(*[ctypes.cast(b, ctypes.c_void_p) for b in bufs])
+def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
+    """A CUlaunchConfig for ``cfg`` with its cluster dimension (and the attribute it points to, kept alive)."""
     attr = _LaunchAttribute()
     attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     attr.value[0], attr.value[1], attr.value[2] = cfg.cluster, 1, 1
     grid = tuple(cfg.grid) + (1,) * (3 - len(cfg.grid))
     block = tuple(cfg.block) + (1,) * (3 - len(cfg.block))
     c = _LaunchConfigEx((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), cfg.smem,
-                        ctypes.c_void_p(getattr(stream, "ptr", stream) or None), ctypes.pointer(attr), 1)
+                        ctypes.c_void_p(stream_ptr or None), ctypes.pointer(attr), 1)
+    return c, attr
+
+
+def _launch_cluster(func_ptr: int, cfg: LaunchConfig, args: tuple, stream) -> None:
+    """cuLaunchKernelEx with a cluster dimension (CuPy launches have no launch attributes)."""
+    bufs = [ctypes.create_string_buffer(_param_bytes(a)) for a in args]
+    params = (ctypes.c_void_p * max(1, len(bufs)))(*[ctypes.cast(b, ctypes.c_void_p) for b in bufs])
+    c, _ = _config_ex(cfg, getattr(stream, "ptr", stream))
     err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(func_ptr), params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} (grid {cfg.grid}, cluster {cfg.cluster})")

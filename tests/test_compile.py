@@ -226,3 +226,6 @@ def test_cluster_launch_packs_arguments_as_cupy_does():
     # cuda.h's layouts: CUlaunchAttribute is 72 bytes (value at 8), CUlaunchConfig 56 (stream at 32)
     assert ctypes.sizeof(_launch._LaunchAttribute) == 72 and _launch._LaunchAttribute.value.offset == 8
     assert ctypes.sizeof(_launch._LaunchConfigEx) == 56 and _launch._LaunchConfigEx.stream.offset == 32
+    c, _ = _launch._config_ex(_launch.LaunchConfig((128,), (384,), 1000, cluster=2), 0x1234)
+    assert list(c.grid) == [128, 1, 1] and list(c.block) == [384, 1, 1] and c.smem == 1000 and c.stream == 0x1234
+    assert c.num_attrs == 1 and c.attrs.contents.id == 4 and list(c.attrs.contents.value)[:3] == [2, 1, 1]
