@@ -113,7 +113,8 @@ __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(
 template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1, int KIND = W_INT4>
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, const unsigned char* __restrict__ wq,
-    const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M, int N, int KB, int SPG, int NG, int m_tiles, int splits) {
+    const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M, int N, int KB, int SPG, int NG,
+    int m_tiles, int splits) {
   using L = W4Tile<MT, BLK, KS, KIND>;
   constexpr int kBlockBytes = kBlockBytesOf<KIND>;
   constexpr int NACC = MT / 2;

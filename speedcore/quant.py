@@ -788,7 +788,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     (default 1; 2 only at mt = 64).  (A stream-K variant, a persistent grid splitting the tiles x K stages evenly,
     measured slower than these split-K grids in every swept case and was removed.)  Split-K s (1..8, a cluster of s
     CTAs per tile; at least 4 stages per CTA, all resident at once: ``cluster_ctas[s - 1]``, where given, is how
-    many CTAs clusters of s can keep resident) minimizes _w4wgmma_cost, e.g. M = 64: 8192^2 -> 32 tiles x 4 splits, 28672x8192 -> 112 tiles x 1."""
+    many CTAs clusters of s can keep resident) minimizes _w4wgmma_cost, e.g. M = 32: 8192^2 -> 32 tiles x 4
+    splits; M = 64: 28672x8192 -> 112 tiles x 1, 4096^2 -> 32 tiles x 3 on the H200 (clusters of 4 hold 120 CTAs)."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
@@ -820,7 +821,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     if splits:
         s = max(1, min(splits, kb))
         if s > W4WGMMA_MAX_SPLITS:
-            raise ValueError(f"w4wgmma_config: at most {W4WGMMA_MAX_SPLITS} splits (one cluster per tile), got {splits}")
+            raise ValueError(f"w4wgmma_config: at most {W4WGMMA_MAX_SPLITS} splits (one cluster per tile), got "
+                             f"{splits}")
     else:
         w_tile = 64.0 * blk * k
         part = min(m, mt) * 128 * blk * 4 * 2.0

@@ -579,8 +579,8 @@ def test_dispatch_launch_arguments(fake_gpu, m):
     (300, {"gs": 2, "blk": 1, "mt": 256}, "w4_wgmma_kernel<__half, 256, 1, 6, 2>")])
 def test_override_launch_arguments(fake_gpu, m, override, name):
     """_W4WGMMA_OVERRIDE reaches the launch: the blk = 1 / gs variants, their grid (twice the channel tiles at
-    blk = 1), the cluster of a split tile, the tile height in the x tensor map's box, and the default shape again once the
-    override is gone."""
+    blk = 1), the cluster of a split tile, the tile height in the x tensor map's box, and the default shape again once
+    the override is gone."""
     calls, maps = fake_gpu
     k, n, g = 1024, 1536, 128
     x = FakeTensor((m, k), "float16")
