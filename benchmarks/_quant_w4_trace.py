@@ -8,9 +8,9 @@ Columns: plain / traced = kernel time (median of runs, L2 flushed) without / wit
 last exit in the traced run; skew = spread of the CTAs' entries; first = entry to the first stage's data;
 step = median time between stages in the steady state (stages 2..n-1); lat = a stage's full wait returning minus
 the producer's empty wait for it (time from issue to the consumers having it, when the consumers wait); tail = last
-stage's data to the loop end; epi = loop end to exit (CTAs that store y / CTAs that only hand partials over: the
-global-memory split-K of 2faa9c8); xchg = loop end to the partials having landed (the cluster reduce-scatter);
-tail_cta = the last exit minus the median exit.
+stage's data to the loop end; epi = loop end to the last store; tail_cta = the last exit minus the median exit.
+Then the epilogue's phases, p50 / p90 over CTAs: the first barrier (the cluster's with split-K), the partials sent
+and landed (split-K), the sum and y tile, the tile's barrier, the copy to y.
 """
 import os
 import sys
@@ -83,9 +83,7 @@ def run(b, n, k, m):
     tr = tr[:grid]
     kb = k // (64 * cfg.ks)
     nst = [(s + 1) * kb // cfg.splits - s * kb // cfg.splits for s in range(cfg.splits)]
-    last = tr[:, 7] == 1
-    clk_end = np.where(last, tr[:, 5], tr[:, 4])
-    ghz = np.median((clk_end - tr[:, 1]) / np.maximum(tr[:, 6] - tr[:, 0], 1))
+    ghz = np.median((tr[:, 5] - tr[:, 1]) / np.maximum(tr[:, 6] - tr[:, 0], 1))
     us = lambda c: c / ghz / 1e3  # noqa: E731
     n_st = min(nst)
     full = tr[:, 8:8 + n_st]
@@ -94,26 +92,24 @@ def run(b, n, k, m):
     step = np.median(us(np.median(np.diff(full[:, 2:], axis=1), axis=1))) if n_st > 3 else float("nan")
     lat = np.median(us(full[:, 2:] - prod[:, 2:])) if n_st > 3 else float("nan")
     tail = np.median(us(tr[:, 3] - full[:, n_st - 1]))
-    epi_last = np.median(us(tr[last, 5] - tr[last, 3])) if last.any() else float("nan")
-    epi_other = np.median(us(tr[~last, 4] - tr[~last, 3])) if (~last).any() else float("nan")
-    xchg = np.median(us(tr[:, 4] - tr[:, 3])) if cfg.splits > 1 and last.all() else float("nan")
+    epi = np.median(us(tr[:, 5] - tr[:, 3]))
     span = (tr[:, 6].max() - tr[:, 0].min()) / 1e3
     skew = (tr[:, 0].max() - tr[:, 0].min()) / 1e3
     tail_cta = (tr[:, 6].max() - np.median(tr[:, 6])) / 1e3
     shape = f"b{cfg.blk} m{cfg.mt} g{cfg.gs} k{cfg.ks} s{cfg.splits} st{cfg.stages} grid {cfg.grid} stages/CTA {n_st}"
     print(f"{n}x{k} M={m:<5} {shape}")
     print(f"  plain {plain * 1e3:7.1f} us  traced {traced * 1e3:7.1f}  span {span:7.1f}  skew {skew:5.2f}  "
-          f"first {first:5.2f}  step {step:5.3f}  lat {lat:5.2f}  tail {tail:5.2f}  epi last {epi_last:5.2f} / "
-          f"other {epi_other:5.2f}  xchg {xchg:5.2f}  tail_cta {tail_cta:5.2f}  clock {ghz:.2f} GHz", flush=True)
-    # the epilogue's phases (CTAs that store y), p50 / p90 over CTAs, us
-    e = tr[last]
-    marks = [("sync1", 3, EPI), ("slots", EPI, EPI + 1), ("sync2", EPI + 1, 4), ("sum+tile", 4, EPI + 2),
-             ("bar", EPI + 2, EPI + 5), ("copy", EPI + 5, 5)]
-    print("  epilogue " + "  ".join(f"{nm} {np.percentile(us(e[:, b] - e[:, a]), 50):5.2f}/"
-                                     f"{np.percentile(us(e[:, b] - e[:, a]), 90):5.2f}" for nm, a, b in marks))
+          f"first {first:5.2f}  step {step:5.3f}  lat {lat:5.2f}  tail {tail:5.2f}  epi {epi:5.2f}  "
+          f"tail_cta {tail_cta:5.2f}  clock {ghz:.2f} GHz", flush=True)
+    # the epilogue's phases, p50 / p90 over CTAs, us
+    marks = [("sync1", 3, EPI), ("slots", EPI, EPI + 1), ("sync2", EPI + 1, EPI + 2), ("sum+tile", EPI + 2, EPI + 3)] \
+        if cfg.splits > 1 else [("bar", 3, EPI), ("tile", EPI, EPI + 3)]
+    marks += [("bar", EPI + 3, EPI + 4), ("copy", EPI + 4, 5)]
+    print("  epilogue " + "  ".join(f"{nm} {np.percentile(us(tr[:, b] - tr[:, a]), 50):5.2f}/"
+                                     f"{np.percentile(us(tr[:, b] - tr[:, a]), 90):5.2f}" for nm, a, b in marks))
     if os.environ.get("OUT"):
         np.save(os.path.join(os.environ["OUT"], f"w4trace_{n}x{k}_m{m}.npy"), tr)
-    return dict(case=f"{n}x{k} M={m}", plain=plain * 1e3, step=step, first=first, epi=epi_last, lat=lat)
+    return dict(case=f"{n}x{k} M={m}", plain=plain * 1e3, step=step, first=first, epi=epi, lat=lat)
 
 
 def main():

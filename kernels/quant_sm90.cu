@@ -40,10 +40,10 @@
 #include "common/int4.cuh"
 
 // Diagnostics (benchmarks/_quant_w4_trace.py): with -DW4_TRACE, CTA c stamps w4_trace[c][slot]: 0 globaltimer and
-// 1 clock64() at entry, 2 the SM, 3 the consumers' loop end, 4 the split-K partials handed over, 5 the end of the
-// stores, 6 globaltimer at exit, 7 whether the CTA wrote y; 8 + i the return of consumer warpgroup 1's full wait
-// of stage i, W4_TRACE_PROD + i the producer's empty wait of stage i (clock64, up to 256 stages), W4_TRACE_EPI + 0..5
-// the epilogue's phases (cluster barrier, partials sent, sums done, y tile barrier, y tile written, its barrier).
+// 1 clock64() at entry, 2 the SM, 3 the consumers' loop end, 5 the end of the stores, 6 globaltimer at exit; 8 + i
+// the return of consumer warpgroup 1's full wait of stage i, W4_TRACE_PROD + i the producer's empty wait of stage i
+// (clock64, up to 256 stages); W4_TRACE_EPI + 0..4 the epilogue's phases: past the first barrier, partials sent and
+// landed (split-K only), y tile written, past its barrier.
 #ifdef W4_TRACE
 #define W4_TRACE_SLOTS 528
 #define W4_TRACE_PROD 264
@@ -344,12 +344,14 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // 3. The 256 consumer threads store the tile's rows to y in whole 16-byte chunks: storing the accumulator order
   //    straight to y writes partial sectors.
   constexpr int J = MT / 8;
-  constexpr int SLOT = BLK * 256 * 16;      // one row group of one source rank, all threads
   constexpr int Y_ROW = 128 * BLK * (int)sizeof(T);
   const int tid = threadIdx.x - 128;
   const int jmax = (J + splits - 1) / splits;
+  constexpr int SLOT = 256 * 16;  // one block's row group from one source rank: 16 bytes per consumer thread
+  // Byte offset of this thread's 16 bytes in slot (source rank src, owner-local row group jl, blk).
+  auto slot_off = [&](int src, int jl, int blk) { return ((src * jmax + jl) * BLK + blk) * SLOT + tid * 16; };
   const int my_j0 = min(J, e_split * jmax), my_jn = min(J, my_j0 + jmax) - my_j0;
-  unsigned char* y_tile = smem + splits * jmax * SLOT;
+  unsigned char* y_tile = smem + splits * jmax * BLK * SLOT;  // past every slot
   // T value of tile row r, byte b of the row (16-byte chunks XOR-swizzled by row).
   auto y_at = [&](int r, int b) {
     return reinterpret_cast<T*>(y_tile + r * Y_ROW + ((((b >> 4) ^ (r & 7)) << 4) | (b & 15)));
@@ -368,6 +370,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     // Without a split the slots would only be a round trip: the tile straight from the accumulators (unrolled, but
     // two instructions per value).
     sc::named_bar_sync(1, 256);  // both consumer warpgroups are done reading the ring
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
+#endif
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -387,19 +392,18 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #endif
     {
       int owner = 0, jl = 0;
-      const unsigned base = sc::smem_addr(smem) + (unsigned)(e_split * jmax * SLOT + tid * 16);
+      const unsigned base = sc::smem_addr(smem);
 #pragma unroll
       for (int j = 0; j < J; ++j) {
 #pragma unroll
         for (int blk = 0; blk < BLK; ++blk) {
-          const unsigned a = base + (unsigned)((jl * BLK + blk) * 256 * 16);
+          const int off = slot_off(e_split, jl, blk);
           if (owner != e_split)
-            sc::st_cluster_v4(sc::cluster_map(a, (unsigned)owner), acc[blk][4 * j], acc[blk][4 * j + 1],
-                              acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
+            sc::st_cluster_v4(sc::cluster_map(base + (unsigned)off, (unsigned)owner), acc[blk][4 * j],
+                              acc[blk][4 * j + 1], acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
           else
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(acc[blk][4 * j]),
-                         "f"(acc[blk][4 * j + 1]), "f"(acc[blk][4 * j + 2]), "f"(acc[blk][4 * j + 3])
-                         : "memory");
+            *reinterpret_cast<float4*>(smem + off) =
+                make_float4(acc[blk][4 * j], acc[blk][4 * j + 1], acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
         }
         if (++jl == jmax) {
           jl = 0;
@@ -412,7 +416,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #endif
     sc::cluster_sync();  // the partials have landed
 #ifdef W4_TRACE
-    if (threadIdx.x == 128) W4_MARK(4, clock64());
+    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
 #endif
 
     // (4 row groups per iteration: one at a time waited out each shared-memory load's latency, 3.5 us at MT = 256)
@@ -425,8 +429,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #pragma unroll
         for (int src = 0; src < W4_MAX_SPLITS; ++src) {
           if (src < splits) {
-            const float4 v =
-                *reinterpret_cast<const float4*>(smem + ((src * jmax + jl) * BLK + blk) * SLOT / BLK + tid * 16);
+            const float4 v = *reinterpret_cast<const float4*>(smem + slot_off(src, jl, blk));
             sum.x += v.x;
             sum.y += v.y;
             sum.z += v.z;
@@ -447,11 +450,11 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     }
   }
 #ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 3, clock64());
 #endif
   sc::named_bar_sync(1, 256);
 #ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 5, clock64());
+  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 4, clock64());
 #endif
   {
     constexpr int PIECES = Y_ROW / 16;  // 16-byte chunks per row
@@ -469,7 +472,6 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   if (threadIdx.x == 128) {
     W4_MARK(5, clock64());
     W4_MARK(6, (long long)sc::globaltimer_ns());
-    W4_MARK(7, 1ll);
   }
 #endif
 }

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from ._compile import Kernel, compile_kernel
 
@@ -186,22 +189,29 @@ def _driver():
     return lib
 
 
+_U64 = struct.Struct("<Q")
+_PACK = {np.int32: struct.Struct("<i"), np.int64: struct.Struct("<q"), np.uint32: struct.Struct("<I"),
+         np.uint64: struct.Struct("<Q"), np.float32: struct.Struct("<f")}
+
+
 def _param_bytes(a) -> bytes:
     """A kernel argument's bytes as CuPy passes them: Python ints as 8 bytes, NumPy scalars and (by value) small
-    NumPy arrays, such as a TMA tensor map, at their own size."""
-    import numpy as np
-
-    if isinstance(a, (bool, np.bool_)):
-        raise TypeError("kernel arguments: pass flags as numpy.int32")
-    if isinstance(a, int):
-        return (a & (2**64 - 1)).to_bytes(8, "little")
-    if isinstance(a, (np.generic, np.ndarray)):
+    NumPy arrays, such as a TMA tensor map, at their own size.  (By exact type: this runs per argument per launch.)"""
+    t = type(a)
+    if t is int:
+        return _U64.pack(a & 0xFFFFFFFFFFFFFFFF)
+    f = _PACK.get(t)
+    if f is not None:
+        return f.pack(a)
+    if t is np.ndarray or (isinstance(a, np.generic) and t is not np.bool_):
         return a.tobytes()
-    raise TypeError(f"kernel arguments: cannot pass {type(a).__name__} to a cluster launch")
+    raise TypeError(f"kernel arguments: cannot pass {t.__name__} to a cluster launch (flags as numpy.int32)")
 
 
+@lru_cache(maxsize=256)
 def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
-    """A CUlaunchConfig for ``cfg`` with its cluster dimension (and the attribute it points to, kept alive)."""
+    """A CUlaunchConfig for ``cfg`` on a stream, with its cluster dimension (and the attribute it points to, kept
+    alive); cached, since a launch site repeats one configuration."""
     attr = _LaunchAttribute()
     attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     attr.value[0], attr.value[1], attr.value[2] = cfg.cluster, 1, 1
@@ -213,9 +223,16 @@ def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
 
 
 def _launch_cluster(func_ptr: int, cfg: LaunchConfig, args: tuple, stream) -> None:
-    """cuLaunchKernelEx with a cluster dimension (CuPy launches have no launch attributes)."""
-    bufs = [ctypes.create_string_buffer(_param_bytes(a)) for a in args]
-    params = (ctypes.c_void_p * max(1, len(bufs)))(*[ctypes.cast(b, ctypes.c_void_p) for b in bufs])
+    """cuLaunchKernelEx with a cluster dimension (CuPy launches have no launch attributes).  The arguments go in one
+    buffer, each at an 8-byte aligned offset (the driver copies each from its pointer)."""
+    parts = [_param_bytes(a) for a in args]
+    offsets, at = [], 0
+    for p in parts:
+        offsets.append(at)
+        at += -(-len(p) // 8) * 8
+    buf = ctypes.create_string_buffer(b"".join(p.ljust(-(-len(p) // 8) * 8, b"\0") for p in parts), max(at, 1))
+    base = ctypes.addressof(buf)
+    params = (ctypes.c_void_p * max(1, len(parts)))(*[base + o for o in offsets])
     c, _ = _config_ex(cfg, getattr(stream, "ptr", stream))
     err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(func_ptr), params, None)
     if err:

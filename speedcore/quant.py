@@ -48,7 +48,7 @@ import numpy as np
 
 from . import _arrays as A
 from ._compile import Kernel
-from ._launch import LaunchConfig, device_info, get_kernel, launch
+from ._launch import MAX_CLUSTER, LaunchConfig, device_info, get_kernel, launch
 
 SOURCE = "quant.cu"
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -102,7 +102,7 @@ W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override 
 # every case of the H200 sweep at dc766cf, e.g. 8192^2 M = 64 56.6 against 33.1 us, and were removed.)
 W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
 W4WGMMA_MAX_STAGES = 8
-W4WGMMA_MAX_SPLITS = 8  # a tile's splits are one thread-block cluster (8: the portable cluster size)
+W4WGMMA_MAX_SPLITS = MAX_CLUSTER  # a tile's splits are one thread-block cluster (kernel: W4_MAX_SPLITS)
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
 # (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower).
 W4WGMMA_NO_GS4 = {(1, 256)}

@@ -229,3 +229,35 @@ def test_cluster_launch_packs_arguments_as_cupy_does():
     c, _ = _launch._config_ex(_launch.LaunchConfig((128,), (384,), 1000, cluster=2), 0x1234)
     assert list(c.grid) == [128, 1, 1] and list(c.block) == [384, 1, 1] and c.smem == 1000 and c.stream == 0x1234
     assert c.num_attrs == 1 and c.attrs.contents.id == 4 and list(c.attrs.contents.value)[:3] == [2, 1, 1]
+
+
+def test_cluster_launch_passes_each_argument_at_its_pointer(monkeypatch):
+    """_launch_cluster packs the arguments into one buffer: each kernelParams pointer reads that argument's bytes,
+    and the launch config carries grid, block, shared memory, stream and cluster size."""
+    import ctypes
+
+    import numpy as np
+
+    from speedcore import _launch
+
+    seen = {}
+
+    class Driver:
+        def cuLaunchKernelEx(self, c, func, params, extra):
+            cfg = c._obj
+            seen["cfg"] = (list(cfg.grid), list(cfg.block), cfg.smem, cfg.stream, list(cfg.attrs.contents.value)[:3])
+            ptrs = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            seen["args"] = [ctypes.string_at(ptrs[i], n) for i, n in enumerate((128, 8, 4, 8, 4))]
+            seen["func"] = func.value
+            return 0
+
+    monkeypatch.setattr(_launch, "_driver", lambda: Driver())
+    m = np.zeros(1, dtype=[("words", np.uint64, 16)])
+    m["words"][0] = np.arange(16, dtype=np.uint64) * 3
+    args = (m, 0xDEADBEEF12, np.int32(-7), np.int64(1 << 40), np.float32(1.5))
+    _launch._launch_cluster(0x1000, _launch.LaunchConfig((8,), (384,), 4096, cluster=4), args,
+                            type("S", (), {"ptr": 0x77})())
+    assert seen["func"] == 0x1000
+    assert seen["cfg"] == ([8, 1, 1], [384, 1, 1], 4096, 0x77, [4, 1, 1])
+    assert seen["args"] == [_launch._param_bytes(a) for a in args]
+    assert seen["args"][1] == (0xDEADBEEF12).to_bytes(8, "little") and seen["args"][2] == np.int32(-7).tobytes()
