@@ -4,7 +4,10 @@ partials, the epilogue storing accumulators straight to y), launched with its ow
 prepacked layers and today's launch shape, on cases without a K split (where the two grids are the same).  Medians
 of interleaved rounds, outputs compared, cuBLAS in the same run.
 
-    PYTHONPATH=. python3 benchmarks/_quant_w4_old_ab.py N:K:M ...
+    PYTHONPATH=. python3 benchmarks/_quant_w4_old_ab.py [--same-args] N:K:M ...
+
+--same-args: the old copy takes today's argument list and cluster launch (a kernel from 62b9c88 on), so cases with a
+K split are compared too.
 """
 import statistics
 import sys
@@ -25,7 +28,10 @@ G = 128
 def main():
     b = Bench(quick=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for arg in sys.argv[1:]:
+    args = sys.argv[1:]
+    same_args = "--same-args" in args
+    args = [a for a in args if a != "--same-args"]
+    for arg in args:
         n, k, m = (int(v) for v in arg.split(":"))
         scales = (torch.rand(k // G, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
         qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
@@ -35,15 +41,19 @@ def main():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.01
         cfg, kern, lcfg, scalars = Q._w4wgmma_plan("bfloat16", m, n, k, G, 0, sms, ())
-        assert cfg.splits == 1, "the old kernel's grid order differs with a K split"
+        assert same_args or cfg.splits == 1, "the old kernel's grid order differs with a K split"
         old = Kernel("_quant_sm90_old.cu", kern.name, hopper=True)
         y_old = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         tmap = _tma.tile_map_2d(x.data_ptr(), "bfloat16", rows=m, cols=k, row_stride=k, box_rows=cfg.mt, box_cols=64)
         stream = Q.A.stream_of(Q.A.wrap(x, "x"))
 
         def call_old():
-            launch(old, lcfg, (tmap, y_old.data_ptr(), 0, 0, gl.w4_ptr, gl.w4_g_ptr, 0) + scalars, device=0,
-                   stream=stream)
+            if same_args:
+                launch(old, lcfg, (tmap, y_old.data_ptr(), gl.w4_ptr, gl.w4_g_ptr, 0) + scalars, device=0,
+                       stream=stream)
+            else:
+                launch(old, lcfg, (tmap, y_old.data_ptr(), 0, 0, gl.w4_ptr, gl.w4_g_ptr, 0) + scalars, device=0,
+                       stream=stream)
 
         y_new = speedcore.awq_linear(x, lay)
         call_old()
@@ -57,7 +67,7 @@ def main():
         cub = b.time_ms(lambda: F.linear(x, w)) * 1e3
         tn, to = statistics.median(t["new"]), statistics.median(t["old"])
         diff = np.float32((y_new.float() - y_old.float()).abs().max().item())
-        print(f"{n}x{k} M={m} b{cfg.blk} m{cfg.mt}: new {tn:7.1f} us  old {to:7.1f}  new/old {tn / to:.3f}  "
+        print(f"{n}x{k} M={m} b{cfg.blk} m{cfg.mt} s{cfg.splits}: new {tn:7.1f} us  old {to:7.1f}  new/old {tn / to:.3f}  "
               f"cuBLAS {cub:7.1f}  same bits {same}  max diff {diff:.3g}", flush=True)
 
 

@@ -2,7 +2,10 @@
 clock64() at entry, at each ring stage's full / empty wait, at the loop end and in the split-K epilogue; this prints,
 per case, the phases in microseconds (medians over CTAs unless said).
 
-    PYTHONPATH=. python3 benchmarks/_quant_w4_trace.py [N:K:M ...]
+    PYTHONPATH=. python3 benchmarks/_quant_w4_trace.py [N:K:M ...] [--defs "-DNAME=VALUE ..." ...]
+
+Each --defs string is one more traced build of every case (extra compiler options, e.g. the
+experiment switches one adds for a measurement); the plain build is always traced first.
 
 Columns: plain / traced = kernel time (median of runs, L2 flushed) without / with the stamps; span = first entry to
 last exit in the traced run; skew = spread of the CTAs' entries; first = entry to the first stage's data;
@@ -26,7 +29,7 @@ from speedcore import _launch, quant as Q  # noqa: E402
 from speedcore._compile import Kernel  # noqa: E402
 from speedcore.bench import Bench  # noqa: E402
 
-SLOTS, PROD, EPI, CTAS = 528, 264, 250, 512
+SLOTS, PROD, PROD_X, PROD_W, EPI, CTAS = 1056, 264, 528, 792, 250, 512
 G = 128
 CASES = [(8192, 8192, 256), (4096, 4096, 256), (4096, 4096, 64), (8192, 8192, 64), (28672, 8192, 256),
          (8192, 8192, 2048)]
@@ -40,7 +43,7 @@ def layer(n, k, dt):
     return Q.prepack_awq(qw, qz, scales, group_size=G)
 
 
-def run(b, n, k, m):
+def run(b, n, k, m, defs=()):
     import cupy
 
     dt = torch.bfloat16
@@ -55,7 +58,7 @@ def run(b, n, k, m):
 
     def traced_kernel(*a, **kw):
         kern = orig(*a, **kw)
-        return Kernel(kern.source, kern.name, kern.options + ("-DW4_TRACE",), hopper=True)
+        return Kernel(kern.source, kern.name, kern.options + ("-DW4_TRACE",) + tuple(defs), hopper=True)
 
     Q._w4wgmma_kernel = traced_kernel
     Q._w4wgmma_plan.cache_clear()
@@ -97,10 +100,17 @@ def run(b, n, k, m):
     skew = (tr[:, 0].max() - tr[:, 0].min()) / 1e3
     tail_cta = (tr[:, 6].max() - np.median(tr[:, 6])) / 1e3
     shape = f"b{cfg.blk} m{cfg.mt} g{cfg.gs} k{cfg.ks} s{cfg.splits} st{cfg.stages} grid {cfg.grid} stages/CTA {n_st}"
-    print(f"{n}x{k} M={m:<5} {shape}")
+    print(f"{n}x{k} M={m:<5} {shape} {' '.join(defs) or '(plain build)'}")
     print(f"  plain {plain * 1e3:7.1f} us  traced {traced * 1e3:7.1f}  span {span:7.1f}  skew {skew:5.2f}  "
           f"first {first:5.2f}  step {step:5.3f}  lat {lat:5.2f}  tail {tail:5.2f}  epi {epi:5.2f}  "
           f"tail_cta {tail_cta:5.2f}  clock {ghz:.2f} GHz", flush=True)
+    # the producers (warp 0: x boxes, warp 1: weights): time to issue a stage's x box, and how long before the
+    # consumers took the stage each producer had issued it (the ring's lead; small = the consumers waited on it)
+    px, pw = tr[:, PROD_X:PROD_X + n_st], tr[:, PROD_W:PROD_W + n_st]
+    if px.any():
+        pr = lambda a: f"{np.median(us(a[:, :4])):5.3f}/{np.median(us(a[:, 4:])):5.3f}"  # noqa: E731
+        print(f"  producers (first 4 stages / the rest): x issue {pr(px - prod)}  lead of x {pr(full - px)}  "
+              f"lead of weights {pr(full - pw)}")
     # the epilogue's phases, p50 / p90 over CTAs, us
     marks = [("sync1", 3, EPI), ("slots", EPI, EPI + 1), ("sync2", EPI + 1, EPI + 2), ("sum+tile", EPI + 2, EPI + 3)] \
         if cfg.splits > 1 else [("bar", 3, EPI), ("tile", EPI, EPI + 3)]
@@ -108,17 +118,22 @@ def run(b, n, k, m):
     print("  epilogue " + "  ".join(f"{nm} {np.percentile(us(tr[:, b] - tr[:, a]), 50):5.2f}/"
                                      f"{np.percentile(us(tr[:, b] - tr[:, a]), 90):5.2f}" for nm, a, b in marks))
     if os.environ.get("OUT"):
-        np.save(os.path.join(os.environ["OUT"], f"w4trace_{n}x{k}_m{m}.npy"), tr)
+        tag = "".join(d.replace("-DW4_EXP_", "_").replace("=", "") for d in defs)
+        np.save(os.path.join(os.environ["OUT"], f"w4trace_{n}x{k}_m{m}{tag}.npy"), tr)
     return dict(case=f"{n}x{k} M={m}", plain=plain * 1e3, step=step, first=first, epi=epi, lat=lat)
 
 
 def main():
     b = Bench(quick=True)
-    cases = CASES
-    if len(sys.argv) > 1:
-        cases = [tuple(int(v) for v in a.split(":")) for a in sys.argv[1:]]
+    args, variants = sys.argv[1:], [()]
+    while "--defs" in args:
+        i = args.index("--defs")
+        variants.append(tuple(args[i + 1].split()))
+        del args[i:i + 2]
+    cases = [tuple(int(v) for v in a.split(":")) for a in args] or CASES
     for n, k, m in cases:
-        run(b, n, k, m)
+        for defs in variants:
+            run(b, n, k, m, defs)
 
 
 if __name__ == "__main__":

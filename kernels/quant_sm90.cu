@@ -17,13 +17,13 @@
 //   B operand read by wgmma from shared memory must be in natural k order, hence the new copy.)  Scales / zero
 //   points come from the streaming kernels' group records (gemv_pack_groups_kernel, 192 bytes per block and group)
 //   reordered as the weights ((block / 4, group, block % 4), speedcore.quant._w4wgmma_groups).
-// * 384 threads: warpgroup 0 is the producer (setmaxnreg down; one thread issues per stage KS TMA boxes of x (KS =
-//   1 or 2 chunks of 64 k) and the bulk copies of the CTA's weights and group records: one each where the blocks
-//   are adjacent) into a STAGES-deep ring guarded by full / empty mbarriers; warpgroups 1 and 2 are consumers
-//   owning BLK blocks each (2 x 64 BLK channels per CTA).  A consumer issues a stage's 4 KS k16 steps as wgmma
-//   groups of GS steps (GS = 1, 2 or 4), and
-//   dequantizes the next group's A fragments while the previous group is in flight (two A sets; wgmma.wait_group 1);
-//   it releases a stage once the group that read its x tile has retired.
+// * 384 threads: warpgroup 0 is the producer (setmaxnreg down; per stage, one thread of warp 0 issues KS TMA boxes
+//   of x (KS = 1 or 2 chunks of 64 k), one of warp 1 the bulk copy of the CTA's weights and one of warp 2 that of
+//   its group records: one copy each where the blocks are adjacent) into a STAGES-deep ring guarded by full / empty
+//   mbarriers; warpgroups 1 and 2 are consumers owning BLK blocks each (2 x 64 BLK channels per CTA).  A consumer
+//   issues a stage's 4 KS k16 steps as wgmma groups of GS steps (GS = 1, 2 or 4), and dequantizes the next group's
+//   A fragments while the previous group is in flight (two A sets; wgmma.wait_group 1); it releases a stage once
+//   the group that read its x tile has retired.
 // * Split-K over `splits` CTAs per tile where the tiles alone do not fill the SMs: the tile's CTAs are a cluster and
 //   sum their fp32 accumulators through distributed shared memory, in split order (deterministic); else y is
 //   written straight from the accumulators.
@@ -41,12 +41,15 @@
 
 // Diagnostics (benchmarks/_quant_w4_trace.py): with -DW4_TRACE, CTA c stamps w4_trace[c][slot]: 0 globaltimer and
 // 1 clock64() at entry, 2 the SM, 3 the consumers' loop end, 5 the end of the stores, 6 globaltimer at exit; 8 + i
-// the return of consumer warpgroup 1's full wait of stage i, W4_TRACE_PROD + i the producer's empty wait of stage i
-// (clock64, up to 256 stages); W4_TRACE_EPI + 0..4 the epilogue's phases: past the first barrier, partials sent and
+// the return of consumer warpgroup 1's full wait of stage i, W4_TRACE_PROD + i the x producer's empty wait of stage
+// i, W4_TRACE_PROD_X + i its x boxes issued, W4_TRACE_PROD_W + i the weight producer's copy issued (clock64, up to
+// 242 stages); W4_TRACE_EPI + 0..4 the epilogue's phases: past the first barrier, partials sent and
 // landed (split-K only), y tile written, past its barrier.
 #ifdef W4_TRACE
-#define W4_TRACE_SLOTS 528
+#define W4_TRACE_SLOTS 1056
 #define W4_TRACE_PROD 264
+#define W4_TRACE_PROD_X 528  // the producer past its x box of stage i
+#define W4_TRACE_PROD_W 792  // past its weight copy of stage i
 #define W4_TRACE_EPI 250  // epilogue phases (stage stamps past 242 stages collide)
 extern "C" __device__ long long w4_trace[512 * W4_TRACE_SLOTS];
 #define W4_MARK(slot, v)                                                                       \
@@ -117,6 +120,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     int m_tiles, int splits) {
   using L = W4Tile<MT, BLK, KS, KIND>;
   constexpr int kBlockBytes = kBlockBytesOf<KIND>;
+  constexpr int kProducers = KIND == W_INT8 ? 2 : 3;  // producer threads (x, weights, group records)
   constexpr int NACC = MT / 2;
   constexpr int STEPS = 4 * KS;  // k16 steps per stage
   static_assert(KS == 1 || KS == 2, "a stage is 64 or 128 k");
@@ -147,7 +151,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     W4_MARK(2, (long long)smid);
 #endif
     for (int s = 0; s < STAGES; ++s) {
-      sc::mbar_init(&full[s], 1);
+      sc::mbar_init(&full[s], kProducers);
       sc::mbar_init(&empty[s], 8);
     }
     sc::fence_mbar_init();
@@ -156,46 +160,70 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 
   if (wg == 0) {
     sc::setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) {
-      sc::tma_prefetch_map(&tmap_x);
+    // Three producer warps, one thread each, fill every ring stage: warp 0 the x boxes, warp 1 the weights, warp 2
+    // the group records (INT8 has none).  Each stage's full barrier counts one arrival per producer.  (One thread
+    // issuing all three, ~100 instructions per stage with the record's group index divided out, was the kernel's
+    // bottleneck: the traces showed it 0.45-0.7 us per stage behind its free ring slots, the consumers waiting on
+    // it.)
+    const int pw = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0 && pw < kProducers) {
+      if (pw == 0) sc::tma_prefetch_map(&tmap_x);
+      // Super-block layout (4 blocks, stage-major inside): the CTA's 2 or 4 blocks of a stage are adjacent (one copy
+      // each for weights and records: one per block ran the copy queue long, -8 to -13% time at M <= 64 with 4
+      // blocks, H200) and its stages follow each other (a plain stage-major layout, N / 64 x 2 KB between stages,
+      // cost 4-8% at M >= 256).  (KS = 2 with 4 blocks: both chunks in one copy.)
+      constexpr int CHUNKS_PER_COPY = L::BLOCKS == 4 ? KS : 1;  // [chunk][block] in shared memory too
+      const long long sb = nb0 >> 2, b4 = nb0 & 3;
+      const unsigned char* w_src = wq + ((sb * KB * KS + (long long)kb_begin * KS) * 4 + b4) * kBlockBytes;
+      int g_idx = kb_begin * KS / SPG, g_rem = kb_begin * KS % SPG;  // the stage's group, its first chunk in it
+      const unsigned char* g_src = grec + ((sb * NG + g_idx) * 4 + b4) * kRecBytes;
       int stage = 0;
       unsigned phase = 0;
 #ifdef W4_TRACE
       int traced = 0;
 #endif
-      auto produce = [&](int kb, int pm0, int pnb0) {
+      for (int kb = kb_begin; kb < kb_end; ++kb) {
         sc::mbar_wait(&empty[stage], phase ^ 1);
+        if (pw == 0) {
 #ifdef W4_TRACE
-        W4_MARK(W4_TRACE_PROD + traced, clock64());
+          W4_MARK(W4_TRACE_PROD + traced, clock64());
+#endif
+          sc::mbar_arrive_expect_tx(&full[stage], L::X_BYTES);
+#pragma unroll
+          for (int ch = 0; ch < KS; ++ch)
+            sc::tma_load_2d(ring_x + stage * L::X_BYTES + ch * L::X_CHUNK, &tmap_x, (kb * KS + ch) * kBK, m0,
+                            &full[stage]);
+#ifdef W4_TRACE
+          W4_MARK(W4_TRACE_PROD_X + traced, clock64());
+#endif
+        } else if (pw == 1) {
+          sc::mbar_arrive_expect_tx(&full[stage], L::W_BYTES);
+#pragma unroll
+          for (int ch = 0; ch < KS; ch += CHUNKS_PER_COPY)
+            sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + ch * L::BLOCKS * kBlockBytes,
+                              w_src + ch * 4 * kBlockBytes, CHUNKS_PER_COPY * L::BLOCKS * kBlockBytes,
+                              &full[stage]);
+          w_src += KS * 4 * kBlockBytes;
+#ifdef W4_TRACE
+          W4_MARK(W4_TRACE_PROD_W + traced, clock64());
+#endif
+        } else {
+          sc::mbar_arrive_expect_tx(&full[stage], L::G_BYTES);
+          sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES, g_src, L::BLOCKS * kRecBytes, &full[stage]);
+          g_rem += KS;  // a stage lies inside one group (KS <= SPG)
+          if (g_rem >= SPG) {
+            g_rem = 0;
+            g_src += 4 * kRecBytes;
+          }
+        }
+#ifdef W4_TRACE
         ++traced;
 #endif
-        sc::mbar_arrive_expect_tx(&full[stage], L::STAGE);
-#pragma unroll
-        for (int ch = 0; ch < KS; ++ch)
-          sc::tma_load_2d(ring_x + stage * L::X_BYTES + ch * L::X_CHUNK, &tmap_x, (kb * KS + ch) * kBK, pm0,
-                          &full[stage]);
-        // Super-block layout (4 blocks, stage-major inside): the CTA's 2 or 4 blocks of a stage are adjacent (one copy
-        // each for weights and records: one per block ran the copy queue long, -8 to -13% time at M <= 64 with 4
-        // blocks, H200) and its stages follow each other (a plain stage-major layout, N / 64 x 2 KB between stages,
-        // cost 4-8% at M >= 256).
-        // (KS = 2 with 4 blocks: both chunks in one copy.)
-        constexpr int CHUNKS_PER_COPY = L::BLOCKS == 4 ? KS : 1;  // [chunk][block] in shared memory too
-        const int kc = kb * KS;  // the stage's first 64-k chunk
-        const long long sb = pnb0 >> 2, b4 = pnb0 & 3;
-#pragma unroll
-        for (int ch = 0; ch < KS; ch += CHUNKS_PER_COPY)
-          sc::bulk_copy_g2s(ring_w + stage * L::W_BYTES + ch * L::BLOCKS * kBlockBytes,
-                            wq + ((sb * KB * KS + kc + ch) * 4 + b4) * kBlockBytes,
-                            CHUNKS_PER_COPY * L::BLOCKS * kBlockBytes, &full[stage]);
-        if constexpr (KIND == W_INT4)
-          sc::bulk_copy_g2s(ring_g + stage * L::G_BYTES, grec + ((sb * NG + kc / SPG) * 4 + b4) * kRecBytes,
-                            L::BLOCKS * kRecBytes, &full[stage]);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
         }
-      };
-      for (int kb = kb_begin; kb < kb_end; ++kb) produce(kb, m0, nb0);
+      }
     }
     if (splits > 1) {  // the consumers' two cluster barriers (split-K epilogue)
       sc::cluster_sync();
