@@ -94,6 +94,16 @@ __device__ __forceinline__ void group_consts(unsigned sw, unsigned zw, unsigned 
   zc[1] = sc::int4_zero_term<T>((zw >> 8) & 0xffu, true);  // row g + 8: fp16 reads its nibbles at bits 4-7
 }
 
+// The (m tile, n tile) of tile t: tiles in groups of m_group m tiles (the last group may be smaller), m fastest
+// inside a group, then the n tile, then the group.  m_group = m_tiles is plain m-fastest order (CTAs running
+// together read the same weights); fewer bound the x rows a wave of CTAs reads where x is the bigger operand.
+__device__ __forceinline__ void tile_coords(int t, int m_tiles, int n_tiles, int m_group, int& m_tile, int& n_tile) {
+  const int grp = t / (m_group * n_tiles), r = t - grp * m_group * n_tiles;
+  const int gm = min(m_group, m_tiles - grp * m_group);
+  m_tile = grp * m_group + r % gm;
+  n_tile = r / gm;
+}
+
 __device__ __forceinline__ unsigned ctaid_x() {
   unsigned r;
   asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
@@ -106,8 +116,8 @@ __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(
 
 // y (M, N) = x (M, K) @ W (+ bias) for a layer in the wgmma-major INT4 layout (wq) with its group records (grec:
 // record (block / 4, group, block % 4) at byte 192 (((block / 4) NG + group) 4 + block % 4)).
-// Grid: splits x m_tiles x (N / (128 BLK)) CTAs, split fastest, then the m tile (CTAs reading the same weights run
-// together).  CTA (split, m tile, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
+// Grid: splits x m_tiles x (N / (128 BLK)) CTAs, split fastest, then the tile in tile_coords' order (groups of
+// m_group m tiles).  CTA (split, m tile, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
 // [split KB / splits, (split + 1) KB / splits).  KB = K / (64 KS) stages, SPG = G / 64, NG = K / G.
 // splits > 1: launched in clusters of `splits` CTAs (one tile's splits; at most 8), whose ring shared memory must
 // hold the reduce-scatter slots (speedcore.quant.w4wgmma_config checks it).
@@ -117,7 +127,7 @@ template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1, int K
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, const unsigned char* __restrict__ wq,
     const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M, int N, int KB, int SPG, int NG,
-    int m_tiles, int splits) {
+    int m_tiles, int splits, int m_group) {
   using L = W4Tile<MT, BLK, KS, KIND>;
   constexpr int kBlockBytes = kBlockBytesOf<KIND>;
   constexpr int kProducers = KIND == W_INT8 ? 2 : 3;  // producer threads (x, weights, group records)
@@ -135,8 +145,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   unsigned long long* empty = full + STAGES;
 
   const int split = blockIdx.x % splits;  // the CTA's rank in its cluster (the tile's splits)
-  const int rest = blockIdx.x / splits;
-  const int m_tile = rest % m_tiles, n_tile = rest / m_tiles;
+  const int n_tiles = N / (64 * L::BLOCKS);
+  int m_tile, n_tile;
+  tile_coords(blockIdx.x / splits, m_tiles, n_tiles, m_group, m_tile, n_tile);
   const int m0 = m_tile * MT, nb0 = n_tile * L::BLOCKS;
   const int kb_begin = (int)((long long)split * KB / splits);
   const int kb_end = (int)((long long)(split + 1) * KB / splits);
@@ -355,8 +366,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // The tile's coordinates again, from the CTA index read anew: kept live across the main loop they spilled at
   // MT x BLK = 256 (128 accumulator registers).
   const int cta = (int)ctaid_x();
-  const int e_split = cta % splits, e_rest = cta / splits;
-  const int e_m_tile = e_rest % m_tiles, e_n_tile = e_rest / m_tiles;
+  const int e_split = cta % splits;
+  int e_m_tile, e_n_tile;
+  tile_coords(cta / splits, m_tiles, N / (64 * L::BLOCKS), m_group, e_m_tile, e_n_tile);
 
   // Epilogue through shared memory (the ring, free once every consumer of the cluster is past its last wgmma).  It
   // runs once per CTA, so its code runs at the instruction fetch rate: fully unrolled sums took 2-16 us per CTA

@@ -100,7 +100,7 @@ W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override 
 # to 256 (a 64 x 256 fp32 accumulator: 128 registers per consumer thread, which fits the 232 of setmaxnreg only with
 # one block per warpgroup).  (512-channel CTAs at 64 rows, which read each x tile half as often, were slower in
 # every case of the H200 sweep at dc766cf, e.g. 8192^2 M = 64 56.6 against 33.1 us, and were removed.)
-W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 256)}
+W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 192, 256)}
 W4WGMMA_MAX_STAGES = 8
 W4WGMMA_MAX_SPLITS = MAX_CLUSTER  # a tile's splits are one thread-block cluster (kernel: W4_MAX_SPLITS)
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
@@ -109,7 +109,8 @@ W4WGMMA_NO_GS4 = {(1, 256)}
 # INT8 (KIND = W_INT8) variants built: the INT4 default shapes of w4wgmma_shape (blk, mt, gs, ks), and ks = 1 /
 # gs = 1 of each (blk, mt) for comparison.
 W8WGMMA_VARIANTS = {(2, 64, 4, 2), (1, 64, 4, 2), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
-                    (2, 64, 4, 1), (1, 64, 4, 1), (2, 64, 1, 1), (1, 64, 1, 1), (1, 256, 1, 1)}
+                    (1, 128, 2, 1), (1, 192, 2, 1), (2, 64, 4, 1), (1, 64, 4, 1), (2, 64, 1, 1), (1, 64, 1, 1),
+                    (1, 256, 1, 1)}
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 W4WGMMA_M_RANGE = (17, 8192)
 
@@ -736,65 +737,98 @@ class W4WgmmaConfig:
     gs: int = 1       # k16 steps per wgmma group (W4WGMMA_GROUP_STEPS)
     ks: int = 1       # 64-k chunks per ring stage (W4WGMMA_STAGE_CHUNKS); splits count stages
     kind: int = 0     # KIND_INT4, or KIND_INT8 (per-channel scales, no group records)
+    m_group: int = 0  # m tiles per group of the tile order (tile_coords; 0: all of them)
 
     @property
     def grid(self) -> int:
         return self.m_tiles * self.splits * self.n_tiles
 
 
-def _w4wgmma_cost(tiles: int, splits: int, sms: int, w_tile: float, part: float) -> float:
-    """Time of the grid in bytes per SM: waves x (the CTA's share of its tile's weights + its fp32 partial, which
-    crosses to the cluster's other CTAs: counted at half weight)."""
-    waves = -(-tiles * splits // sms)
-    return waves * (w_tile / splits + (0.5 * part if splits > 1 else 0.0))
+# Per-CTA time of one 64-k stage of w4_wgmma_kernel by (blk, mt) (H200, us): the traces' steady-state steps and
+# the M sweep of benchmarks/_quant_w4_msweep.py at b482bb8 (three producer warps), where the consumers' wgmma
+# stream and dequantization set the pace.  Relative values are what matter: they pick the launch shape.
+W4WGMMA_STEP_US = {(1, 64): 0.285, (2, 64): 0.50, (1, 128): 0.43, (2, 128): 0.75, (1, 192): 0.52, (1, 256): 0.64}
+# The shapes the heuristic chooses among, (blk, mt, gs, ks): 64-row tiles in 128-k stages of one wgmma group, the
+# others in groups of 2 k16 steps (1 at blk = 2, where two A sets of 2 would crowd the 64-row accumulators).
+W4WGMMA_CANDIDATES = ((1, 64, 4, 2), (2, 64, 4, 2), (1, 128, 2, 1), (2, 128, 1, 1), (1, 192, 2, 1), (1, 256, 2, 1))
+W4WGMMA_CTA_US = 3.0  # launch, the first stage's latency and the pipeline's drain, per wave
+
+
+def _w4wgmma_time(m: int, n: int, k: int, sms: int, blk: int, mt: int, splits: int, cap: int = 0) -> float:
+    """Estimated time (us) of w4_wgmma_kernel on an (M, N, K) layer with tiles of mt rows x 128 blk channels and
+    `splits` CTAs per tile: waves x (fixed cost + K / 64 / splits stages x W4WGMMA_STEP_US + the epilogue).  The
+    epilogue writes the mt x 128 blk tile (fp32 accumulators: ~64 KB / us through shared memory); with a split it
+    first sends (splits - 1) / splits of them to the cluster's other CTAs (~32 KB / us of distributed shared
+    memory) and sums its share.  `cap`: CTAs that clusters of `splits` keep resident (0: the SM count)."""
+    tiles = -(-m // mt) * (n // (128 * blk))
+    waves = -(-tiles * splits // min(sms, cap or sms))
+    acc_kb = mt * 128 * blk * 4 / 1024
+    if splits == 1:
+        epi = 0.5 + acc_kb / 64
+    else:  # + the cluster barriers' skew, growing with the cluster (4096^2 M = 17: 6 splits of 256 channels 18.6 us,
+        # 3 of 128 channels 15.5)
+        epi = 2.0 + 0.5 * (splits - 2) + acc_kb * (splits - 1) / splits / 32 + acc_kb / splits / 64
+    return waves * (W4WGMMA_CTA_US + k / 64 / splits * W4WGMMA_STEP_US[(blk, mt)] + epi)
+
+
+def _w4wgmma_splits(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, cluster_ctas: tuple = ()) -> list:
+    """Split counts w4_wgmma_kernel can take for a tile shape: 1, and 2..8 (one cluster per tile) while every CTA
+    keeps at least 4 ring stages and the whole grid is resident at once (``cluster_ctas[s - 1]``, where given, is
+    how many CTAs clusters of s keep resident; splitting into a second wave only adds one: 28672 x 8192 M = 17 took
+    91.4 us in 784 CTAs against 74.7 in 112, H200)."""
+    tiles = -(-m // mt) * (n // (128 * blk))
+    kb = max(1, k // (W4WGMMA_BK * ks))
+    out = [1]
+    for c in range(2, min(W4WGMMA_MAX_SPLITS, kb // 4) + 1):
+        if tiles * c <= min(sms, cluster_ctas[c - 1] if cluster_ctas else sms):
+            out.append(c)
+    return out
 
 
 @lru_cache(maxsize=8192)
-def w4wgmma_shape(m: int, n: int, k: int, sms: int) -> tuple:
-    """The default (blk, mt, gs, ks) of w4_wgmma_kernel for an (M, N, K) problem (pure).  From the H200 sweeps
-    (benchmarks/_quant_w4wgmma_probe.py --tune, AWQ bf16, us; the runner-up in brackets):
-    * M <= 64 (at dc766cf): 64-row tiles, 128-k ring stages (ks = 2) in groups of 4 k16 steps: 8192^2 M = 32 27.5
-      (29.4 with 64-k stages), 28672 x 8192 M = 64 67.5 (78.6), 8192 x 28672 M = 64 69.6 (77.7), 4096^2 M = 64 16.7
-      (17.8); 256-channel CTAs from N = 8192 but on 8192^2 above M = 32 (M = 64: 30.3 against 32.4), where
-      128-channel ones give twice the tiles; 512-channel CTAs were slower everywhere (8192^2 M = 64 55.8).
-    * M <= 128 up to N = 8192 (at 5891054): the same in two 64-row tiles (4096^2 M = 128 20.1 against 23.5 with
-      128-row tiles, 8192 x 28672 119.8 against 125.5, 8192^2 43.0 against 43.9).
-    * M <= 192 (at 9d6d23c, as below): 128-row tiles; 128-channel CTAs up to N = 8192 (8192^2 M = 128 43.0 against
-      50.8, 4096^2 23.7), 256-channel ones above (28672 x 8192 110.4 against 132.3).
-    * M <= 512: 256-row tiles of 128 channels in groups of 2 from N = 8192 (8192^2 M = 256 61.9 against 66.5,
-      28672 x 8192 195.0 against 211.6, 8192 x 28672 198.9 against 200.7); below, 128-row tiles in groups of 4
-      (4096^2 28.6 against 33.5).
-    * M > 512: the same 256-row tiles from N = 8192 (8192^2 M = 2048 380.3 against 426.2, 28672 x 8192 1357
-      against 1712), below 128-row tiles of 256 channels (4096^2 M = 1024 58.7 against 68.7)."""
-    wide = n >= 8192
-    if m <= 64:
-        return (2 if wide and (m <= 32 or n * k > 8192 * 8192) else 1), 64, 4, 2
-    if m <= 128 and n <= 8192:
-        return (2 if wide else 1), 64, 4, 2
-    if m <= 192:
-        return (2, 128, 1, 1) if n > 8192 else (1, 128, 1, 1)
-    if m <= 512:
-        return (1, 256, 2, 1) if wide else (1, 128, 4, 1)
-    return (1, 256, 2, 1) if wide else (2, 128, 1, 1)
+def w4wgmma_shape(m: int, n: int, k: int, sms: int, cluster_ctas: tuple = (), kind: int = KIND_INT4) -> tuple:
+    """The default (blk, mt, gs, ks) of w4_wgmma_kernel for an (M, N, K) layer (pure): the W4WGMMA_CANDIDATES shape
+    (INT8: those built, W8WGMMA_VARIANTS) and split count of least _w4wgmma_time.  Tiles of 192 and 256 rows keep
+    the rows past M few (8192^2 M = 192: 42.1 us at 192 rows against 57.3 at 128, H200) and count waves (M = 768:
+    four 192-row tiles x 64 in 138.7 us, three 256-row ones in 172.6); 64-row tiles below M = 64, 256 channels only
+    where their tiles alone nearly fill the GPU (28672 x 8192 M = 64: 64.5 us against 73.5 with 128 channels;
+    8192 x 28672: 64.7 with 128 channels x 2 splits against 75.5)."""
+    best = None
+    for blk, mt, gs, ks in W4WGMMA_CANDIDATES:
+        if n % (128 * blk) or k % (W4WGMMA_BK * ks):
+            continue
+        if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
+            continue
+        for c in _w4wgmma_splits(m, n, k, sms, blk, mt, ks, cluster_ctas):
+            if w4wgmma_epilogue_bytes(mt, blk, c) > w4wgmma_stages(mt, blk, ks, kind) * w4wgmma_stage_bytes(
+                    mt, blk, ks, kind):
+                continue
+            cap = cluster_ctas[c - 1] if cluster_ctas and c > 1 else 0
+            key = (round(_w4wgmma_time(m, n, k, sms, blk, mt, c, cap), 3), c, -mt)
+            if best is None or key < best[0]:
+                best = (key, (blk, mt, gs, ks))
+    if best is None:
+        raise ValueError(f"w4wgmma_shape: no w4_wgmma_kernel shape takes N = {n}, K = {k}")
+    return best[1]
 
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
                    gs: int = 0, ks: int = 0, kind: int = KIND_INT4, cluster_ctas: tuple = ()) -> W4WgmmaConfig:
-    """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs)
-    from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others default
-    to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs in
-    W4WGMMA_GROUP_STEPS); ``splits`` overrides the K split (in ring stages), ``ks`` the 64-k chunks per ring stage
-    (default 1; 2 only at mt = 64).  (A stream-K variant, a persistent grid splitting the tiles x K stages evenly,
-    measured slower than these split-K grids in every swept case and was removed.)  Split-K s (1..8, a cluster of s
-    CTAs per tile; at least 4 stages per CTA, all resident at once: ``cluster_ctas[s - 1]``, where given, is how
-    many CTAs clusters of s can keep resident) minimizes _w4wgmma_cost, e.g. M = 32: 8192^2 -> 32 tiles x 4
-    splits; M = 64: 28672x8192 -> 112 tiles x 1, 4096^2 -> 32 tiles x 3 on the H200 (clusters of 4 hold 120 CTAs)."""
+    """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs,
+    ks) from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others
+    default to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs
+    in W4WGMMA_GROUP_STEPS); ``ks`` the 64-k chunks per ring stage (1, or 2 at mt = 64).  ``splits`` overrides the K
+    split (a cluster of s CTAs per tile, 1..8); else the one of least _w4wgmma_time among _w4wgmma_splits
+    (``cluster_ctas[s - 1]``, where given, is how many CTAs clusters of s keep resident: 120 for 4 on the H200).
+    (A stream-K variant, a persistent grid splitting the tiles x K stages evenly, measured slower than these
+    split-K grids in every swept case and was removed.)  Multi-wave grids take the tiles in groups of m_group m
+    tiles where x is the bigger operand (tile_coords in kernels/quant_sm90.cu)."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
-        blk, mt, gs, ks_default = w4wgmma_shape(m, n, k, sms)
-        ks = ks or (ks_default if k % (W4WGMMA_BK * ks_default) == 0 else 1)  # INT8 takes K % 128 == 64 too
+        blk, mt, gs, ks_default = w4wgmma_shape(m, n, k, sms, cluster_ctas, kind)
+        ks = ks or ks_default
     gs = gs or W4WGMMA_GROUP_STEPS[0]
     if gs not in W4WGMMA_GROUP_STEPS:
         raise ValueError(f"w4wgmma_config: gs must be one of {W4WGMMA_GROUP_STEPS}, got {gs}")
@@ -824,16 +858,9 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
             raise ValueError(f"w4wgmma_config: at most {W4WGMMA_MAX_SPLITS} splits (one cluster per tile), got "
                              f"{splits}")
     else:
-        w_tile = 64.0 * blk * k
-        part = min(m, mt) * 128 * blk * 4 * 2.0
-        # split only within one wave: 28672 x 8192 M = 17 took 91.4 us in 784 CTAs (7 splits, which the byte
-        # count favoured) against 74.7 in 112 (H200)
-        fits = lambda c: tiles * c <= min(sms, cluster_ctas[c - 1] if cluster_ctas else sms)  # noqa: E731
-        cost = lambda c: (_w4wgmma_cost(tiles, c, sms, w_tile, part), c)  # noqa: E731
-        cands = range(1, max(1, min(W4WGMMA_MAX_SPLITS, kb // 4)) + 1)
-        # (where the tuned split's clusters do not all fit, fewer splits beat 128-channel tiles: 8192 x 28672 M = 64
-        # took 1.59x cuBLAS with 32 tiles x 3 and 1.47x with 64 x 2, H200)
-        s = min((c for c in cands if c == 1 or fits(c)), key=cost)
+        s = min(_w4wgmma_splits(m, n, k, sms, blk, mt, ks, cluster_ctas),
+                key=lambda c: (round(_w4wgmma_time(m, n, k, sms, blk, mt, c,
+                                                   cluster_ctas[c - 1] if cluster_ctas and c > 1 else 0), 3), c))
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")
@@ -842,7 +869,19 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         raise ValueError(f"w4wgmma_config: the epilogue of {s} splits does not fit the ring of mt = {mt}, "
                          f"blk = {blk}")
     return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks, kind), gs, ks,
-                         kind)
+                         kind, w4wgmma_m_group(m_tiles, n_tiles, s, sms, mt, blk, kind))
+
+
+def w4wgmma_m_group(m_tiles: int, n_tiles: int, splits: int, sms: int, mt: int, blk: int, kind: int = KIND_INT4) -> int:
+    """m tiles per group of w4_wgmma_kernel's tile order (tile_coords): all of them (m fastest: the CTAs running
+    together share weights) unless the grid takes several waves; then about sqrt(tiles per wave x weight tile /
+    x tile) m tiles, so that a wave reads few x rows and few weight tiles (e.g. 256-row tiles of 128 channels: 4 m
+    tiles x 33 channel tiles per wave of 132)."""
+    if m_tiles * n_tiles * splits <= sms or m_tiles == 1:
+        return m_tiles
+    w_bytes = 128 * blk * (1 if kind == KIND_INT8 else 0.5)  # per k
+    g = round((sms / splits * w_bytes / (mt * 2)) ** 0.5)
+    return max(1, min(m_tiles, g))
 
 
 def w4wgmma_epilogue_bytes(mt: int, blk: int, splits: int) -> int:
@@ -860,8 +899,11 @@ def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
     kb = k // (W4WGMMA_BK * cfg.ks)
     out = []
     for cta in range(cfg.grid):
-        split, rest = cta % cfg.splits, cta // cfg.splits
-        m_tile, n_tile = rest % cfg.m_tiles, rest // cfg.m_tiles
+        split, t = cta % cfg.splits, cta // cfg.splits
+        gm_full = cfg.m_group or cfg.m_tiles
+        grp, r = divmod(t, gm_full * cfg.n_tiles)
+        gm = min(gm_full, cfg.m_tiles - grp * gm_full)
+        m_tile, n_tile = grp * gm_full + r % gm, r // gm
         out.append((m_tile, split, n_tile, n_tile * 2 * cfg.blk, split * kb // cfg.splits * cfg.ks,
                     (split + 1) * kb // cfg.splits * cfg.ks))
     return out
@@ -1456,7 +1498,7 @@ _W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # (115 / 111).
 W4WGMMA_AUTO_M = (17, 1024)
 W4WGMMA_AUTO_WIDE_MAX_M = 8192  # the upper end on layers with N >= W4WGMMA_AUTO_WIDE_N
-W4WGMMA_AUTO_WIDE_N = 8192
+W4WGMMA_AUTO_WIDE_N = 4096
 _W4WGMMA_OVERRIDE: dict = {}
 
 
@@ -1656,7 +1698,7 @@ def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, device: int
                              cluster_ctas=_w4_cluster_ctas(kern, device, cfg.smem))
     spg, ng = (group // W4WGMMA_BK, k // group) if kind == KIND_INT4 else (1, 1)  # INT8: no groups
     scalars = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(spg), np.int32(ng),
-               np.int32(cfg.m_tiles), np.int32(cfg.splits))
+               np.int32(cfg.m_tiles), np.int32(cfg.splits), np.int32(cfg.m_group or cfg.m_tiles))
     kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, kind=kind)
     return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem, cluster=cfg.splits), scalars
 

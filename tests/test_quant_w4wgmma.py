@@ -360,36 +360,44 @@ def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
 
 
 def test_config_heuristic_choices():
-    assert Q.w4wgmma_config(32, 8192, 8192, 132).splits == 4       # 32 tiles x 4 = 128 CTAs
-    assert Q.w4wgmma_config(64, 8192, 8192, 132).splits == 2       # 64 tiles (128 channels) x 2
-    assert Q.w4wgmma_config(64, 28672, 8192, 132).splits == 1      # 112 tiles: the partials would cost more
-    assert Q.w4wgmma_config(256, 8192, 8192, 132).splits == 2      # 1 m tile x 64 (256 rows, 128 channels)
-    assert Q.w4wgmma_config(256, 8192, 8192, 132, blk=2).splits == 2  # 2 m tiles x 32
-    assert Q.w4wgmma_config(2048, 8192, 8192, 132).splits == 1
-    # clusters of s CTAs must all be resident: on an H200 (120 SMs usable by clusters of 4) 32 tiles x 4 do not fit
+    # the shape and split count of least _w4wgmma_time, with an H200's cluster capacity (120 CTAs in clusters of 4)
     caps = (132, 132, 132, 120, 130, 126, 126, 128)
-    assert Q.w4wgmma_config(64, 4096, 4096, 132).splits == 4
-    assert Q.w4wgmma_config(64, 4096, 4096, 132, cluster_ctas=caps).splits == 3
-    assert Q.w4wgmma_config(64, 4096, 4096, 132, cluster_ctas=(132,) * 8).splits == 4
-    c = Q.w4wgmma_config(64, 8192, 28672, 132, cluster_ctas=caps)
-    assert (c.blk, c.splits, c.grid) == (2, 3, 96)
-    # tile shapes (w4wgmma_shape): (blk, mt, gs, ks) by M and layer
-    shape = lambda m, n, k: Q.w4wgmma_shape(m, n, k, 132)  # noqa: E731
-    assert shape(17, 8192, 8192) == shape(32, 8192, 8192) == shape(64, 28672, 8192) == (2, 64, 4, 2)
-    assert shape(64, 8192, 28672) == (2, 64, 4, 2)
-    assert shape(33, 8192, 8192) == shape(64, 4096, 4096) == (1, 64, 4, 2)
-    assert shape(65, 8192, 8192) == shape(128, 8192, 28672) == (2, 64, 4, 2)  # two 64-row tiles
-    assert shape(128, 4096, 4096) == (1, 64, 4, 2)
-    assert shape(129, 8192, 8192) == shape(192, 4096, 4096) == (1, 128, 1, 1)
-    assert shape(128, 28672, 8192) == shape(192, 28672, 8192) == (2, 128, 1, 1)
-    assert shape(256, 8192, 8192) == shape(256, 28672, 8192) == shape(256, 8192, 28672) == (1, 256, 2, 1)
-    assert shape(300, 4096, 4096) == (1, 128, 4, 1)
-    assert shape(513, 8192, 8192) == shape(8192, 28672, 8192) == (1, 256, 2, 1)
-    assert shape(1024, 4096, 4096) == (2, 128, 1, 1)
+    pick = lambda m, n, k: Q.w4wgmma_config(m, n, k, 132, cluster_ctas=caps)  # noqa: E731
+    shape = lambda c: (c.blk, c.mt, c.gs, c.ks, c.splits)  # noqa: E731
+    # M <= 64: 64-row tiles in 128-k stages; 256 channels only where their tiles alone nearly fill the GPU
+    assert shape(pick(64, 8192, 8192)) == shape(pick(17, 8192, 8192)) == (1, 64, 4, 2, 2)
+    assert shape(pick(64, 28672, 8192)) == (2, 64, 4, 2, 1)   # 112 tiles
+    assert shape(pick(64, 8192, 28672)) == (1, 64, 4, 2, 2)   # 64 x 2 CTAs (32 x 4 do not fit in clusters of 4)
+    assert shape(pick(64, 4096, 4096)) == (1, 64, 4, 2, 3)
+    assert Q.w4wgmma_config(64, 4096, 4096, 132).splits == 4  # without the capacity: 32 tiles x 4
+    # tile heights: few padded rows, whole waves
+    assert shape(pick(192, 8192, 8192)) == (1, 192, 2, 1, 2)
+    assert shape(pick(256, 8192, 8192)) == shape(pick(256, 8192, 28672)) == (1, 256, 2, 1, 2)
+    assert shape(pick(256, 28672, 8192)) == (1, 256, 2, 1, 1)
+    assert shape(pick(384, 8192, 8192)) == (1, 192, 2, 1, 1)   # 2 x 64 tiles of 192 rows (256 rows: 25% padding)
+    c = pick(768, 8192, 8192)
+    assert (c.mt, c.m_tiles, c.grid) == (192, 4, 256)            # 2 whole waves (3 x 64 tiles of 256: 1.45)
+    assert pick(1024, 8192, 8192).mt == pick(2048, 4096, 4096).mt == 256
+    assert shape(pick(256, 4096, 4096)) == (1, 128, 2, 1, 2)
+    # the tile order: m tiles in groups where the grid takes several waves (x the bigger operand)
+    c = pick(8192, 4096, 4096)
+    assert (c.mt, c.m_tiles, c.n_tiles, c.m_group) == (256, 32, 32, 4)
+    assert pick(256, 8192, 8192).m_group == 1 and pick(384, 8192, 8192).m_group == 2  # one wave: all m tiles
+    assert Q.w4wgmma_m_group(8, 64, 1, 132, 256, 1) == 4
+    assert Q.w4wgmma_m_group(8, 64, 1, 132, 64, 2) == 8  # capped at the m tiles
+    # the estimate itself: more splits cost more epilogue, more waves more time
+    assert Q._w4wgmma_time(256, 8192, 8192, 132, 1, 256, 2) < Q._w4wgmma_time(256, 8192, 8192, 132, 1, 256, 1)
+    assert Q._w4wgmma_time(64, 4096, 4096, 132, 1, 64, 4, cap=120) > Q._w4wgmma_time(64, 4096, 4096, 132, 1, 64, 4)
+    # every estimated choice is a shape the heuristic may take and (INT8) one that is built
+    for m in (17, 100, 300, 700, 3000):
+        for n, k in ((8192, 8192), (4096, 4096), (28672, 8192), (1024, 192)):
+            c = Q.w4wgmma_config(m, n, k, 132, kind=Q.KIND_INT8)
+            assert (c.blk, c.mt, c.gs, c.ks) in Q.W8WGMMA_VARIANTS
+            assert Q.w4wgmma_shape(m, n, k, 132) in Q.W4WGMMA_CANDIDATES
     c = Q.w4wgmma_config(32, 8192, 8192, 132, splits=2)   # splits alone keep the heuristic's tile shape
-    assert (c.blk, c.mt, c.gs, c.ks, c.splits) == (2, 64, 4, 2, 2)
-    c = Q.w4wgmma_config(64, 1024, 192, 132, kind=Q.KIND_INT8)  # K % 128 == 64 (INT8): 64-k stages
-    assert (c.mt, c.ks) == (64, 1)
+    assert (c.blk, c.mt, c.gs, c.ks, c.splits) == Q.w4wgmma_shape(32, 8192, 8192, 132) + (2,)
+    c = Q.w4wgmma_config(64, 1024, 192, 132, kind=Q.KIND_INT8)  # K % 128 == 64 (INT8): 64-k stages only
+    assert c.ks == 1
     c = Q.w4wgmma_config(300, 8192, 8192, 132, blk=1)     # a tile override: the others at blk 2's defaults
     assert (c.blk, c.mt, c.gs) == (1, 128, 1)
     assert Q.w4wgmma_config(64, 8192, 8192, 132, splits=3).splits == 3
@@ -455,9 +463,10 @@ def test_supported_shapes_and_switch():
     with _w4("auto"):
         assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(1024, 28672, 8192, 128)
         assert Q.use_w4wgmma(17, 28672, 8192, 128) and Q.use_w4wgmma(17, 8192, 28672, 128)  # every layer from M = 17
-        assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(1025, 4096, 4096, 128)
-        assert Q.use_w4wgmma(1024, 4096, 4096, 128)
-        assert Q.use_w4wgmma(8192, 8192, 8192, 128) and not Q.use_w4wgmma(8193, 8192, 8192, 128)  # from N = 8192
+        assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(1025, 2048, 4096, 128)
+        assert Q.use_w4wgmma(1024, 2048, 4096, 128)
+        assert Q.use_w4wgmma(8192, 8192, 8192, 128) and not Q.use_w4wgmma(8193, 8192, 8192, 128)  # from N = 4096
+        assert Q.use_w4wgmma(2048, 4096, 4096, 128)
         assert not Q.use_w4wgmma(256, 8192, 8192, 128, cc=(8, 0))
     with _w4("on"):
         assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(8192, 8192, 8192, 128)
@@ -481,7 +490,7 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 61 and all(k.hopper for k in ks)
+    assert len(ks) == 71 and all(k.hopper for k in ks)
     assert "quant_sm90::w8wgmma_pack_kernel<1>" in names
     for dt in ("__half", "__nv_bfloat16"):  # INT8 (KIND = 1): the INT4 default shapes
         for blk, mt, gs, ks_ in Q.W8WGMMA_VARIANTS:
@@ -551,8 +560,9 @@ def test_dispatch_launch_arguments(fake_gpu, m):
         assert kernel.name == Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks).name
         assert kernel.hopper and kernel.name.startswith(f"quant_sm90::w4_wgmma_kernel<__nv_bfloat16, {cfg.mt}, ")
         assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (384,) and lcfg.smem == cfg.smem
-        assert len(args) == 12 and args[0] == "tmap"
-        assert [int(a) for a in args[5:]] == [m, n, k // (64 * cfg.ks), g // 64, k // g, cfg.m_tiles, cfg.splits]
+        assert len(args) == 13 and args[0] == "tmap"
+        assert [int(a) for a in args[5:]] == [m, n, k // (64 * cfg.ks), g // 64, k // g, cfg.m_tiles, cfg.splits,
+                                            cfg.m_group or cfg.m_tiles]
         assert all(type(a) is np.int32 for a in args[5:])
         assert lcfg.cluster == cfg.splits  # a tile's splits are one cluster
     assert calls[0][2][2] == pw.gemv.w4_ptr and calls[0][2][3] == pw.gemv.w4_g_ptr and calls[0][2][4] == bias.ptr
@@ -594,7 +604,8 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
     assert cfg.n_tiles == n // (128 * cfg.blk)
     (kernel, lcfg, args), (kernel2, _, _) = calls
     assert kernel.name == "quant_sm90::" + name and tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
-    assert [int(a) for a in args[5:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits]
+    assert [int(a) for a in args[5:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits,
+                                            cfg.m_group or cfg.m_tiles]
     assert lcfg.cluster == cfg.splits
     assert maps[0][1]["box_rows"] == cfg.mt
     d = Q.w4wgmma_config(m, n, k, 132)
@@ -643,7 +654,8 @@ def test_w8_launch_arguments(fake_gpu, m):
                                                 kind=Q.KIND_INT8).name and kernel.name.endswith(", 1>")
         assert tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
         assert args[2] == pw.gemv.w4_ptr and args[3] == pw.fast.scales_ptr != 0
-        assert [int(a) for a in args[5:]] == [m, n, k // (64 * cfg.ks), 1, 1, cfg.m_tiles, cfg.splits]
+        assert [int(a) for a in args[5:]] == [m, n, k // (64 * cfg.ks), 1, 1, cfg.m_tiles, cfg.splits,
+                                            cfg.m_group or cfg.m_tiles]
         calls.clear()
         Q._W8WGMMA_MODE = "off"
         if m <= Q.MAX_MMA_M:  # (above, the dense path, which the fakes cannot run)
@@ -758,9 +770,12 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
 @pytest.mark.parametrize("m,n,k,g,override", [
     (17, 512, 1024, 128, {"blk": 1}), (100, 256, 640, 128, {"blk": 1, "splits": 3}),
     (257, 768, 1024, 256, {"blk": 1, "mt": 128}), (300, 512, 2048, 128, {"blk": 1, "mt": 256}),
-    (513, 256, 1024, 128, {"blk": 1, "mt": 256, "splits": 4}), (40, 1024, 512, 128, {"blk": 1, "mt": 256})])
+    (513, 256, 1024, 128, {"blk": 1, "mt": 256, "splits": 4}), (40, 1024, 512, 128, {"blk": 1, "mt": 256}),
+    (150, 512, 1024, 128, {"blk": 1, "mt": 192}), (385, 256, 1152, 128, {"blk": 1, "mt": 192, "splits": 3, "gs": 4}),
+    # several waves: m tiles in groups of 8 (32 m tiles; 21, the last group of 5)
+    (2000, 1024, 512, 128, {"blk": 1, "mt": 64, "gs": 4}), (1300, 1536, 512, 128, {"blk": 1, "mt": 64, "gs": 2})])
 def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
-    """The blk = 1 variants (128-channel CTAs; mt 64 / 128 / 256) forced through _W4WGMMA_OVERRIDE: odd M (partial
+    """The blk = 1 variants (128-channel CTAs; mt 64 / 128 / 192 / 256) forced through _W4WGMMA_OVERRIDE: odd M (partial
     m tiles, a 256-row box over 40 rows), split-K, both dtypes, AWQ and GPTQ; against float64 x @ W with NaN-poisoned
     outputs, twice, a strided view with bias, and against today's default shape (blk = 2) on
     the same layer (within 2e-2 of the largest output)."""

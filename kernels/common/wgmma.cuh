@@ -111,6 +111,8 @@ SC_DEFINE_WGMMA_RS(64, __half, "f16", 0, 32, 33, 34, 35, 36)
 SC_DEFINE_WGMMA_RS(64, __nv_bfloat16, "bf16", 0, 32, 33, 34, 35, 36)
 SC_DEFINE_WGMMA_RS(128, __half, "f16", 0, 64, 65, 66, 67, 68)
 SC_DEFINE_WGMMA_RS(128, __nv_bfloat16, "bf16", 0, 64, 65, 66, 67, 68)
+SC_DEFINE_WGMMA_RS(192, __half, "f16", 0, 96, 97, 98, 99, 100)
+SC_DEFINE_WGMMA_RS(192, __nv_bfloat16, "bf16", 0, 96, 97, 98, 99, 100)
 SC_DEFINE_WGMMA_RS(256, __half, "f16", 0, 128, 129, 130, 131, 132)
 SC_DEFINE_WGMMA_RS(256, __nv_bfloat16, "bf16", 0, 128, 129, 130, 131, 132)
 #undef SC_DEFINE_WGMMA_RS
