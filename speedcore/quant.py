@@ -100,17 +100,17 @@ W4WGMMA_BLK = 2               # blocks per consumer warpgroup where an override 
 # to 256 (a 64 x 256 fp32 accumulator: 128 registers per consumer thread, which fits the 232 of setmaxnreg only with
 # one block per warpgroup).  (512-channel CTAs at 64 rows, which read each x tile half as often, were slower in
 # every case of the H200 sweep at dc766cf, e.g. 8192^2 M = 64 56.6 against 33.1 us, and were removed.)
-W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 128, 192, 256)}
+W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 96, 128, 160, 192, 256)}
 W4WGMMA_MAX_STAGES = 8
 W4WGMMA_MAX_SPLITS = MAX_CLUSTER  # a tile's splits are one thread-block cluster (kernel: W4_MAX_SPLITS)
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
 # (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower).
 W4WGMMA_NO_GS4 = {(1, 256)}
-# INT8 (KIND = W_INT8) variants built: the INT4 default shapes of w4wgmma_shape (blk, mt, gs, ks), and ks = 1 /
-# gs = 1 of each (blk, mt) for comparison.
+# INT8 (KIND = W_INT8) variants built: the shapes w4wgmma_shape chooses among (W4WGMMA_CANDIDATES), and ks = 1 /
+# gs = 1 of some for comparison.
 W8WGMMA_VARIANTS = {(2, 64, 4, 2), (1, 64, 4, 2), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
-                    (1, 128, 2, 1), (1, 192, 2, 1), (2, 64, 4, 1), (1, 64, 4, 1), (2, 64, 1, 1), (1, 64, 1, 1),
-                    (1, 256, 1, 1)}
+                    (1, 128, 2, 1), (1, 192, 2, 1), (1, 96, 2, 1), (1, 160, 2, 1), (2, 64, 4, 1), (1, 64, 4, 1),
+                    (2, 64, 1, 1), (1, 64, 1, 1), (1, 256, 1, 1)}
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 W4WGMMA_M_RANGE = (17, 8192)
 
@@ -747,10 +747,12 @@ class W4WgmmaConfig:
 # Per-CTA time of one 64-k stage of w4_wgmma_kernel by (blk, mt) (H200, us): the traces' steady-state steps and
 # the M sweep of benchmarks/_quant_w4_msweep.py at b482bb8 (three producer warps), where the consumers' wgmma
 # stream and dequantization set the pace.  Relative values are what matter: they pick the launch shape.
-W4WGMMA_STEP_US = {(1, 64): 0.285, (2, 64): 0.50, (1, 128): 0.43, (2, 128): 0.75, (1, 192): 0.52, (1, 256): 0.64}
+W4WGMMA_STEP_US = {(1, 64): 0.285, (2, 64): 0.50, (1, 96): 0.36, (1, 128): 0.43, (2, 128): 0.75, (1, 160): 0.475,
+                   (1, 192): 0.52, (1, 256): 0.64}
 # The shapes the heuristic chooses among, (blk, mt, gs, ks): 64-row tiles in 128-k stages of one wgmma group, the
 # others in groups of 2 k16 steps (1 at blk = 2, where two A sets of 2 would crowd the 64-row accumulators).
-W4WGMMA_CANDIDATES = ((1, 64, 4, 2), (2, 64, 4, 2), (1, 128, 2, 1), (2, 128, 1, 1), (1, 192, 2, 1), (1, 256, 2, 1))
+W4WGMMA_CANDIDATES = ((1, 64, 4, 2), (2, 64, 4, 2), (1, 96, 2, 1), (1, 128, 2, 1), (2, 128, 1, 1), (1, 160, 2, 1),
+                      (1, 192, 2, 1), (1, 256, 2, 1))
 W4WGMMA_CTA_US = 3.0  # launch, the first stage's latency and the pipeline's drain, per wave
 
 

@@ -490,7 +490,7 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 71 and all(k.hopper for k in ks)
+    assert len(ks) == 87 and all(k.hopper for k in ks)
     assert "quant_sm90::w8wgmma_pack_kernel<1>" in names
     for dt in ("__half", "__nv_bfloat16"):  # INT8 (KIND = 1): the INT4 default shapes
         for blk, mt, gs, ks_ in Q.W8WGMMA_VARIANTS:
@@ -772,10 +772,11 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
     (257, 768, 1024, 256, {"blk": 1, "mt": 128}), (300, 512, 2048, 128, {"blk": 1, "mt": 256}),
     (513, 256, 1024, 128, {"blk": 1, "mt": 256, "splits": 4}), (40, 1024, 512, 128, {"blk": 1, "mt": 256}),
     (150, 512, 1024, 128, {"blk": 1, "mt": 192}), (385, 256, 1152, 128, {"blk": 1, "mt": 192, "splits": 3, "gs": 4}),
+    (77, 768, 1024, 128, {"blk": 1, "mt": 96, "gs": 2, "splits": 2}), (170, 256, 896, 128, {"blk": 1, "mt": 160}),
     # several waves: m tiles in groups of 8 (32 m tiles; 21, the last group of 5)
     (2000, 1024, 512, 128, {"blk": 1, "mt": 64, "gs": 4}), (1300, 1536, 512, 128, {"blk": 1, "mt": 64, "gs": 2})])
 def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
-    """The blk = 1 variants (128-channel CTAs; mt 64 / 128 / 192 / 256) forced through _W4WGMMA_OVERRIDE: odd M (partial
+    """The blk = 1 variants (128-channel CTAs; mt 64 / 96 / 128 / 160 / 192 / 256) forced through _W4WGMMA_OVERRIDE: odd M (partial
     m tiles, a 256-row box over 40 rows), split-K, both dtypes, AWQ and GPTQ; against float64 x @ W with NaN-poisoned
     outputs, twice, a strided view with bias, and against today's default shape (blk = 2) on
     the same layer (within 2e-2 of the largest output)."""
