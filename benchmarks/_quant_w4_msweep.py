@@ -21,6 +21,10 @@ CANDS = ["mt=64,blk=1,gs=4,ks=2", "mt=64,blk=2,gs=4,ks=2", "mt=128,blk=1,gs=2", 
          "mt=128,blk=2,gs=1", "mt=192,blk=1,gs=2", "mt=192,blk=1,gs=4", "mt=256,blk=1,gs=2"]
 
 
+def label(cfg):
+    return f"b{cfg.blk}m{cfg.mt}g{cfg.gs}k{cfg.ks}s{cfg.splits}/mg{cfg.m_group}"
+
+
 def parse(c):
     return {kv.split("=")[0]: int(kv.split("=")[1]) for kv in c.split(",")}
 
@@ -61,18 +65,17 @@ def main():
                 Q._W4WGMMA_OVERRIDE.update(ov)
                 try:
                     cfg = Q._w4wgmma_plan("bfloat16", m, n, k, G, 0, sms, tuple(sorted(ov.items())))[0]
-                    res[f"b{cfg.blk}m{cfg.mt}g{cfg.gs}k{cfg.ks}s{cfg.splits}" if c != "default" else c] = \
-                        (b.time_ms(lambda: speedcore.awq_linear(x, lay)) * 1e3, cfg)
+                    res[label(cfg) if c != "default" else c] = (b.time_ms(lambda: speedcore.awq_linear(x, lay)) * 1e3,
+                                                                 cfg)
                 finally:
                     Q._W4WGMMA_OVERRIDE.clear()
             d = res["default"]
             best = min((v for kk, v in res.items() if kk != "default"), key=lambda v: v[0], default=d)
             bc = best[1]
             dc = d[1]
-            print(f"{n}x{k} M={m:<5} cuBLAS {cub:8.1f}  default b{dc.blk}m{dc.mt}g{dc.gs}k{dc.ks}s{dc.splits} "
-                  f"{d[0]:8.1f} ({cub / d[0]:.3f})  best b{bc.blk}m{bc.mt}g{bc.gs}k{bc.ks}s{bc.splits} {best[0]:8.1f} "
-                  f"({cub / best[0]:.3f})  | " + " ".join(f"{kk} {v[0]:.1f}" for kk, v in res.items()
-                                                       if kk != "default"), flush=True)
+            print(f"{n}x{k} M={m:<5} cuBLAS {cub:8.1f}  default {label(dc)} {d[0]:8.1f} ({cub / d[0]:.3f})  best "
+                  f"{label(bc)} {best[0]:8.1f} ({cub / best[0]:.3f})  | "
+                  + " ".join(f"{kk} {v[0]:.1f}" for kk, v in res.items() if kk != "default"), flush=True)
 
 
 if __name__ == "__main__":

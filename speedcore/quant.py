@@ -816,7 +816,8 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int, cluster_ctas: tuple = (), ki
 
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
-                   gs: int = 0, ks: int = 0, kind: int = KIND_INT4, cluster_ctas: tuple = ()) -> W4WgmmaConfig:
+                   gs: int = 0, ks: int = 0, kind: int = KIND_INT4, cluster_ctas: tuple = (),
+                   m_group: int = 0) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs,
     ks) from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others
     default to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs
@@ -825,7 +826,7 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     (``cluster_ctas[s - 1]``, where given, is how many CTAs clusters of s keep resident: 120 for 4 on the H200).
     (A stream-K variant, a persistent grid splitting the tiles x K stages evenly, measured slower than these
     split-K grids in every swept case and was removed.)  Multi-wave grids take the tiles in groups of m_group m
-    tiles where x is the bigger operand (tile_coords in kernels/quant_sm90.cu)."""
+    tiles (tile_coords in kernels/quant_sm90.cu): w4wgmma_m_group's unless ``m_group`` is given."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
@@ -871,7 +872,7 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
         raise ValueError(f"w4wgmma_config: the epilogue of {s} splits does not fit the ring of mt = {mt}, "
                          f"blk = {blk}")
     return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks, kind), gs, ks,
-                         kind, w4wgmma_m_group(m_tiles, n_tiles, s, sms, mt, blk, kind))
+                         kind, min(m_group, m_tiles) or w4wgmma_m_group(m_tiles, n_tiles, s, sms, mt, blk, kind))
 
 
 def w4wgmma_m_group(m_tiles: int, n_tiles: int, splits: int, sms: int, mt: int, blk: int, kind: int = KIND_INT4) -> int:
