@@ -776,9 +776,9 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
     # several waves: m tiles in groups of 8 (32 m tiles; 21, the last group of 5)
     (2000, 1024, 512, 128, {"blk": 1, "mt": 64, "gs": 4}), (1300, 1536, 512, 128, {"blk": 1, "mt": 64, "gs": 2})])
 def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
-    """The blk = 1 variants (128-channel CTAs; mt 64 / 96 / 128 / 160 / 192 / 256) forced through _W4WGMMA_OVERRIDE: odd M (partial
-    m tiles, a 256-row box over 40 rows), split-K, both dtypes, AWQ and GPTQ; against float64 x @ W with NaN-poisoned
-    outputs, twice, a strided view with bias, and against today's default shape (blk = 2) on
+    """The blk = 1 variants (128-channel CTAs; mt 64 / 96 / 128 / 160 / 192 / 256) forced through _W4WGMMA_OVERRIDE:
+    odd M (partial m tiles, a 256-row box over 40 rows), split-K, multi-wave grids in m groups, both dtypes, AWQ and
+    GPTQ; against float64 x @ W with NaN-poisoned outputs, twice, a strided view with bias, and against blk = 2 on
     the same layer (within 2e-2 of the largest output)."""
     torch = _torch()
     td = getattr(torch, dtype)
@@ -958,12 +958,16 @@ def test_cluster_capacity_query():
 def test_w4wgmma_memcheck_case_small():
     """Small launches for compute-sanitizer (benchmarks/_quant_w4tune_gpu.sh):
     split-K with a partial m tile, a 2-m-tile direct store, the blk = 1 variants (mt 256 split over 70 rows;
-    mt 64 direct) and groups of 4 k16 steps over a split starting on an odd stage."""
+    mt 64 direct; mt 96 / 160 / 192), groups of 4 k16 steps over a split starting on an odd stage, and a
+    multi-wave grid in groups of m tiles (tile_coords) with a smaller last group."""
     torch = _torch()
     rng = np.random.default_rng(5)
-    for (m, n, k, override) in ((33, 512, 512, {"splits": 2}), (150, 256, 256, {}),
-                                (70, 256, 512, {"blk": 1, "mt": 256, "splits": 2}), (33, 512, 256, {"blk": 1}),
-                                (70, 1280, 640, {"gs": 4, "splits": 3}), (150, 512, 512, {"gs": 2, "blk": 1, "mt": 256})):
+    cases = ((33, 512, 512, {"splits": 2}), (150, 256, 256, {}), (70, 256, 512, {"blk": 1, "mt": 256, "splits": 2}),
+             (33, 512, 256, {"blk": 1}), (70, 1280, 640, {"gs": 4, "splits": 3}),
+             (150, 512, 512, {"gs": 2, "blk": 1, "mt": 256}), (100, 512, 512, {"blk": 1, "mt": 96, "gs": 2, "splits": 2}),
+             (170, 256, 384, {"blk": 1, "mt": 160, "gs": 2}), (200, 256, 512, {"blk": 1, "mt": 192, "gs": 2, "splits": 2}),
+             (1300, 1536, 256, {"blk": 1, "mt": 64, "gs": 2}))
+    for (m, n, k, override) in cases:
         with _w4("on", **override):
             layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, torch.bfloat16, rng)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
