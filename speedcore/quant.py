@@ -23,7 +23,7 @@ all from H200 measurements.  INT4 layers with that copy can also take ``quant_ma
 tensor-core kernel that stages x once per 256-channel CTA, stream-K over the SMs; ``use_marlin``, where it
 measured ahead; ``SPEEDCORE_QUANT_MARLIN=1`` / ``0`` forces it on / off).  On sm_90 (H100/H200),
 prepack also builds a wgmma-major INT4 copy (the packed weight's size again) and INT4 layers with N % 256 == 0, K
-and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (up to M = 8192 from N = 8192; tile shape per
+and G multiples of 128 take ``w4_wgmma_kernel`` at 17 <= M <= 1024 (up to M = 8192 from N = 4096; tile shape per
 problem: ``w4wgmma_shape``; kernels/quant_sm90.cu: wgmma with the dequantized weights as the register A operand, TMA
 x tiles, split-K where the tiles do not fill the GPU), before every other choice including the dense path
 (``use_w4wgmma``, where it measured ahead; ``SPEEDCORE_QUANT_W4WGMMA=1`` extends it to 17 <= M <= 8192, ``0`` turns
@@ -1415,7 +1415,7 @@ def _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds
     """Allocate y (rows, N) and run quant_mma_kernel, or, when the layer has the fragment-major copy (``gemv``)
     for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128) or a streaming
     kernel for M <= 16; returns y (the caller's library).  Before all of these: w4_wgmma_kernel where
-    _w4_applies (use_w4wgmma: sm_90, 17 <= M <= 1024 by default, to 8192 from N = 8192)."""
+    _w4_applies (use_w4wgmma: sm_90, 17 <= M <= 1024 by default, to 8192 from N = 4096)."""
     if rows and _w4_applies(gemv, xa, rows, n, k):
         return _launch_w4wgmma(gemv, xa, rows, k, ldx, bias_ptr, n, scales_ptr)
     if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
@@ -1497,8 +1497,9 @@ _W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # w4wgmma_shape's tiles (--tune sweep), 28672 x 8192 M = 17 / 32 / 48 106.0 / 86.4 / 87.1 against
 # quant_marlin_kernel's 89.2 / 93.7 / 129.9, and since 128-k stages and one-wave splits (5891054) 74.7 at M = 17
 # against 88.3 (8192 x 28672: 61.2 against 89.3), and M = 2048 is ahead of dequantize +
-# cuBLAS from N = 8192 on (8192^2 380 / 404, 28672 x 8192 1357 / 1490, 8192 x 28672 1330 / 1479), not at 4096^2
-# (115 / 111).
+# cuBLAS from N = 8192 on (8192^2 380 / 404, 28672 x 8192 1357 / 1490, 8192 x 28672 1330 / 1479); since the three
+# producer warps and 256-row tiles (1d1efd2) at 4096^2 too (M = 2048 96.5 against the dense path's ~109, M = 8192
+# 367-373 against cuBLAS alone 343-351).
 W4WGMMA_AUTO_M = (17, 1024)
 W4WGMMA_AUTO_WIDE_MAX_M = 8192  # the upper end on layers with N >= W4WGMMA_AUTO_WIDE_N
 W4WGMMA_AUTO_WIDE_N = 4096
@@ -2024,7 +2025,7 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     (:func:`use_stream`, :func:`use_bulk`), else ``gemv_kernel`` (:func:`use_gemv`; K % 32 == 0 and
     G % 32 == 0).  Where :func:`use_marlin` says so (INT4, 17 <= M <= 128), such a layer
     takes ``quant_marlin_kernel``; on sm_90, where :func:`use_w4wgmma` says so (INT4, 17 <= M <= 1024 and up to
-    8192 from N = 8192, N % 256 == 0), ``w4_wgmma_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.
+    8192 from N = 4096, N % 256 == 0), ``w4_wgmma_kernel``.  Larger M: dequantize to a dense weight, then cuBLAS.
     The fast kernels need N % 64 == 0 and G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy
     float16).
     """
