@@ -8,6 +8,7 @@ of interleaved rounds, outputs compared, cuBLAS in the same run.
 
 --same-args: the old copy takes today's argument list but m_group and the cluster launch (a kernel from 62b9c88 to
 b482bb8), so cases with a K split are compared too (one-wave grids only: its tiles are m-fastest).
+--today-args: the old copy takes today's argument list whole (a kernel from 1d1efd2 on): every case.
 """
 import statistics
 import sys
@@ -29,8 +30,9 @@ def main():
     b = Bench(quick=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     args = sys.argv[1:]
-    same_args = "--same-args" in args
-    args = [a for a in args if a != "--same-args"]
+    today_args = "--today-args" in args
+    same_args = "--same-args" in args or today_args
+    args = [a for a in args if a not in ("--same-args", "--today-args")]
     for arg in args:
         n, k, m = (int(v) for v in arg.split(":"))
         scales = (torch.rand(k // G, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
@@ -42,7 +44,8 @@ def main():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.01
         cfg, kern, lcfg, scalars = Q._w4wgmma_plan("bfloat16", m, n, k, G, 0, sms, ())
         assert same_args or cfg.splits == 1, "the old kernel's grid order differs with a K split"
-        assert cfg.m_group in (0, cfg.m_tiles), "the old kernel's tiles are m-fastest"
+        assert today_args or cfg.m_group in (0, cfg.m_tiles), "the old kernel's tiles are m-fastest"
+        old_scalars = scalars if today_args else scalars[:-1]
         old = Kernel("_quant_sm90_old.cu", kern.name, hopper=True)
         y_old = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         tmap = _tma.tile_map_2d(x.data_ptr(), "bfloat16", rows=m, cols=k, row_stride=k, box_rows=cfg.mt, box_cols=64)
@@ -50,10 +53,10 @@ def main():
 
         def call_old():
             if same_args:
-                launch(old, lcfg, (tmap, y_old.data_ptr(), gl.w4_ptr, gl.w4_g_ptr, 0) + scalars[:-1], device=0,
+                launch(old, lcfg, (tmap, y_old.data_ptr(), gl.w4_ptr, gl.w4_g_ptr, 0) + old_scalars, device=0,
                        stream=stream)
             else:
-                launch(old, lcfg, (tmap, y_old.data_ptr(), 0, 0, gl.w4_ptr, gl.w4_g_ptr, 0) + scalars[:-1], device=0,
+                launch(old, lcfg, (tmap, y_old.data_ptr(), 0, 0, gl.w4_ptr, gl.w4_g_ptr, 0) + old_scalars, device=0,
                        stream=stream)
 
         y_new = speedcore.awq_linear(x, lay)

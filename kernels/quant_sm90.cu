@@ -143,6 +143,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   unsigned char* ring_g = ring_w + STAGES * L::W_BYTES;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring_g + STAGES * L::G_BYTES);
   unsigned long long* empty = full + STAGES;
+  unsigned long long* red_bar = empty + STAGES;  // split-K: the partials other ranks owe this CTA have landed
 
   const int split = blockIdx.x % splits;  // the CTA's rank in its cluster (the tile's splits)
   const int n_tiles = N / (64 * L::BLOCKS);
@@ -165,6 +166,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       sc::mbar_init(&full[s], kProducers);
       sc::mbar_init(&empty[s], 8);
     }
+    sc::mbar_init(red_bar, 1);
     sc::fence_mbar_init();
   }
   __syncthreads();
@@ -237,8 +239,10 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       }
     }
     if (splits > 1) {  // the consumers' two cluster barriers (split-K epilogue)
-      sc::cluster_sync();
-      sc::cluster_sync();
+      sc::cluster_arrive_relaxed();
+      sc::cluster_wait();
+      sc::cluster_arrive_relaxed();
+      sc::cluster_wait();
     }
     return;
   }
@@ -376,8 +380,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // 1. Split-K (the tile's splits are one cluster): every thread stores row group j of its accumulators
   //    (accumulators 4 j .. 4 j + 3 of each block: tile rows 8 j + 2 c + e, channels n_lane + 64 blk + 8 h as
   //    [2 h + e]) to the rank that owns it, slot (source rank, owner-local row group, blk) of 256 threads x 16 bytes;
-  //    rank r owns row groups [r jmax, (r + 1) jmax).  After the cluster barrier the owner sums each slot over the
-  //    source ranks in rank order (the same bits whichever CTA finishes first).
+  //    rank r owns row groups [r jmax, (r + 1) jmax); the stores to another rank complete on its red_bar.  Once
+  //    they have landed the owner sums each slot over the source ranks in rank order (the same bits whichever CTA
+  //    finishes first).
   // 2. The bias is added (INT8: the scales applied first), the values rounded to T and written to a row-major tile
   //    of the CTA's rows (16-byte chunks XOR-swizzled by row, so that the four rows of a warp's store fall in
   //    different banks); without a split straight from the accumulators.
@@ -426,21 +431,28 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
               sc::from_float<T>(v + bv[blk][h]);
         }
   } else {
-    sc::cluster_sync();  // every CTA of the cluster is done reading its ring
+    // Every CTA of the cluster is done reading its ring (its wgmmas have retired, its copies have landed): an
+    // execution barrier only (relaxed: the release form fenced every thread's outstanding global accesses first).
+    sc::cluster_arrive_relaxed();
+    sc::cluster_wait();
 #ifdef W4_TRACE
     if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
 #endif
+    // The partials the other ranks owe this CTA complete on red_bar (st.async) in place of a second cluster barrier;
+    // their bytes may land before this expect_tx.
+    if (tid == 0) sc::mbar_arrive_expect_tx(red_bar, (unsigned)((splits - 1) * my_jn * BLK * SLOT));
     {
       int owner = 0, jl = 0;
-      const unsigned base = sc::smem_addr(smem);
+      const unsigned base = sc::smem_addr(smem), bar = sc::smem_addr(red_bar);
 #pragma unroll
       for (int j = 0; j < J; ++j) {
 #pragma unroll
         for (int blk = 0; blk < BLK; ++blk) {
           const int off = slot_off(e_split, jl, blk);
           if (owner != e_split)
-            sc::st_cluster_v4(sc::cluster_map(base + (unsigned)off, (unsigned)owner), acc[blk][4 * j],
-                              acc[blk][4 * j + 1], acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
+            sc::st_async_v4(sc::cluster_map(base + (unsigned)off, (unsigned)owner), acc[blk][4 * j],
+                            acc[blk][4 * j + 1], acc[blk][4 * j + 2], acc[blk][4 * j + 3],
+                            sc::cluster_map(bar, (unsigned)owner));
           else
             *reinterpret_cast<float4*>(smem + off) =
                 make_float4(acc[blk][4 * j], acc[blk][4 * j + 1], acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
@@ -454,7 +466,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #ifdef W4_TRACE
     if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
 #endif
-    sc::cluster_sync();  // the partials have landed
+    sc::cluster_arrive_relaxed();  // waited for before exit: no CTA leaves while partials it sent are in flight
+    sc::named_bar_sync(1, 256);    // this CTA's own slots are written
+    sc::mbar_wait(red_bar, 0);     // and the other ranks' partials have landed
 #ifdef W4_TRACE
     if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
 #endif
@@ -514,6 +528,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     W4_MARK(6, (long long)sc::globaltimer_ns());
   }
 #endif
+  if (splits > 1) sc::cluster_wait();
 }
 
 // The wgmma-major INT4 copy of a stored AWQ / GPTQ qweight: word (b / 4, kb, b % 4, t, lane, s) (index

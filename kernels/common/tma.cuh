@@ -123,9 +123,24 @@ __device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
+// The cluster barrier without memory ordering: arrive (relaxed: no fence, so no wait for this thread's outstanding
+// memory operations) and wait, apart.  For "every CTA has reached this point" where nothing written before must be
+// seen (data handed over by st_async_v4 is ordered by its mbarrier instead).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 // 16 bytes into a cluster CTA's shared memory (an address from cluster_map).
 __device__ __forceinline__ void st_cluster_v4(unsigned addr, float a, float b, float c, float d) {
   asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+// The same, completing 16 transaction bytes on the receiving CTA's mbarrier `bar` (a cluster_map address in that
+// CTA): the receiver waits on its own barrier (expect_tx of the bytes it is owed) instead of a cluster barrier.
+__device__ __forceinline__ void st_async_v4(unsigned addr, float a, float b, float c, float d, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   addr),
+               "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
                : "memory");
 }
 
