@@ -854,7 +854,6 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     m_tiles = -(-m // mt)
     n_tiles = -(-n // (128 * blk))
     kb = max(1, k // (W4WGMMA_BK * ks))  # ring stages along K
-    tiles = m_tiles * n_tiles
     if splits:
         s = max(1, min(splits, kb))
         if s > W4WGMMA_MAX_SPLITS:
