@@ -756,14 +756,14 @@ W4WGMMA_CANDIDATES = ((1, 64, 4, 2), (2, 64, 4, 2), (1, 96, 2, 1), (1, 128, 2, 1
 W4WGMMA_CTA_US = 3.0  # launch, the first stage's latency and the pipeline's drain, per wave
 
 
-def _w4wgmma_time(m: int, n: int, k: int, sms: int, blk: int, mt: int, splits: int, cap: int = 0) -> float:
+def _w4wgmma_time(m: int, n: int, k: int, sms: int, blk: int, mt: int, splits: int) -> float:
     """Estimated time (us) of w4_wgmma_kernel on an (M, N, K) layer with tiles of mt rows x 128 blk channels and
     `splits` CTAs per tile: waves x (fixed cost + K / 64 / splits stages x W4WGMMA_STEP_US + the epilogue).  The
     epilogue writes the mt x 128 blk tile (fp32 accumulators: ~64 KB / us through shared memory); with a split it
     first sends (splits - 1) / splits of them to the cluster's other CTAs (~32 KB / us of distributed shared
-    memory) and sums its share.  `cap`: CTAs that clusters of `splits` keep resident (0: the SM count)."""
+    memory) and sums its share.  (A split grid is one wave: _w4wgmma_splits admits no other.)"""
     tiles = -(-m // mt) * (n // (128 * blk))
-    waves = -(-tiles * splits // min(sms, cap or sms))
+    waves = -(-tiles * splits // sms)
     acc_kb = mt * 128 * blk * 4 / 1024
     if splits == 1:
         epi = 0.5 + acc_kb / 64
@@ -787,6 +787,16 @@ def _w4wgmma_splits(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int
     return out
 
 
+def _w4wgmma_best_split(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, kind: int,
+                        cluster_ctas: tuple = ()):
+    """(estimated us, split count) of least _w4wgmma_time for one tile shape, among the _w4wgmma_splits whose
+    epilogue fits the ring (w4wgmma_epilogue_bytes); None where none does."""
+    ring = w4wgmma_stages(mt, blk, ks, kind) * w4wgmma_stage_bytes(mt, blk, ks, kind)
+    return min(((round(_w4wgmma_time(m, n, k, sms, blk, mt, c), 3), c)
+                for c in _w4wgmma_splits(m, n, k, sms, blk, mt, ks, cluster_ctas)
+                if w4wgmma_epilogue_bytes(mt, blk, c) <= ring), default=None)
+
+
 @lru_cache(maxsize=8192)
 def w4wgmma_shape(m: int, n: int, k: int, sms: int, cluster_ctas: tuple = (), kind: int = KIND_INT4) -> tuple:
     """The default (blk, mt, gs, ks) of w4_wgmma_kernel for an (M, N, K) layer (pure): the W4WGMMA_CANDIDATES shape
@@ -801,14 +811,9 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int, cluster_ctas: tuple = (), ki
             continue
         if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
             continue
-        for c in _w4wgmma_splits(m, n, k, sms, blk, mt, ks, cluster_ctas):
-            if w4wgmma_epilogue_bytes(mt, blk, c) > w4wgmma_stages(mt, blk, ks, kind) * w4wgmma_stage_bytes(
-                    mt, blk, ks, kind):
-                continue
-            cap = cluster_ctas[c - 1] if cluster_ctas and c > 1 else 0
-            key = (round(_w4wgmma_time(m, n, k, sms, blk, mt, c, cap), 3), c, -mt)
-            if best is None or key < best[0]:
-                best = (key, (blk, mt, gs, ks))
+        pick = _w4wgmma_best_split(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
+        if pick is not None and (best is None or pick + (-mt,) < best[0]):
+            best = (pick + (-mt,), (blk, mt, gs, ks))
     if best is None:
         raise ValueError(f"w4wgmma_shape: no w4_wgmma_kernel shape takes N = {n}, K = {k}")
     return best[1]
@@ -822,11 +827,12 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     ks) from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others
     default to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs
     in W4WGMMA_GROUP_STEPS); ``ks`` the 64-k chunks per ring stage (1, or 2 at mt = 64).  ``splits`` overrides the K
-    split (a cluster of s CTAs per tile, 1..8); else the one of least _w4wgmma_time among _w4wgmma_splits
-    (``cluster_ctas[s - 1]``, where given, is how many CTAs clusters of s keep resident: 120 for 4 on the H200).
-    (A stream-K variant, a persistent grid splitting the tiles x K stages evenly, measured slower than these
-    split-K grids in every swept case and was removed.)  Multi-wave grids take the tiles in groups of m_group m
-    tiles (tile_coords in kernels/quant_sm90.cu): w4wgmma_m_group's unless ``m_group`` is given."""
+    split (a cluster of s CTAs per tile, 1..8); else _w4wgmma_best_split's: least _w4wgmma_time among the
+    _w4wgmma_splits whose epilogue fits the ring (``cluster_ctas[s - 1]``, where given, is how many CTAs clusters
+    of s keep resident: 120 for 4 on the H200).  (A stream-K variant, a persistent grid splitting the tiles x K
+    stages evenly, measured slower than these split-K grids in every swept case and was removed.)  Multi-wave grids
+    take the tiles in groups of m_group m tiles (tile_coords in kernels/quant_sm90.cu): w4wgmma_m_group's unless
+    ``m_group`` is given."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
@@ -860,9 +866,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
             raise ValueError(f"w4wgmma_config: at most {W4WGMMA_MAX_SPLITS} splits (one cluster per tile), got "
                              f"{splits}")
     else:
-        s = min(_w4wgmma_splits(m, n, k, sms, blk, mt, ks, cluster_ctas),
-                key=lambda c: (round(_w4wgmma_time(m, n, k, sms, blk, mt, c,
-                                                   cluster_ctas[c - 1] if cluster_ctas and c > 1 else 0), 3), c))
+        pick = _w4wgmma_best_split(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
+        s = pick[1] if pick is not None else 1  # (none fits: the check below says so)
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")

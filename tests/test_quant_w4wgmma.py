@@ -387,7 +387,8 @@ def test_config_heuristic_choices():
     assert Q.w4wgmma_m_group(8, 64, 1, 132, 64, 2) == 8  # capped at the m tiles
     # the estimate itself: more splits cost more epilogue, more waves more time
     assert Q._w4wgmma_time(256, 8192, 8192, 132, 1, 256, 2) < Q._w4wgmma_time(256, 8192, 8192, 132, 1, 256, 1)
-    assert Q._w4wgmma_time(64, 4096, 4096, 132, 1, 64, 4, cap=120) > Q._w4wgmma_time(64, 4096, 4096, 132, 1, 64, 4)
+    assert Q._w4wgmma_splits(64, 4096, 4096, 132, 1, 64, 2, caps) == [1, 2, 3]  # 32 x 4 CTAs do not fit: 120
+    assert Q._w4wgmma_splits(64, 4096, 4096, 132, 1, 64, 2) == [1, 2, 3, 4]
     # every estimated choice is a shape the heuristic may take and (INT8) one that is built
     for m in (17, 100, 300, 700, 3000):
         for n, k in ((8192, 8192), (4096, 4096), (28672, 8192), (1024, 192)):

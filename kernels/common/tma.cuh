@@ -111,32 +111,24 @@ __device__ __forceinline__ void named_bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// Thread-block clusters (launched with a cluster dimension, speedcore._launch): every thread of the cluster's CTAs
-// that has not exited arrives, then waits for the others.  Release / acquire: shared-memory writes a thread made
-// before arriving (into its own CTA or a peer's) are visible to every thread of the cluster after the wait.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
+// Thread-block clusters (launched with a cluster dimension, speedcore._launch).
 // The shared::cluster address of the byte at shared-memory offset `addr` (smem_addr) of cluster CTA `rank`.
 __device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
   unsigned r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
-// The cluster barrier without memory ordering: arrive (relaxed: no fence, so no wait for this thread's outstanding
-// memory operations) and wait, apart.  For "every CTA has reached this point" where nothing written before must be
-// seen (data handed over by st_async_v4 is ordered by its mbarrier instead).
+// The cluster barrier (every thread of the cluster's CTAs that has not exited arrives, then waits for the others)
+// without memory ordering: arrive (relaxed: no fence, so no wait for this thread's outstanding memory operations)
+// and wait, apart.  For "every CTA has reached this point" where nothing written before must be seen (data handed
+// over by st_async_v4 is ordered by its mbarrier instead).
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
-// 16 bytes into a cluster CTA's shared memory (an address from cluster_map).
-__device__ __forceinline__ void st_cluster_v4(unsigned addr, float a, float b, float c, float d) {
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
-               : "memory");
-}
-// The same, completing 16 transaction bytes on the receiving CTA's mbarrier `bar` (a cluster_map address in that
-// CTA): the receiver waits on its own barrier (expect_tx of the bytes it is owed) instead of a cluster barrier.
+// 16 bytes into a cluster CTA's shared memory (an address from cluster_map), completing 16 transaction bytes on
+// that CTA's mbarrier `bar` (a cluster_map address too): the receiver waits on its own barrier (expect_tx of the
+// bytes it is owed) instead of a cluster barrier.
 __device__ __forceinline__ void st_async_v4(unsigned addr, float a, float b, float c, float d, unsigned bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
                    addr),
