@@ -3,7 +3,10 @@
 python benchmarks/_decode_tune.py [rounds]  -- at each shape, torch SDPA's cuDNN backend and our kernel in several
 (warps, stages) configurations and split counts, interleaved, in the same process and on the same data (ours on
 a shuffled paged copy).  A variant named ``old`` runs kernels/_decode_old.cu when that file exists (a copy of an
-earlier kernels/decode.cu, for A/B runs).  Every variant's output is checked against cuDNN's.
+earlier kernels/decode.cu, for A/B runs).  The variants named in $DECODE_CONTIG (default w4s3) also run on a
+contiguous cache: views (batch, seqlen, kv_heads, hd) of the peers' (batch, kv_heads, seqlen, hd) tensors, one page
+per sequence, so each head's rows are read contiguously as cuDNN reads them.  Every variant's output is checked
+against cuDNN's.
 """
 import os
 import sys
@@ -12,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from speedcore import _arrays as A  # noqa: E402
 from speedcore import decode as D  # noqa: E402
 from speedcore._compile import Kernel, compile_kernel  # noqa: E402
 
@@ -22,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OLD = os.path.exists(os.path.join(HERE, "..", "kernels", "_decode_old.cu"))
 # name -> (source, warps, stages)
 VARIANTS = {"w4s3": ("decode.cu", 4, 3)}
+CONTIG = tuple(os.environ.get("DECODE_CONTIG", "w4s3").split(","))
 if OLD:
     VARIANTS = {"old": ("_decode_old.cu", 4, 3), **VARIANTS}
 # (batch, seqlen, heads, kv_heads, head_dim) -> {variant: split counts (None: the heuristic's)}
@@ -74,6 +79,10 @@ def main():
             cudnn = lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kvh)  # noqa: E731
             ref = cudnn().view_as(q).float()
         results = {}
+        wr_c = list(wr)
+        wr_c[1] = A.wrap(k.permute(0, 2, 1, 3), "k_cache")
+        wr_c[2] = A.wrap(v.permute(0, 2, 1, 3), "v_cache")
+        wr_c[3] = A.wrap(torch.arange(batch, dtype=torch.int32, device="cuda").view(batch, 1), "block_table")
         if heads != kvh or batch * heads <= 8192:
             try:
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -99,6 +108,14 @@ def main():
                         print(f"  WRONG {name} s{ns}: max err {err}", flush=True)
                     tag = f"{name}/s{ns}{'*' if ns == default else ''}"
                     results.setdefault(tag, []).append(nbytes / b.time_ms(fn) / 1e9)
+                    if name in CONTIG:
+                        fc = lambda: D._paged_decode(*wr_c, None, 0.0, -1, False, num_splits=ns)  # noqa: E731
+                        fc()
+                        torch.cuda.synchronize()
+                        err = (out.float() - ref).abs().max().item()
+                        if not err < 5e-2:
+                            print(f"  WRONG contiguous {name} s{ns}: max err {err}", flush=True)
+                        results.setdefault(tag + "/contig", []).append(nbytes / b.time_ms(fc) / 1e9)
         case = f"B{batch} S{seqlen} H{heads}/{kvh}"
         base = max(results["cudnn"])
         row = " ".join(f"{t}={max(v):.3f}({max(v) / base:.3f})[{min(v):.3f}]" for t, v in results.items())
