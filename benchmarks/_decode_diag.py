@@ -45,20 +45,38 @@ def paged_problem(torch, batch, seqlen, heads, kvh, hd):
     return q, k, v, kc, vc, table, lens, out, wr, q.view(batch, heads, 1, hd), 2 * k.numel() * 2
 
 
+def contiguous_args(torch, wr, k, v):
+    """paged_problem's wrapped arguments with the peers' contiguous k, v (batch, kv_heads, seqlen, hd) as the cache:
+    views (batch, seqlen, kv_heads, hd), one page per sequence, so each head's rows are read contiguously."""
+    batch = k.shape[0]
+    out = list(wr)
+    out[1] = A.wrap(k.permute(0, 2, 1, 3), "k_cache")
+    out[2] = A.wrap(v.permute(0, 2, 1, 3), "v_cache")
+    out[3] = A.wrap(torch.arange(batch, dtype=torch.int32, device="cuda").view(batch, 1), "block_table")
+    return out
+
+
+def ours_and_cudnn(torch, wr, q4, k, v):
+    """Callables running our paged decode (default launch) and SDPA's cuDNN backend on the same problem."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kvh = q4.shape[1], k.shape[1]
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kvh)
+
+    return (lambda: D._paged_decode(*wr, None, 0.0, -1, False)), cudnn
+
+
 def main():
     from speedcore.bench import Bench
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b = Bench(quick=False)
     torch = b.torch
-    F = torch.nn.functional
     for batch, seqlen, heads, kvh, hd in SHAPES:
         q, k, v, kc, vc, table, lens, out, wr, q4, nbytes = paged_problem(torch, batch, seqlen, heads, kvh, hd)
-        ours = lambda: D._paged_decode(*wr, None, 0.0, -1, False)  # noqa: E731
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kvh)
+        ours, cudnn = ours_and_cudnn(torch, wr, q4, k, v)
 
         case = f"B{batch} S{seqlen} H{heads}/{kvh}"
         ev = {n: b.time_ms(f) * 1e3 for n, f in (("ours", ours), ("cudnn", cudnn))}

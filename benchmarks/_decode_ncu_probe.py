@@ -6,9 +6,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from speedcore import _arrays as A  # noqa: E402
 from speedcore import decode as D  # noqa: E402
-from _decode_diag import paged_problem  # noqa: E402
+from _decode_diag import contiguous_args, paged_problem  # noqa: E402
 
 
 def main():
@@ -17,10 +16,7 @@ def main():
 
     batch, seqlen, heads, kvh = (int(x) for x in sys.argv[1:5])
     q, k, v, kc, vc, table, lens, out, wr, q4, nbytes = paged_problem(torch, batch, seqlen, heads, kvh, 128)
-    wr_c = list(wr)
-    wr_c[1] = A.wrap(k.permute(0, 2, 1, 3), "k_cache")
-    wr_c[2] = A.wrap(v.permute(0, 2, 1, 3), "v_cache")
-    wr_c[3] = A.wrap(torch.arange(batch, dtype=torch.int32, device="cuda").view(batch, 1), "block_table")
+    wr_c = contiguous_args(torch, wr, k, v)
     D._paged_decode(*wr, None, 0.0, -1, False)
     D._paged_decode(*wr_c, None, 0.0, -1, False)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

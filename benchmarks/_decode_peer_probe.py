@@ -8,26 +8,19 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from speedcore import decode as D  # noqa: E402
-from _decode_diag import paged_problem  # noqa: E402
+from _decode_diag import ours_and_cudnn, paged_problem  # noqa: E402
 
 SHAPES = [(64, 4096, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (256, 1024, 32, 32, 128)]
 
 
 def main():
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    F = torch.nn.functional
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     for batch, seqlen, heads, kvh, hd in SHAPES:
         q, k, v, kc, vc, table, lens, out, wr, q4, nbytes = paged_problem(torch, batch, seqlen, heads, kvh, hd)
-        ours = lambda: D._paged_decode(*wr, None, 0.0, -1, False)  # noqa: E731
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kvh)
+        ours, cudnn = ours_and_cudnn(torch, wr, q4, k, v)
 
         for name, fn in (("ours", ours), ("cudnn", cudnn)):
             fn()

@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from speedcore import _arrays as A  # noqa: E402
 from speedcore import decode as D  # noqa: E402
 from speedcore._compile import Kernel, compile_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _decode_diag import paged_problem  # noqa: E402
+from _decode_diag import contiguous_args, paged_problem  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OLD = os.path.exists(os.path.join(HERE, "..", "kernels", "_decode_old.cu"))
@@ -79,10 +78,7 @@ def main():
             cudnn = lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=heads != kvh)  # noqa: E731
             ref = cudnn().view_as(q).float()
         results = {}
-        wr_c = list(wr)
-        wr_c[1] = A.wrap(k.permute(0, 2, 1, 3), "k_cache")
-        wr_c[2] = A.wrap(v.permute(0, 2, 1, 3), "v_cache")
-        wr_c[3] = A.wrap(torch.arange(batch, dtype=torch.int32, device="cuda").view(batch, 1), "block_table")
+        wr_c = contiguous_args(torch, wr, k, v)
         if heads != kvh or batch * heads <= 8192:
             try:
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -100,22 +96,15 @@ def main():
                 default = D._plan_paged_decode(*wr, None, 0.0, -1, sms=132, smem_per_sm=233472)["num_splits"]
                 for ns in splits_list:
                     ns = ns or default
-                    fn = lambda: D._paged_decode(*wr, None, 0.0, -1, False, num_splits=ns)  # noqa: E731
-                    fn()
-                    torch.cuda.synchronize()
-                    err = (out.float() - ref).abs().max().item()
-                    if not err < 5e-2:
-                        print(f"  WRONG {name} s{ns}: max err {err}", flush=True)
                     tag = f"{name}/s{ns}{'*' if ns == default else ''}"
-                    results.setdefault(tag, []).append(nbytes / b.time_ms(fn) / 1e9)
-                    if name in CONTIG:
-                        fc = lambda: D._paged_decode(*wr_c, None, 0.0, -1, False, num_splits=ns)  # noqa: E731
-                        fc()
+                    for args, suffix in [(wr, "")] + ([(wr_c, "/contig")] if name in CONTIG else []):
+                        fn = lambda: D._paged_decode(*args, None, 0.0, -1, False, num_splits=ns)  # noqa: E731
+                        fn()
                         torch.cuda.synchronize()
                         err = (out.float() - ref).abs().max().item()
                         if not err < 5e-2:
-                            print(f"  WRONG contiguous {name} s{ns}: max err {err}", flush=True)
-                        results.setdefault(tag + "/contig", []).append(nbytes / b.time_ms(fc) / 1e9)
+                            print(f"  WRONG {tag}{suffix}: max err {err}", flush=True)
+                        results.setdefault(tag + suffix, []).append(nbytes / b.time_ms(fn) / 1e9)
         case = f"B{batch} S{seqlen} H{heads}/{kvh}"
         base = max(results["cudnn"])
         row = " ".join(f"{t}={max(v):.3f}({max(v) / base:.3f})[{min(v):.3f}]" for t, v in results.items())
