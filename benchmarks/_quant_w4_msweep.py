@@ -22,7 +22,8 @@ CANDS = ["mt=64,blk=1,gs=4,ks=2", "mt=64,blk=2,gs=4,ks=2", "mt=128,blk=1,gs=2", 
 
 
 def label(cfg):
-    return f"b{cfg.blk}m{cfg.mt}g{cfg.gs}k{cfg.ks}s{cfg.splits}/mg{cfg.m_group}"
+    tail = f"+t{cfg.tail_tiles}x{cfg.tail_splits}" if cfg.tail_tiles else ""
+    return f"b{cfg.blk}m{cfg.mt}g{cfg.gs}k{cfg.ks}s{cfg.splits}/mg{cfg.m_group}{tail}"
 
 
 def parse(c):

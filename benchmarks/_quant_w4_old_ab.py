@@ -8,7 +8,8 @@ of interleaved rounds, outputs compared, cuBLAS in the same run.
 
 --same-args: the old copy takes today's argument list but m_group and the cluster launch (a kernel from 62b9c88 to
 b482bb8), so cases with a K split are compared too (one-wave grids only: its tiles are m-fastest).
---today-args: the old copy takes today's argument list whole (a kernel from 1d1efd2 on): every case.
+--today-args: the old copy takes today's argument list but tile_base (a kernel from 1d1efd2 to 7ccefa9): every case.
+Today's launch is planned without a tail launch (tail_splits = 1), which the old copies do not have.
 """
 import statistics
 import sys
@@ -42,10 +43,12 @@ def main():
         gl = lay.gemv
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.01
-        cfg, kern, lcfg, scalars = Q._w4wgmma_plan("bfloat16", m, n, k, G, 0, sms, ())
+        Q._W4WGMMA_OVERRIDE["tail_splits"] = 1
+        cfg, kern, lcfg, scalars, tail = Q._w4wgmma_plan("bfloat16", m, n, k, G, 0, sms, (("tail_splits", 1),))
+        assert tail is None
         assert same_args or cfg.splits == 1, "the old kernel's grid order differs with a K split"
         assert today_args or cfg.m_group in (0, cfg.m_tiles), "the old kernel's tiles are m-fastest"
-        old_scalars = scalars if today_args else scalars[:-1]
+        old_scalars = scalars[:-1] if today_args else scalars[:-2]
         old = Kernel("_quant_sm90_old.cu", kern.name, hopper=True)
         y_old = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         tmap = _tma.tile_map_2d(x.data_ptr(), "bfloat16", rows=m, cols=k, row_stride=k, box_rows=cfg.mt, box_cols=64)

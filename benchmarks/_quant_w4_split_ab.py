@@ -43,7 +43,8 @@ def main():
     for i, sh in enumerate(shapes):
         cfg = Q._w4wgmma_plan("bfloat16", m, n, k, G, 0, sms, tuple(sorted(sh.items())))[0]
         t = sorted(times[i])[1]
-        print(f"{n}x{k} M={m} {sh or 'default'} b{cfg.blk} m{cfg.mt} s{cfg.splits} grid {cfg.grid}: {t:7.1f} us  "
+        tail = f" + tail {cfg.tail_tiles} x {cfg.tail_splits}" if cfg.tail_tiles else ""
+        print(f"{n}x{k} M={m} {sh or 'default'} b{cfg.blk} m{cfg.mt} s{cfg.splits} grid {cfg.grid}{tail}: {t:7.1f} us  "
               f"cuBLAS {cub:7.1f}  ratio {cub / t:.3f}", flush=True)
 
 

@@ -116,8 +116,10 @@ __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(
 
 // y (M, N) = x (M, K) @ W (+ bias) for a layer in the wgmma-major INT4 layout (wq) with its group records (grec:
 // record (block / 4, group, block % 4) at byte 192 (((block / 4) NG + group) 4 + block % 4)).
-// Grid: splits x m_tiles x (N / (128 BLK)) CTAs, split fastest, then the tile in tile_coords' order (groups of
-// m_group m tiles).  CTA (split, m tile, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
+// Grid: splits x (tiles from tile_base on) CTAs, split fastest, then the tile in tile_coords' order (groups of
+// m_group m tiles).  A grid of several waves whose last wave is partly empty is launched twice (speedcore.quant's
+// tail launch): its whole waves unsplit from tile_base 0, then the remaining tiles split-K from their first tile.
+// CTA (split, m tile, n tile) covers x rows [MT m, MT m + MT), channels [128 BLK n, ...) and k stages
 // [split KB / splits, (split + 1) KB / splits).  KB = K / (64 KS) stages, SPG = G / 64, NG = K / G.
 // splits > 1: launched in clusters of `splits` CTAs (one tile's splits; at most 8), whose ring shared memory must
 // hold the reduce-scatter slots (speedcore.quant.w4wgmma_config checks it).
@@ -127,7 +129,7 @@ template <typename T, int MT, int BLK, int STAGES, int GS = 1, int KS = 1, int K
 __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const __grid_constant__ sc::TmaMap tmap_x, T* __restrict__ y, const unsigned char* __restrict__ wq,
     const unsigned char* __restrict__ grec, const T* __restrict__ bias, int M, int N, int KB, int SPG, int NG,
-    int m_tiles, int splits, int m_group) {
+    int m_tiles, int splits, int m_group, int tile_base) {
   using L = W4Tile<MT, BLK, KS, KIND>;
   constexpr int kBlockBytes = kBlockBytesOf<KIND>;
   constexpr int kProducers = KIND == W_INT8 ? 2 : 3;  // producer threads (x, weights, group records)
@@ -148,12 +150,14 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int split = blockIdx.x % splits;  // the CTA's rank in its cluster (the tile's splits)
   const int n_tiles = N / (64 * L::BLOCKS);
   int m_tile, n_tile;
-  tile_coords(blockIdx.x / splits, m_tiles, n_tiles, m_group, m_tile, n_tile);
+  tile_coords(tile_base + (int)blockIdx.x / splits, m_tiles, n_tiles, m_group, m_tile, n_tile);
   const int m0 = m_tile * MT, nb0 = n_tile * L::BLOCKS;
   const int kb_begin = (int)((long long)split * KB / splits);
   const int kb_end = (int)((long long)(split + 1) * KB / splits);
 
   const int wg = threadIdx.x / 128;
+  // Every CTA has started: a tail launch waiting on this grid (LaunchConfig.overlap) may take the SMs it frees.
+  sc::launch_dependents();
   if (threadIdx.x == 0) {
 #ifdef W4_TRACE
     W4_MARK(0, (long long)sc::globaltimer_ns());
@@ -372,7 +376,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int cta = (int)ctaid_x();
   const int e_split = cta % splits;
   int e_m_tile, e_n_tile;
-  tile_coords(cta / splits, m_tiles, N / (64 * L::BLOCKS), m_group, e_m_tile, e_n_tile);
+  tile_coords(tile_base + cta / splits, m_tiles, N / (64 * L::BLOCKS), m_group, e_m_tile, e_n_tile);
 
   // Epilogue through shared memory (the ring, free once every consumer of the cluster is past its last wgmma).  It
   // runs once per CTA, so its code runs at the instruction fetch rate: fully unrolled sums took 2-16 us per CTA
@@ -529,6 +533,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   }
 #endif
   if (splits > 1) sc::cluster_wait();
+  // A tail launch may have started before the previous launch of the layer ended (programmatic dependent launch:
+  // it reads nothing that one writes): it ends after it, so whatever follows in the stream sees all of y.
+  sc::grid_dependency_wait();
 }
 
 // The wgmma-major INT4 copy of a stored AWQ / GPTQ qweight: word (b / 4, kb, b % 4, t, lane, s) (index

@@ -77,6 +77,10 @@ class LaunchConfig:
     block: tuple
     smem: int = 0  # dynamic shared memory, bytes
     cluster: int = 1  # CTAs per thread-block cluster along x (compute capability 9.0; at most 8)
+    # Programmatic dependent launch (compute capability 9.0): the kernel may start before the stream's previous one
+    # has finished, once every CTA of that one has run griddepcontrol.launch_dependents (or exited).  Only for a
+    # kernel that reads nothing the previous one writes, or that waits for it (griddepcontrol.wait) first.
+    overlap: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "grid", tuple(int(g) for g in (self.grid if isinstance(self.grid, tuple) else (self.grid,))))
@@ -132,6 +136,9 @@ class LoadedKernel:
             if self.device.cc < (9, 0):
                 raise ValueError(f"{name}: thread-block clusters need compute capability 9.0, {self.device.name} is "
                                  f"{self.device.arch}")
+        if cfg.overlap and self.device.cc < (9, 0):
+            raise ValueError(f"{name}: programmatic dependent launch needs compute capability 9.0, "
+                             f"{self.device.name} is {self.device.arch}")
 
     def allow_smem(self, smem: int) -> None:
         """Raise the variant's dynamic shared memory limit to ``smem`` bytes (before a launch or a query)."""
@@ -158,7 +165,7 @@ class LoadedKernel:
             self.check(cfg)
             self.checked.add(cfg)
         self.allow_smem(cfg.smem)
-        if cfg.cluster == 1:
+        if cfg.cluster == 1 and not cfg.overlap:
             self.func(cfg.grid, cfg.block, args, cfg.smem, stream)
         else:
             _launch_cluster(self.func.ptr, cfg, args, stream)
@@ -166,6 +173,7 @@ class LoadedKernel:
 
 MAX_CLUSTER = 8  # the portable cluster size
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID, cuda.h
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -210,20 +218,24 @@ def _param_bytes(a) -> bytes:
 
 @lru_cache(maxsize=256)
 def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
-    """A CUlaunchConfig for ``cfg`` on a stream, with its cluster dimension (and the attribute it points to, kept
-    alive); cached, since a launch site repeats one configuration."""
-    attr = _LaunchAttribute()
-    attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value[0], attr.value[1], attr.value[2] = cfg.cluster, 1, 1
+    """A CUlaunchConfig for ``cfg`` on a stream, with its cluster dimension and (cfg.overlap) programmatic stream
+    serialization (and the attributes it points to, kept alive); cached, since a launch site repeats one
+    configuration."""
+    attrs = (_LaunchAttribute * 2)()
+    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = cfg.cluster, 1, 1
+    attrs[1].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attrs[1].value[0] = 1
     grid = tuple(cfg.grid) + (1,) * (3 - len(cfg.grid))
     block = tuple(cfg.block) + (1,) * (3 - len(cfg.block))
     c = _LaunchConfigEx((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), cfg.smem,
-                        ctypes.c_void_p(stream_ptr or None), ctypes.pointer(attr), 1)
-    return c, attr
+                        ctypes.c_void_p(stream_ptr or None), attrs, 2 if cfg.overlap else 1)
+    return c, attrs
 
 
 def _launch_cluster(func_ptr: int, cfg: LaunchConfig, args: tuple, stream) -> None:
-    """cuLaunchKernelEx with a cluster dimension (CuPy launches have no launch attributes).  The arguments go in one
+    """cuLaunchKernelEx with a cluster dimension and (cfg.overlap) programmatic stream serialization (CuPy launches
+    have no launch attributes).  The arguments go in one
     buffer, each at an 8-byte aligned offset (the driver copies each from its pointer)."""
     parts = [_param_bytes(a) for a in args]
     offsets, at = [], 0

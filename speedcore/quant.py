@@ -738,10 +738,18 @@ class W4WgmmaConfig:
     ks: int = 1       # 64-k chunks per ring stage (W4WGMMA_STAGE_CHUNKS); splits count stages
     kind: int = 0     # KIND_INT4, or KIND_INT8 (per-channel scales, no group records)
     m_group: int = 0  # m tiles per group of the tile order (tile_coords; 0: all of them)
+    tail_tiles: int = 0   # the last tiles (in tile order), launched apart with tail_splits CTAs each (the tail launch)
+    tail_splits: int = 1
 
     @property
     def grid(self) -> int:
-        return self.m_tiles * self.splits * self.n_tiles
+        """CTAs of the first launch: every tile but the tail's, ``splits`` CTAs each."""
+        return (self.m_tiles * self.n_tiles - self.tail_tiles) * self.splits
+
+    @property
+    def tail_grid(self) -> int:
+        """CTAs of the tail launch (0: none)."""
+        return self.tail_tiles * self.tail_splits
 
 
 # Per-CTA time of one 64-k stage of w4_wgmma_kernel by (blk, mt) (H200, us): the traces' steady-state steps and
@@ -754,15 +762,26 @@ W4WGMMA_STEP_US = {(1, 64): 0.285, (2, 64): 0.50, (1, 96): 0.36, (1, 128): 0.43,
 W4WGMMA_CANDIDATES = ((1, 64, 4, 2), (2, 64, 4, 2), (1, 96, 2, 1), (1, 128, 2, 1), (2, 128, 1, 1), (1, 160, 2, 1),
                       (1, 192, 2, 1), (1, 256, 2, 1))
 W4WGMMA_CTA_US = 3.0  # launch, the first stage's latency and the pipeline's drain, per wave
+# What a tail launch costs beyond its CTAs' own time, the first launch's end included (H200, 256- and 160-row tiles:
+# 3.8-9 us; they start as the first launch's CTAs finish, unevenly, and clusters need two free SMs of one GPC).
+W4WGMMA_TAIL_GAP_US = 6.0
+# A tail launch only where it is estimated this much faster: its measured gains below ~3% were within the noise
+# (28672 x 8192 M = 4096: +1.0% in one run, -1.9% in another; M = 8192: -3.6%, estimated +1.0%).
+W4WGMMA_TAIL_MIN_GAIN = 0.03
 
 
 def _w4wgmma_time(m: int, n: int, k: int, sms: int, blk: int, mt: int, splits: int) -> float:
     """Estimated time (us) of w4_wgmma_kernel on an (M, N, K) layer with tiles of mt rows x 128 blk channels and
+    `splits` CTAs per tile (_w4wgmma_tiles_time of its tiles)."""
+    return _w4wgmma_tiles_time(-(-m // mt) * (n // (128 * blk)), k, sms, blk, mt, splits)
+
+
+def _w4wgmma_tiles_time(tiles: int, k: int, sms: int, blk: int, mt: int, splits: int) -> float:
+    """Estimated time (us) of one launch of w4_wgmma_kernel over `tiles` tiles of mt rows x 128 blk channels,
     `splits` CTAs per tile: waves x (fixed cost + K / 64 / splits stages x W4WGMMA_STEP_US + the epilogue).  The
     epilogue writes the mt x 128 blk tile (fp32 accumulators: ~64 KB / us through shared memory); with a split it
     first sends (splits - 1) / splits of them to the cluster's other CTAs (~32 KB / us of distributed shared
     memory) and sums its share.  (A split grid is one wave: _w4wgmma_splits admits no other.)"""
-    tiles = -(-m // mt) * (n // (128 * blk))
     waves = -(-tiles * splits // sms)
     acc_kb = mt * 128 * blk * 4 / 1024
     if splits == 1:
@@ -773,12 +792,14 @@ def _w4wgmma_time(m: int, n: int, k: int, sms: int, blk: int, mt: int, splits: i
     return waves * (W4WGMMA_CTA_US + k / 64 / splits * W4WGMMA_STEP_US[(blk, mt)] + epi)
 
 
-def _w4wgmma_splits(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, cluster_ctas: tuple = ()) -> list:
+def _w4wgmma_splits(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, cluster_ctas: tuple = (),
+                    tiles: int = 0) -> list:
     """Split counts w4_wgmma_kernel can take for a tile shape: 1, and 2..8 (one cluster per tile) while every CTA
     keeps at least 4 ring stages and the whole grid is resident at once (``cluster_ctas[s - 1]``, where given, is
     how many CTAs clusters of s keep resident; splitting into a second wave only adds one: 28672 x 8192 M = 17 took
-    91.4 us in 784 CTAs against 74.7 in 112, H200)."""
-    tiles = -(-m // mt) * (n // (128 * blk))
+    91.4 us in 784 CTAs against 74.7 in 112, H200).  ``tiles``: a launch of that many tiles (a tail launch) instead
+    of the layer's."""
+    tiles = tiles or -(-m // mt) * (n // (128 * blk))
     kb = max(1, k // (W4WGMMA_BK * ks))
     out = [1]
     for c in range(2, min(W4WGMMA_MAX_SPLITS, kb // 4) + 1):
@@ -797,6 +818,37 @@ def _w4wgmma_best_split(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks:
                 if w4wgmma_epilogue_bytes(mt, blk, c) <= ring), default=None)
 
 
+def _w4wgmma_tail(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, kind: int, cluster_ctas: tuple = (),
+                  tail_tiles: int = 0):
+    """(estimated us, tail tiles, tail splits) of the best tail launch for one tile shape, or None.  A grid of
+    several waves whose last wave is partly empty runs its whole waves unsplit, then the remaining tiles (or the
+    last ``tail_tiles``, where given) split-K in a second launch that fills the SMs again: the last wave then
+    takes 1/s of a wave's stages plus the split epilogue and W4WGMMA_TAIL_GAP_US (the second launch is a
+    programmatic dependent launch: its CTAs start as the first launch's finish).  Measured on the H200 (us, the
+    same tile shape without the tail, same process): 28672 x 8192 M = 320 217.0 (238.5), M = 512 309.9 (342.2),
+    M = 1536 952.0 (960.9)."""
+    tiles = -(-m // mt) * (n // (128 * blk))
+    tail = tail_tiles or (tiles % sms if tiles > sms else 0)
+    if not 0 < tail < tiles:
+        return None
+    ring = w4wgmma_stages(mt, blk, ks, kind) * w4wgmma_stage_bytes(mt, blk, ks, kind)
+    head = _w4wgmma_tiles_time(tiles - tail, k, sms, blk, mt, 1) + W4WGMMA_TAIL_GAP_US - W4WGMMA_CTA_US
+    return min(((round(head + _w4wgmma_tiles_time(tail, k, sms, blk, mt, c), 3), tail, c)
+                for c in _w4wgmma_splits(m, n, k, sms, blk, mt, ks, cluster_ctas, tiles=tail)
+                if c > 1 and w4wgmma_epilogue_bytes(mt, blk, c) <= ring), default=None)
+
+
+def _w4wgmma_pick(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, kind: int, cluster_ctas: tuple = ()):
+    """(estimated us, splits, tail tiles, tail splits) for one tile shape: _w4wgmma_best_split's launch, or the
+    _w4wgmma_tail launch where it is estimated W4WGMMA_TAIL_MIN_GAIN faster; None where no split count's epilogue
+    fits the ring."""
+    one = _w4wgmma_best_split(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
+    tail = _w4wgmma_tail(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
+    if tail is not None and (one is None or tail[0] < one[0] * (1 - W4WGMMA_TAIL_MIN_GAIN)):
+        return (tail[0], 1, tail[1], tail[2])
+    return None if one is None else one + (0, 1)
+
+
 @lru_cache(maxsize=8192)
 def w4wgmma_shape(m: int, n: int, k: int, sms: int, cluster_ctas: tuple = (), kind: int = KIND_INT4) -> tuple:
     """The default (blk, mt, gs, ks) of w4_wgmma_kernel for an (M, N, K) layer (pure): the W4WGMMA_CANDIDATES shape
@@ -804,7 +856,9 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int, cluster_ctas: tuple = (), ki
     the rows past M few (8192^2 M = 192: 42.1 us at 192 rows against 57.3 at 128, H200) and count waves (M = 768:
     four 192-row tiles x 64 in 138.7 us, three 256-row ones in 172.6); 64-row tiles below M = 64, 256 channels only
     where their tiles alone nearly fill the GPU (28672 x 8192 M = 64: 64.5 us against 73.5 with 128 channels;
-    8192 x 28672: 64.7 with 128 channels x 2 splits against 75.5)."""
+    8192 x 28672: 64.7 with 128 channels x 2 splits against 75.5).  Shapes are ranked without a tail launch: one
+    taller tile shape that the tail estimate preferred lost to the 192-row tiles in whole waves (8192^2 M = 768:
+    141.0 us with 256 rows and a tail against 137.4; 4096^2 M = 1536: 78.7 against 73.6)."""
     best = None
     for blk, mt, gs, ks in W4WGMMA_CANDIDATES:
         if n % (128 * blk) or k % (W4WGMMA_BK * ks):
@@ -822,7 +876,7 @@ def w4wgmma_shape(m: int, n: int, k: int, sms: int, cluster_ctas: tuple = (), ki
 @lru_cache(maxsize=8192)
 def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 0, blk: int = 0,
                    gs: int = 0, ks: int = 0, kind: int = KIND_INT4, cluster_ctas: tuple = (),
-                   m_group: int = 0) -> W4WgmmaConfig:
+                   m_group: int = 0, tail_tiles: int = 0, tail_splits: int = 0) -> W4WgmmaConfig:
     """Launch shape of w4_wgmma_kernel (a pure function of the problem and the SM count).  Tile shape (blk, mt, gs,
     ks) from w4wgmma_shape unless one of ``blk`` / ``mt`` / ``gs`` is given (for measurements: then the others
     default to blk = 2, mt = 64 for M <= 64 else 128, gs = 1; blk in W4WGMMA_SHAPES, mt in W4WGMMA_SHAPES[blk], gs
@@ -832,7 +886,10 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     of s keep resident: 120 for 4 on the H200).  (A stream-K variant, a persistent grid splitting the tiles x K
     stages evenly, measured slower than these split-K grids in every swept case and was removed.)  Multi-wave grids
     take the tiles in groups of m_group m tiles (tile_coords in kernels/quant_sm90.cu): w4wgmma_m_group's unless
-    ``m_group`` is given."""
+    ``m_group`` is given.  Where _w4wgmma_pick estimates it faster, the tiles past the last whole wave are a tail
+    launch of their own, split-K (_w4wgmma_tail); ``tail_splits`` = 1 turns it off, ``tail_splits`` >= 2 or
+    ``tail_tiles`` > 0 force one (the last ``tail_tiles`` tiles, default those past the last whole wave, in
+    ``tail_splits`` CTAs each, default the estimate's) after an unsplit first launch."""
     if m <= 0 or n <= 0 or k <= 0:
         raise ValueError(f"w4wgmma_config: m, n, k must be positive, got {m}, {n}, {k}")
     if not (blk or mt or gs):
@@ -860,23 +917,44 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     m_tiles = -(-m // mt)
     n_tiles = -(-n // (128 * blk))
     kb = max(1, k // (W4WGMMA_BK * ks))  # ring stages along K
+    tiles = m_tiles * n_tiles
+    tt, ts = 0, 1  # the tail launch: tiles, splits
+    for name, v in (("splits", splits), ("tail_splits", tail_splits)):
+        if min(v, kb) > W4WGMMA_MAX_SPLITS:
+            raise ValueError(f"w4wgmma_config: at most {W4WGMMA_MAX_SPLITS} {name} (one cluster per tile), got {v}")
     if splits:
         s = max(1, min(splits, kb))
-        if s > W4WGMMA_MAX_SPLITS:
-            raise ValueError(f"w4wgmma_config: at most {W4WGMMA_MAX_SPLITS} splits (one cluster per tile), got "
-                             f"{splits}")
-    else:
-        pick = _w4wgmma_best_split(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
-        s = pick[1] if pick is not None else 1  # (none fits: the check below says so)
+    if tail_splits > 1 or tail_tiles > 0:
+        if splits and s != 1:
+            raise ValueError(f"w4wgmma_config: a tail launch follows an unsplit first launch, got splits = {splits}")
+        s = 1
+        tt = tail_tiles or (tiles % sms if tiles > sms else 0)
+        if not 0 < tt < tiles:
+            raise ValueError(f"w4wgmma_config: tail_tiles must be 1 to {tiles - 1} (the grid has {tiles} tiles), got "
+                             f"{tt}")
+        if tail_splits > 1:
+            ts = min(tail_splits, kb)
+        else:
+            pick = _w4wgmma_tail(m, n, k, sms, blk, mt, ks, kind, cluster_ctas, tail_tiles=tt)
+            ts = pick[2] if pick is not None else 1
+    elif not splits:
+        if tail_splits == 1:
+            pick = _w4wgmma_best_split(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
+            s = pick[1] if pick is not None else 1  # (none fits: the check below says so)
+        else:
+            pick = _w4wgmma_pick(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
+            s, tt, ts = pick[1:] if pick is not None else (1, 0, 1)
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")
     stages = w4wgmma_stages(mt, blk, ks, kind)
-    if w4wgmma_epilogue_bytes(mt, blk, s) > stages * w4wgmma_stage_bytes(mt, blk, ks, kind):
-        raise ValueError(f"w4wgmma_config: the epilogue of {s} splits does not fit the ring of mt = {mt}, "
-                         f"blk = {blk}")
+    for c in (s, ts):
+        if w4wgmma_epilogue_bytes(mt, blk, c) > stages * w4wgmma_stage_bytes(mt, blk, ks, kind):
+            raise ValueError(f"w4wgmma_config: the epilogue of {c} splits does not fit the ring of mt = {mt}, "
+                             f"blk = {blk}")
     return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks, kind), gs, ks,
-                         kind, min(m_group, m_tiles) or w4wgmma_m_group(m_tiles, n_tiles, s, sms, mt, blk, kind))
+                         kind, min(m_group, m_tiles) or w4wgmma_m_group(m_tiles, n_tiles, s, sms, mt, blk, kind),
+                         tt, ts if tt else 1)
 
 
 def w4wgmma_m_group(m_tiles: int, n_tiles: int, splits: int, sms: int, mt: int, blk: int, kind: int = KIND_INT4) -> int:
@@ -901,18 +979,20 @@ def w4wgmma_epilogue_bytes(mt: int, blk: int, splits: int) -> int:
 
 def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
     """The work of each CTA of w4_wgmma_kernel, as Python (mirrors the kernel's blockIdx decomposition; for tests):
-    a list over CTAs of (m tile, split, n tile, first 64-channel block, first 64-k chunk, chunk end): splits are
-    whole ring stages of cfg.ks chunks."""
+    a list over CTAs (the first launch's, then the tail launch's) of (m tile, split, n tile, first 64-channel
+    block, first 64-k chunk, chunk end, the tile's split count): splits are whole ring stages of cfg.ks chunks."""
     kb = k // (W4WGMMA_BK * cfg.ks)
     out = []
-    for cta in range(cfg.grid):
-        split, t = cta % cfg.splits, cta // cfg.splits
-        gm_full = cfg.m_group or cfg.m_tiles
-        grp, r = divmod(t, gm_full * cfg.n_tiles)
-        gm = min(gm_full, cfg.m_tiles - grp * gm_full)
-        m_tile, n_tile = grp * gm_full + r % gm, r // gm
-        out.append((m_tile, split, n_tile, n_tile * 2 * cfg.blk, split * kb // cfg.splits * cfg.ks,
-                    (split + 1) * kb // cfg.splits * cfg.ks))
+    base = cfg.m_tiles * cfg.n_tiles - cfg.tail_tiles
+    for grid, splits, tile_base in ((cfg.grid, cfg.splits, 0), (cfg.tail_grid, cfg.tail_splits, base)):
+        for cta in range(grid):
+            split, t = cta % splits, tile_base + cta // splits
+            gm_full = cfg.m_group or cfg.m_tiles
+            grp, r = divmod(t, gm_full * cfg.n_tiles)
+            gm = min(gm_full, cfg.m_tiles - grp * gm_full)
+            m_tile, n_tile = grp * gm_full + r % gm, r // gm
+            out.append((m_tile, split, n_tile, n_tile * 2 * cfg.blk, split * kb // splits * cfg.ks,
+                        (split + 1) * kb // splits * cfg.ks, splits))
     return out
 
 
@@ -1699,16 +1779,25 @@ def _w4_cluster_ctas(kernel: Kernel, device: int, smem: int) -> tuple:
 @lru_cache(maxsize=8192)
 def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, device: int, sms: int, override: tuple,
                   kind: int = KIND_INT4):
+    """(config, kernel, launch config, scalar arguments, tail) of w4_wgmma_kernel; tail: None, or the tail launch's
+    (launch config, scalar arguments)."""
     cfg = w4wgmma_config(rows, n, k, sms, **dict(override), kind=kind)
-    if cfg.splits > 1 and "splits" not in dict(override):  # the split count again, knowing where clusters fit
+    if cfg.splits > 1 or cfg.tail_tiles:  # the split counts again, knowing where clusters fit
         kern = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, kind=kind)
         cfg = w4wgmma_config(rows, n, k, sms, **dict(override), kind=kind,
                              cluster_ctas=_w4_cluster_ctas(kern, device, cfg.smem))
     spg, ng = (group // W4WGMMA_BK, k // group) if kind == KIND_INT4 else (1, 1)  # INT8: no groups
-    scalars = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(spg), np.int32(ng),
-               np.int32(cfg.m_tiles), np.int32(cfg.splits), np.int32(cfg.m_group or cfg.m_tiles))
+    common = (np.int32(rows), np.int32(n), np.int32(k // (W4WGMMA_BK * cfg.ks)), np.int32(spg), np.int32(ng),
+              np.int32(cfg.m_tiles))
+    m_group = np.int32(cfg.m_group or cfg.m_tiles)
+    scalars = common + (np.int32(cfg.splits), m_group, np.int32(0))
     kernel = _w4wgmma_kernel(dtype, cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks, kind=kind)
-    return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem, cluster=cfg.splits), scalars
+    tail = None
+    if cfg.tail_tiles:
+        # overlap: the tail's CTAs take SMs as the first launch's last wave frees them (they write other tiles)
+        tail = (LaunchConfig((cfg.tail_grid,), (384,), cfg.smem, cluster=cfg.tail_splits, overlap=True),
+                common + (np.int32(cfg.tail_splits), m_group, np.int32(cfg.m_tiles * cfg.n_tiles - cfg.tail_tiles)))
+    return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem, cluster=cfg.splits), scalars, tail
 
 
 def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n, scales_ptr=0):
@@ -1718,14 +1807,17 @@ def _launch_w4wgmma(gl, xa, rows, k, ldx, bias_ptr, n, scales_ptr=0):
 
     y, y_ptr = _alloc_out(xa, rows, n)
     group = gl.spg * GEMV_STEP_K if gl.kind == KIND_INT4 else 0
-    cfg, kernel, lcfg, scalars = _w4wgmma_plan(xa.dtype, rows, n, k, group, xa.device, device_info(xa.device).sms,
-                                               tuple(sorted(_W4WGMMA_OVERRIDE.items())), gl.kind)
+    cfg, kernel, lcfg, scalars, tail = _w4wgmma_plan(xa.dtype, rows, n, k, group, xa.device,
+                                                     device_info(xa.device).sms,
+                                                     tuple(sorted(_W4WGMMA_OVERRIDE.items())), gl.kind)
     tmap_x = _tma.tile_map_2d(xa.ptr, xa.dtype, rows=rows, cols=k, row_stride=ldx, box_rows=cfg.mt,
                               box_cols=W4WGMMA_BK)
     stream = A.stream_of(xa)
     g_ptr = gl.w4_g_ptr if gl.kind == KIND_INT4 else scales_ptr
-    args = (tmap_x, y_ptr, gl.w4_ptr, g_ptr, bias_ptr) + scalars
-    launch(kernel, lcfg, args, device=xa.device, stream=stream)
+    args = (tmap_x, y_ptr, gl.w4_ptr, g_ptr, bias_ptr)
+    launch(kernel, lcfg, args + scalars, device=xa.device, stream=stream)
+    if tail is not None:
+        launch(kernel, tail[0], args + tail[1], device=xa.device, stream=stream)
     return y
 
 

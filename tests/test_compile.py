@@ -229,6 +229,9 @@ def test_cluster_launch_packs_arguments_as_cupy_does():
     c, _ = _launch._config_ex(_launch.LaunchConfig((128,), (384,), 1000, cluster=2), 0x1234)
     assert list(c.grid) == [128, 1, 1] and list(c.block) == [384, 1, 1] and c.smem == 1000 and c.stream == 0x1234
     assert c.num_attrs == 1 and c.attrs.contents.id == 4 and list(c.attrs.contents.value)[:3] == [2, 1, 1]
+    c, _ = _launch._config_ex(_launch.LaunchConfig((128,), (384,), 1000, cluster=2, overlap=True), 0x1234)
+    assert c.num_attrs == 2 and c.attrs[0].id == 4 and list(c.attrs[0].value)[:3] == [2, 1, 1]
+    assert c.attrs[1].id == 6 and c.attrs[1].value[0] == 1  # programmatic stream serialization allowed
 
 
 def test_cluster_launch_passes_each_argument_at_its_pointer(monkeypatch):

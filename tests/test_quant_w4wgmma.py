@@ -249,17 +249,20 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     assert len(np.unique(row * 64 + col)) == 64 * 64 == row.size  # every weight of a stage chunk read once
     y = np.full((m, n), np.nan)
     writes = np.zeros((m, n), np.int64)
-    ws = np.zeros((cfg.splits, m, n))
+    ws = np.zeros((max(cfg.splits, cfg.tail_splits), m, n))
     arrived = {}
     rgroups = mt // 8
-    owner = ((np.arange(rgroups) + 1) * cfg.splits - 1) // rgroups  # the kernel's owner(j)
-    assert (np.diff(owner) >= 0).all() and owner[0] == 0 and owner[-1] == cfg.splits - 1
+    owners = {}
+    for splits in {cfg.splits, cfg.tail_splits}:
+        owners[splits] = ((np.arange(rgroups) + 1) * splits - 1) // rgroups  # the kernel's owner(j)
+        assert (np.diff(owners[splits]) >= 0).all() and owners[splits][0] == 0
+        assert owners[splits][-1] == splits - 1
     # epilogue map of a consumer thread's accumulators: (warp, lane, r) -> (channel in block, x row in tile)
     ew, el, er = (a.reshape(-1) for a in np.meshgrid(np.arange(4), np.arange(32), np.arange(mt // 2), indexing="ij"))
     e_row = 16 * ew + el // 4 + 8 * ((er >> 1) & 1)
     e_col = 8 * (er // 4) + 2 * (el % 4) + (er & 1)
     assert len(np.unique(e_row * mt + e_col)) == 64 * mt == e_row.size
-    for (m_tile, split, n_tile, nb0, kb0, kb1) in Q.w4wgmma_work(cfg, k):
+    for (m_tile, split, n_tile, nb0, kb0, kb1, splits) in Q.w4wgmma_work(cfg, k):
         m0 = m_tile * mt
         acc = np.zeros((2 * blk, 64, mt))
         for kb in range(kb0, kb1):
@@ -280,22 +283,22 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
             mm = m0 + e_col
             ok = mm < m
             vals = acc[bl][e_row, e_col]
-            if cfg.splits > 1:
+            if splits > 1:
                 ws[split, mm[ok], nn[ok]] = vals[ok]
             else:
                 y[mm[ok], nn[ok]] = vals[ok] + (bias[nn[ok]] if bias is not None else 0.0)
                 np.add.at(writes, (mm[ok], nn[ok]), 1)
-        if cfg.splits > 1:
+        if splits > 1:
             key = (n_tile, m_tile)
             arrived[key] = arrived.get(key, 0) + 1
-            if arrived[key] == cfg.splits:  # the whole cluster is past its main loop: each rank sums its row groups
-                for rank in range(cfg.splits):
+            if arrived[key] == splits:  # the whole cluster is past its main loop: each rank sums its row groups
+                for rank in range(splits):
                     for bl in range(2 * blk):
                         nn = (nb0 + bl) * 64 + e_row
                         mm = m0 + e_col
-                        ok = (mm < m) & (owner[e_col // 8] == rank)
+                        ok = (mm < m) & (owners[splits][e_col // 8] == rank)
                         v = np.zeros(int(ok.sum()))
-                        for sp in range(cfg.splits):
+                        for sp in range(splits):
                             v = v + ws[sp, mm[ok], nn[ok]]
                         y[mm[ok], nn[ok]] = v + (bias[nn[ok]] if bias is not None else 0.0)
                         np.add.at(writes, (mm[ok], nn[ok]), 1)
@@ -314,7 +317,10 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     (70, 768, 512, 128, {"gs": 4}), (200, 256, 384, 128, {"gs": 2, "blk": 1, "mt": 256}),
     (33, 1024, 512, 128, {"mt": 64, "splits": 3}), (64, 512, 256, 128, {"mt": 64, "gs": 2}),
     # 128-k ring stages (ks = 2)
-    (70, 768, 1408, 128, {"ks": 2, "mt": 64, "splits": 4}), (40, 1024, 1024, 256, {"ks": 2, "mt": 64, "blk": 1})])
+    (70, 768, 1408, 128, {"ks": 2, "mt": 64, "splits": 4}), (40, 1024, 1024, 256, {"ks": 2, "mt": 64, "blk": 1}),
+    # a tail launch: the last tiles split-K after the others unsplit (tile order in groups of m tiles)
+    (300, 768, 512, 128, {"mt": 128, "tail_tiles": 4, "tail_splits": 2}),
+    (200, 512, 768, 128, {"blk": 1, "mt": 64, "m_group": 2, "tail_tiles": 7, "tail_splits": 3})])
 def test_kernel_mirror_matches_x_at_w(fmt, dtype, m, n, k, g, override):
     rng = np.random.default_rng(m + n + k + fmt)
     q = rng.integers(0, 16, (k, n)).astype(np.uint8)
@@ -353,7 +359,7 @@ def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
     assert cfg.smem == Q.w4wgmma_smem_bytes(cfg.mt, cfg.blk, cfg.stages, cfg.ks) <= Q.W4WGMMA_SMEM_LIMIT
     if cfg.grid <= 4096:
         seen = np.zeros((cfg.m_tiles, n // 64, kbs), np.int64)
-        for (m_tile, split, n_tile, nb0, kb0, kb1) in Q.w4wgmma_work(cfg, k):
+        for (m_tile, split, n_tile, nb0, kb0, kb1, _) in Q.w4wgmma_work(cfg, k):
             assert kb1 > kb0  # every split has at least one stage (the ring waits on it)
             seen[m_tile, nb0:nb0 + 2 * cfg.blk, kb0:kb1] += 1
         assert (seen == 1).all()
@@ -362,7 +368,7 @@ def test_config_is_consistent_and_covers_every_stage_once(m, n, k):
 def test_config_heuristic_choices():
     # the shape and split count of least _w4wgmma_time, with an H200's cluster capacity (120 CTAs in clusters of 4)
     caps = (132, 132, 132, 120, 130, 126, 126, 128)
-    pick = lambda m, n, k: Q.w4wgmma_config(m, n, k, 132, cluster_ctas=caps)  # noqa: E731
+    pick = lambda m, n, k, **kw: Q.w4wgmma_config(m, n, k, 132, cluster_ctas=caps, **kw)  # noqa: E731
     shape = lambda c: (c.blk, c.mt, c.gs, c.ks, c.splits)  # noqa: E731
     # M <= 64: 64-row tiles in 128-k stages; 256 channels only where their tiles alone nearly fill the GPU
     assert shape(pick(64, 8192, 8192)) == shape(pick(17, 8192, 8192)) == (1, 64, 4, 2, 2)
@@ -376,7 +382,27 @@ def test_config_heuristic_choices():
     assert shape(pick(256, 28672, 8192)) == (1, 256, 2, 1, 1)
     assert shape(pick(384, 8192, 8192)) == (1, 192, 2, 1, 1)   # 2 x 64 tiles of 192 rows (256 rows: 25% padding)
     c = pick(768, 8192, 8192)
-    assert (c.mt, c.m_tiles, c.grid) == (192, 4, 256)            # 2 whole waves (3 x 64 tiles of 256: 1.45)
+    assert (c.mt, c.m_tiles, c.grid, c.tail_tiles) == (192, 4, 256, 0)  # 2 whole waves (3 x 64 tiles of 256: 1.45)
+    # the tiles past the last whole wave split-K in a tail launch, for the shape chosen without one
+    c = pick(512, 28672, 8192)  # 448 tiles of 256 rows: 3 waves, then 52 tiles x 2
+    assert (c.mt, c.grid, c.tail_tiles, c.tail_splits, c.tail_grid) == (256, 396, 52, 2, 104)
+    assert pick(512, 28672, 8192, tail_splits=1).grid == 448
+    c = pick(1536, 28672, 8192)  # a tail of 24 tiles in clusters of 5 (24 x 5 <= 130 resident)
+    assert (c.grid, c.tail_tiles, c.tail_splits, c.tail_grid) == (1320, 24, 5, 120)
+    assert pick(256, 28672, 8192).tail_tiles == pick(2048, 4096, 4096).tail_tiles == 0  # whole waves: none
+    assert pick(768, 28672, 8192).tail_tiles == 0  # 104 tiles past 6 waves: 2 splits would not fit at once
+    assert Q._w4wgmma_tail(256, 28672, 8192, 132, 1, 256, 1, 0) is None  # one wave
+    # forced tails (measurements, tests): the tiles past the last whole wave, or any count; splits 1 turns it off
+    c = Q.w4wgmma_config(512, 28672, 8192, 132, tail_splits=4)
+    assert (c.splits, c.tail_tiles, c.tail_splits) == (1, (c.m_tiles * c.n_tiles) % 132, 4)
+    c = Q.w4wgmma_config(300, 768, 512, 132, mt=128, tail_tiles=4)
+    assert (c.grid, c.tail_tiles, c.tail_grid) == (5, 4, 4 * c.tail_splits) and c.tail_splits > 1
+    with pytest.raises(ValueError, match="tail_tiles must be 1 to 8"):
+        Q.w4wgmma_config(300, 768, 512, 132, mt=128, tail_tiles=9)
+    with pytest.raises(ValueError, match="unsplit first launch"):
+        Q.w4wgmma_config(300, 768, 512, 132, mt=128, splits=2, tail_splits=2)
+    with pytest.raises(ValueError, match="at most 8 tail_splits"):
+        Q.w4wgmma_config(512, 28672, 8192, 132, tail_splits=9)
     assert pick(1024, 8192, 8192).mt == pick(2048, 4096, 4096).mt == 256
     assert shape(pick(256, 4096, 4096)) == (1, 128, 2, 1, 2)
     # the tile order: m tiles in groups where the grid takes several waves (x the bigger operand)
@@ -561,9 +587,9 @@ def test_dispatch_launch_arguments(fake_gpu, m):
         assert kernel.name == Q._w4wgmma_kernel("bfloat16", cfg.mt, cfg.blk, cfg.stages, gs=cfg.gs, ks=cfg.ks).name
         assert kernel.hopper and kernel.name.startswith(f"quant_sm90::w4_wgmma_kernel<__nv_bfloat16, {cfg.mt}, ")
         assert tuple(lcfg.grid) == (cfg.grid,) and tuple(lcfg.block) == (384,) and lcfg.smem == cfg.smem
-        assert len(args) == 13 and args[0] == "tmap"
+        assert len(args) == 14 and args[0] == "tmap"
         assert [int(a) for a in args[5:]] == [m, n, k // (64 * cfg.ks), g // 64, k // g, cfg.m_tiles, cfg.splits,
-                                            cfg.m_group or cfg.m_tiles]
+                                            cfg.m_group or cfg.m_tiles, 0]
         assert all(type(a) is np.int32 for a in args[5:])
         assert lcfg.cluster == cfg.splits  # a tile's splits are one cluster
     assert calls[0][2][2] == pw.gemv.w4_ptr and calls[0][2][3] == pw.gemv.w4_g_ptr and calls[0][2][4] == bias.ptr
@@ -606,11 +632,33 @@ def test_override_launch_arguments(fake_gpu, m, override, name):
     (kernel, lcfg, args), (kernel2, _, _) = calls
     assert kernel.name == "quant_sm90::" + name and tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
     assert [int(a) for a in args[5:]] == [m, n, k // 64, g // 64, k // g, cfg.m_tiles, cfg.splits,
-                                            cfg.m_group or cfg.m_tiles]
+                                            cfg.m_group or cfg.m_tiles, 0]
     assert lcfg.cluster == cfg.splits
     assert maps[0][1]["box_rows"] == cfg.mt
     d = Q.w4wgmma_config(m, n, k, 132)
     assert kernel2.name == Q._w4wgmma_kernel("float16", d.mt, d.blk, d.stages, gs=d.gs, ks=d.ks).name
+
+
+def test_tail_launch_arguments(fake_gpu):
+    """A config with a tail launches w4_wgmma_kernel twice on the same stream: the first tiles unsplit from tile 0,
+    then the tail's tiles in clusters of tail_splits from the first tail tile (the kernel's tile_base)."""
+    calls, maps = fake_gpu
+    k, n, g, m = 1024, 1536, 128, 300
+    override = {"mt": 128, "tail_tiles": 4, "tail_splits": 3}
+    x = FakeTensor((m, k), "bfloat16")
+    with _w4("on", **override):
+        pw = Q.prepack_awq(FakeTensor((k, n // 8), "int32"), FakeTensor((k // g, n // 8), "int32"),
+                           FakeTensor((k // g, n), "bfloat16"), group_size=g)
+        Q.awq_linear(x, pw)
+    cfg = Q.w4wgmma_config(m, n, k, 132, **override)
+    assert (cfg.m_tiles * cfg.n_tiles, cfg.grid, cfg.tail_grid) == (18, 14, 12)
+    (k1, l1, a1), (k2, l2, a2) = calls
+    assert k1.name == k2.name and l1.smem == l2.smem == cfg.smem
+    assert (tuple(l1.grid), l1.cluster, tuple(l2.grid), l2.cluster) == ((14,), 1, (12,), 3)
+    assert not l1.overlap and l2.overlap  # the tail may start while the first launch's last CTAs run
+    assert a1[:5] == a2[:5] and len(a1) == len(a2) == 14
+    assert [int(a) for a in a1[10:]] == [cfg.m_tiles, 1, cfg.m_group or cfg.m_tiles, 0]
+    assert [int(a) for a in a2[10:]] == [cfg.m_tiles, 3, cfg.m_group or cfg.m_tiles, 14]
 
 
 def test_w8_copy_without_fragment_major_copy(fake_gpu):
@@ -656,7 +704,7 @@ def test_w8_launch_arguments(fake_gpu, m):
         assert tuple(lcfg.grid) == (cfg.grid,) and lcfg.smem == cfg.smem
         assert args[2] == pw.gemv.w4_ptr and args[3] == pw.fast.scales_ptr != 0
         assert [int(a) for a in args[5:]] == [m, n, k // (64 * cfg.ks), 1, 1, cfg.m_tiles, cfg.splits,
-                                            cfg.m_group or cfg.m_tiles]
+                                            cfg.m_group or cfg.m_tiles, 0]
         calls.clear()
         Q._W8WGMMA_MODE = "off"
         if m <= Q.MAX_MMA_M:  # (above, the dense path, which the fakes cannot run)
@@ -938,6 +986,71 @@ def test_w4wgmma_gptq_act_order_small(dtype, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k,override", [
+    (320, 12288, 4096, {}),  # the heuristic's own tail: 2 x 96 tiles of 160 rows, the last 60 in clusters of 2
+    (300, 2048, 2048, {"mt": 128, "tail_tiles": 5, "tail_splits": 3}),
+    (2000, 1024, 512, {"blk": 1, "mt": 64, "gs": 4, "tail_tiles": 9, "tail_splits": 4}),  # across m groups
+    (1000, 512, 512, {"tail_tiles": 3, "tail_splits": 2})])                                # 128-k stages
+def test_w4wgmma_tail_small(dtype, m, n, k, override):
+    """The tail launch (the last tiles split-K in a second launch from tile_base): planned where the estimate says
+    so, NaN-poisoned output, against float64 x @ W per row (1e-2), the same bits on three calls, and within 2e-2 of
+    the same layer without a tail."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m + n + k)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with _w4("on", **override):
+        plan = Q._w4wgmma_plan(dtype, m, n, k, 128, 0, sms, tuple(sorted(Q._W4WGMMA_OVERRIDE.items())))
+        assert plan[0].tail_tiles > 0 and plan[4] is not None, plan[0]
+        layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, td, rng)
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        ref = _ref(x, w_kn)
+        ys = []
+        for _ in range(3):
+            poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
+            del poison
+            with launched() as names:
+                ys.append(Q.awq_linear(x, layer))
+            assert sum("w4_wgmma_kernel" in nm for nm in names) == 2, names
+            assert _row_err(ys[-1], ref) < 1e-2
+        assert all(torch.equal(ys[0], v) for v in ys[1:])
+    with _w4("on", **{**override, "tail_splits": 1, "tail_tiles": 0}):
+        with launched() as names:
+            y_one = Q.awq_linear(x, layer)
+        assert sum("w4_wgmma_kernel" in nm for nm in names) == 1, names
+    assert (ys[0].float() - y_one.float()).abs().max().item() <= 2e-2 * y_one.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+def test_w4wgmma_tail_in_cuda_graph():
+    """A layer whose launch has a tail (its second launch a programmatic dependent launch) captured by
+    torch.cuda.graph: replays with new inputs match float64, and a kernel reading y right after sees all of it."""
+    torch = _torch()
+    rng = np.random.default_rng(43)
+    m, n, k = 300, 2048, 2048
+    with _w4("on", mt=128, tail_tiles=5, tail_splits=3):
+        layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, torch.bfloat16, rng)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile outside the capture
+            Q.awq_linear(x, layer)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = Q.awq_linear(x, layer)
+            total = y.float().sum(dim=1)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = _ref(x, w_kn)
+            assert _row_err(y, ref) < 1e-2
+            assert torch.allclose(total, y.float().sum(dim=1), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_cluster_capacity_query():
     """cuOccupancyMaxActiveClusters through _launch: one CTA per SM alone; clusters of s fill whole multiples of s
     and never more SMs than the GPU has; a launch config's plan never asks for more CTAs than fit."""
@@ -960,7 +1073,7 @@ def test_w4wgmma_memcheck_case_small():
     """Small launches for compute-sanitizer (benchmarks/_quant_w4tune_gpu.sh):
     split-K with a partial m tile, a 2-m-tile direct store, the blk = 1 variants (mt 256 split over 70 rows;
     mt 64 direct; mt 96 / 160 / 192), groups of 4 k16 steps over a split starting on an odd stage, and a
-    multi-wave grid in groups of m tiles (tile_coords) with a smaller last group."""
+    multi-wave grid in groups of m tiles (tile_coords) with a smaller last group, a tail launch."""
     torch = _torch()
     rng = np.random.default_rng(5)
     cases = ((33, 512, 512, {"splits": 2}), (150, 256, 256, {}), (70, 256, 512, {"blk": 1, "mt": 256, "splits": 2}),
@@ -968,7 +1081,8 @@ def test_w4wgmma_memcheck_case_small():
              (150, 512, 512, {"gs": 2, "blk": 1, "mt": 256}), (170, 256, 384, {"blk": 1, "mt": 160, "gs": 2}),
              (100, 512, 512, {"blk": 1, "mt": 96, "gs": 2, "splits": 2}),
              (200, 256, 512, {"blk": 1, "mt": 192, "gs": 2, "splits": 2}),
-             (1300, 1536, 256, {"blk": 1, "mt": 64, "gs": 2}))
+             (1300, 1536, 256, {"blk": 1, "mt": 64, "gs": 2}),
+             (300, 1024, 512, {"mt": 128, "tail_tiles": 3, "tail_splits": 2}))
     for (m, n, k, override) in cases:
         with _w4("on", **override):
             layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, torch.bfloat16, rng)
