@@ -751,6 +751,22 @@ def _ref(x, w_kn, bias=None):
     return r
 
 
+def _poisoned_calls(torch, call, shape, td, ref, count=3):
+    """``call()`` ``count`` times, each right after a NaN-filled block of the output's shape was freed (an element the
+    kernel misses shows), each launching w4_wgmma_kernel and within 1e-2 per row of ``ref``.  Returns the outputs
+    and each call's launched kernel names."""
+    ys, launches = [], []
+    for _ in range(count):
+        poison = torch.full(shape, float("nan"), device="cuda", dtype=td)
+        del poison
+        with launched() as names:
+            ys.append(call())
+        assert any("w4_wgmma_kernel" in nm for nm in names), names
+        assert _row_err(ys[-1], ref) < 1e-2
+        launches.append(names)
+    return ys, launches
+
+
 def _row_err(y, ref):
     yf = y.float().cpu().numpy().astype(np.float64)
     assert np.isfinite(yf).all()
@@ -790,16 +806,8 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
     with _w4("on", **override):
         layer, w_kn = _layer(torch, fmt, n, k, g, td, rng)
         x = torch.randn(m, k, device="cuda", dtype=td)
-        ref = _ref(x, w_kn)
-        ys = []
-        for _ in range(3):
-            poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
-            del poison
-            with launched() as names:
-                y = _linear(fmt, x, layer)
-            assert any("w4_wgmma_kernel" in nm for nm in names), names
-            assert _row_err(y, ref) < 1e-2
-            ys.append(y)
+        ys, _ = _poisoned_calls(torch, lambda: _linear(fmt, x, layer), (m, n), td, _ref(x, w_kn))
+        y = ys[-1]
         assert all(torch.equal(ys[0], v) for v in ys[1:])  # split-K sums in rank order: the same bits every call
         xb = torch.randn(m, k + 64, device="cuda", dtype=td)[:, 32:32 + k]
         bias = torch.randn(n, device="cuda", dtype=td)
@@ -1005,15 +1013,8 @@ def test_w4wgmma_tail_small(dtype, m, n, k, override):
         assert plan[0].tail_tiles > 0 and plan[4] is not None, plan[0]
         layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, td, rng)
         x = torch.randn(m, k, device="cuda", dtype=td)
-        ref = _ref(x, w_kn)
-        ys = []
-        for _ in range(3):
-            poison = torch.full((m, n), float("nan"), device="cuda", dtype=td)
-            del poison
-            with launched() as names:
-                ys.append(Q.awq_linear(x, layer))
-            assert sum("w4_wgmma_kernel" in nm for nm in names) == 2, names
-            assert _row_err(ys[-1], ref) < 1e-2
+        ys, names = _poisoned_calls(torch, lambda: Q.awq_linear(x, layer), (m, n), td, _ref(x, w_kn))
+        assert all(sum("w4_wgmma_kernel" in nm for nm in c) == 2 for c in names), names
         assert all(torch.equal(ys[0], v) for v in ys[1:])
     with _w4("on", **{**override, "tail_splits": 1, "tail_tiles": 0}):
         with launched() as names:
