@@ -926,11 +926,12 @@ def test_w8_pack_kernel_matches_reference_small():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("m,n,k,override", [
     (17, 512, 1024, {}), (64, 768, 2048, {}), (100, 256, 640, {"splits": 3}), (130, 1024, 512, {}),
-    (300, 512, 1024, {}), (1000, 256, 256, {}), (40, 2048, 1024, {"gs": 1}), (257, 512, 768, {"blk": 1, "mt": 256})])
+    (300, 512, 1024, {}), (1000, 256, 256, {}), (40, 2048, 1024, {"gs": 1}), (257, 512, 768, {"blk": 1, "mt": 256}),
+    (300, 1024, 1024, {"tail_tiles": 3, "tail_splits": 2})])
 def test_w8wgmma_small(dtype, m, n, k, override):
     """INT8 on w4_wgmma_kernel (switch on at prepack and call): every byte value, per-channel scales, bias, odd M
-    (also above MAX_MMA_M, instead of the dense path), split-K; NaN-poisoned outputs, twice; against float64
-    x @ (q s)^T per row (1e-2), and within 2e-2 of the switch-off path on the same layer."""
+    (also above MAX_MMA_M, instead of the dense path), split-K, a tail launch; NaN-poisoned outputs, twice; against
+    float64 x @ (q s)^T per row (1e-2), and within 2e-2 of the switch-off path on the same layer."""
     torch = _torch()
     td = getattr(torch, dtype)
     rng = np.random.default_rng(m * 5 + n + k)
