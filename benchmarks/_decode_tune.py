@@ -3,11 +3,12 @@
 python benchmarks/_decode_tune.py [rounds]  -- at each shape, torch SDPA's cuDNN backend and our kernel in several
 (warps, stages) configurations and split counts, interleaved, in the same process and on the same data (ours on
 a shuffled paged copy).  A variant named ``old`` runs kernels/_decode_old.cu when that file exists (a copy of an
-earlier kernels/decode.cu, for A/B runs).  The variants named in $DECODE_CONTIG (default w4s3) also run on a
+earlier kernels/decode.cu, for A/B runs), its merge as a plain launch (older merge kernels do not wait in-kernel).  The variants named in $DECODE_CONTIG (default w4s3) also run on a
 contiguous cache: views (batch, seqlen, kv_heads, hd) of the peers' (batch, kv_heads, seqlen, hd) tensors, one page
 per sequence, so each head's rows are read contiguously as cuDNN reads them.  Every variant's output is checked
 against cuDNN's.
 """
+import dataclasses
 import os
 import sys
 import time
@@ -45,10 +46,19 @@ def kernels(name):
             Kernel(src, "decode_merge_kernel<__nv_bfloat16, 128>"))
 
 
+_PLAN = D._decode_plan
+
+
+def _plain_merge_plan(*a):
+    p = _PLAN(*a)
+    return {**p, "merge_cfg": dataclasses.replace(p["merge_cfg"], overlap=False)}
+
+
 def use(name):
     """Point the module at one variant (kernels, config and the split heuristic's occupancy)."""
     _, w, s = VARIANTS[name]
     D.DECODE_CONFIGS[128] = (w, s)
+    D._decode_plan = _plain_merge_plan if name == "old" else _PLAN
     D.decode_config.cache_clear()
     D.decode_num_splits.cache_clear()
     D._attn_kernel = lambda dtype, d: kernels(name)[0]

@@ -322,7 +322,9 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
                  np.int64(bta.strides[0]), np.int64(sla.strides[0]), np.float32(p["scale_a"]),
                  np.float32(p["cap_log2"]), np.int32(p["use_softcap"]), np.int32(p["window_left"])),
         merge_kernel=_merge_kernel(qa.dtype, head_dim),
-        merge_cfg=LaunchConfig((max(1, batch * heads),), (merge_threads(splits, head_dim),)),
+        # sm_90: a programmatic dependent launch (it waits for the attention kernel in-kernel: griddepcontrol)
+        merge_cfg=LaunchConfig((max(1, batch * heads),), (merge_threads(splits, head_dim),),
+                               overlap=dev.cc >= (9, 0)),
         merge_scalars=(np.int32(heads), np.int32(splits), np.int64(o_strides[0]), np.int64(o_strides[1])),
         partial_floats=batch * heads * splits * head_dim)
     if key is not None:

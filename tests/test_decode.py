@@ -322,6 +322,37 @@ def test_paged_decode_large_groups(heads, kv_heads):
 
 
 @pytest.mark.gpu
+def test_paged_decode_split_in_cuda_graph():
+    """A split decode (on sm_90 the merge is a programmatic dependent launch of the attention kernel) captured by
+    torch.cuda.graph: replays with new queries match the reference, and an op reading the output right after the
+    merge sees all of it."""
+    torch = _torch()
+    k, v, table, lens = make_paged(torch, [3000, 17, 1], 2, 128, 16, torch.bfloat16, seed=7)
+    q = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    wrapped = (A.wrap(q, "q"), A.wrap(k, "k_cache"), A.wrap(v, "v_cache"), A.wrap(table, "block_table"),
+               A.wrap(lens, "seq_lens"), A.wrap(out, "out"))
+    call = lambda: D._paged_decode(*wrapped, None, 0.0, -1, False, num_splits=6)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and plan outside the capture
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+        total = out.float().sum(dim=-1)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference_decode(torch, q, k, v, table, lens)
+        torch.testing.assert_close(out.float(), ref, **tol(torch, torch.bfloat16))
+        assert torch.equal(total, out.float().sum(dim=-1))
+
+
+@pytest.mark.gpu
 def test_paged_decode_long_sequence_default_split():
     torch = _torch()
     run_decode(torch, batch_lens=[20000], heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
