@@ -5,25 +5,11 @@
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "common/mma.cuh"
+#include "common/pdl.cuh"
 
 namespace dec {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
-
-// Programmatic dependent launch (sm_90; the merge is launched with speedcore._launch.LaunchConfig(overlap=True)):
-// the attention kernel lets the merge grid be scheduled once all its CTAs have started, and the merge waits for the
-// attention grid to complete (its partials visible) before reading them, so the launch latency between them is
-// hidden.  Both are no-ops where the launch has no such dependency, and compile to nothing before sm_90.
-__device__ __forceinline__ void launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisites() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
 
 // Transpose an 8x8 matrix of 16-bit values held one row-pair per lane (the mma accumulator layout) so each
 // lane holds a column pair: turns a score tile (tokens x queries) into the B operand (queries by column) of
@@ -109,7 +95,9 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
 
   extern __shared__ uint4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  dec::launch_dependents();
+  // On sm_90 the merge is this kernel's programmatic dependent (speedcore.decode): it may be scheduled as soon as
+  // every CTA here has started, and waits in-kernel for the partials, so no launch gap separates the two.
+  sc::launch_dependents();
 #ifdef DECODE_TRACE
   auto gtime = sc::globaltimer_ns;
   unsigned long long* trace = reinterpret_cast<unsigned long long*>(lse_out) + (long long)blockIdx.x * 8;
@@ -396,7 +384,7 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, 
   const int step = nwarps * SPW;
   const int s0 = warp * SPW + sub;
   const float4* src = reinterpret_cast<const float4*>(part_out) + (long long)row * num_splits * V4 + v;
-  dec::wait_for_prerequisites();  // the attention kernel's partials (launched as its programmatic dependent)
+  sc::grid_dependency_wait();  // the attention kernel's partials (on sm_90 this is its programmatic dependent)
 
   float4 x[BATCH][VPL];
   float xl[BATCH];

@@ -235,8 +235,8 @@ def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
 
 def _launch_cluster(func_ptr: int, cfg: LaunchConfig, args: tuple, stream) -> None:
     """cuLaunchKernelEx with a cluster dimension and (cfg.overlap) programmatic stream serialization (CuPy launches
-    have no launch attributes).  The arguments go in one
-    buffer, each at an 8-byte aligned offset (the driver copies each from its pointer)."""
+    have no launch attributes).  The arguments go in one buffer, each at an 8-byte aligned offset (the driver copies
+    each from its pointer)."""
     parts = [_param_bytes(a) for a in args]
     offsets, at = [], 0
     for p in parts:

@@ -3,6 +3,7 @@
 // by value as a `const __grid_constant__ sc::TmaMap` kernel parameter.
 #pragma once
 #include "mma.cuh"
+#include "pdl.cuh"
 
 namespace sc {
 
@@ -110,15 +111,6 @@ __device__ __forceinline__ void named_bar_sync(int id, int count) {
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-
-// Programmatic dependent launch (sm_90; a kernel launched with speedcore._launch.LaunchConfig(overlap=True)):
-// launch_dependents lets the stream's next kernel, if launched so, start once every CTA of this grid has run it or
-// exited; grid_dependency_wait waits until the grids this one was allowed to overlap have completed and their
-// writes are visible (immediately where there are none).
-__device__ __forceinline__ void launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // Thread-block clusters (launched with a cluster dimension, speedcore._launch).
 // The shared::cluster address of the byte at shared-memory offset `addr` (smem_addr) of cluster CTA `rank`.
