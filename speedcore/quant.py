@@ -742,9 +742,14 @@ class W4WgmmaConfig:
     tail_splits: int = 1
 
     @property
+    def tail_base(self) -> int:
+        """The tail launch's first tile (tile order); the first launch takes the tiles before it."""
+        return self.m_tiles * self.n_tiles - self.tail_tiles
+
+    @property
     def grid(self) -> int:
         """CTAs of the first launch: every tile but the tail's, ``splits`` CTAs each."""
-        return (self.m_tiles * self.n_tiles - self.tail_tiles) * self.splits
+        return self.tail_base * self.splits
 
     @property
     def tail_grid(self) -> int:
@@ -838,12 +843,13 @@ def _w4wgmma_tail(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, 
                 if c > 1 and w4wgmma_epilogue_bytes(mt, blk, c) <= ring), default=None)
 
 
-def _w4wgmma_pick(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, kind: int, cluster_ctas: tuple = ()):
-    """(estimated us, splits, tail tiles, tail splits) for one tile shape: _w4wgmma_best_split's launch, or the
-    _w4wgmma_tail launch where it is estimated W4WGMMA_TAIL_MIN_GAIN faster; None where no split count's epilogue
-    fits the ring."""
+def _w4wgmma_pick(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, kind: int, cluster_ctas: tuple = (),
+                  tail: bool = True):
+    """(estimated us, splits, tail tiles, tail splits) for one tile shape: _w4wgmma_best_split's launch, or (with
+    ``tail``) the _w4wgmma_tail launch where it is estimated W4WGMMA_TAIL_MIN_GAIN faster; None where no split
+    count's epilogue fits the ring."""
     one = _w4wgmma_best_split(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
-    tail = _w4wgmma_tail(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
+    tail = _w4wgmma_tail(m, n, k, sms, blk, mt, ks, kind, cluster_ctas) if tail else None
     if tail is not None and (one is None or tail[0] < one[0] * (1 - W4WGMMA_TAIL_MIN_GAIN)):
         return (tail[0], 1, tail[1], tail[2])
     return None if one is None else one + (0, 1)
@@ -938,12 +944,8 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
             pick = _w4wgmma_tail(m, n, k, sms, blk, mt, ks, kind, cluster_ctas, tail_tiles=tt)
             ts = pick[2] if pick is not None else 1
     elif not splits:
-        if tail_splits == 1:
-            pick = _w4wgmma_best_split(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
-            s = pick[1] if pick is not None else 1  # (none fits: the check below says so)
-        else:
-            pick = _w4wgmma_pick(m, n, k, sms, blk, mt, ks, kind, cluster_ctas)
-            s, tt, ts = pick[1:] if pick is not None else (1, 0, 1)
+        pick = _w4wgmma_pick(m, n, k, sms, blk, mt, ks, kind, cluster_ctas, tail=tail_splits != 1)
+        s, tt, ts = pick[1:] if pick is not None else (1, 0, 1)  # (none fits: the check below says so)
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")
@@ -983,8 +985,7 @@ def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:
     block, first 64-k chunk, chunk end, the tile's split count): splits are whole ring stages of cfg.ks chunks."""
     kb = k // (W4WGMMA_BK * cfg.ks)
     out = []
-    base = cfg.m_tiles * cfg.n_tiles - cfg.tail_tiles
-    for grid, splits, tile_base in ((cfg.grid, cfg.splits, 0), (cfg.tail_grid, cfg.tail_splits, base)):
+    for grid, splits, tile_base in ((cfg.grid, cfg.splits, 0), (cfg.tail_grid, cfg.tail_splits, cfg.tail_base)):
         for cta in range(grid):
             split, t = cta % splits, tile_base + cta // splits
             gm_full = cfg.m_group or cfg.m_tiles
@@ -1796,7 +1797,7 @@ def _w4wgmma_plan(dtype: str, rows: int, n: int, k: int, group: int, device: int
     if cfg.tail_tiles:
         # overlap: the tail's CTAs take SMs as the first launch's last wave frees them (they write other tiles)
         tail = (LaunchConfig((cfg.tail_grid,), (384,), cfg.smem, cluster=cfg.tail_splits, overlap=True),
-                common + (np.int32(cfg.tail_splits), m_group, np.int32(cfg.m_tiles * cfg.n_tiles - cfg.tail_tiles)))
+                common + (np.int32(cfg.tail_splits), m_group, np.int32(cfg.tail_base)))
     return cfg, kernel, LaunchConfig((cfg.grid,), (384,), cfg.smem, cluster=cfg.splits), scalars, tail
 
 
