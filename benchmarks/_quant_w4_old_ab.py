@@ -9,6 +9,7 @@ of interleaved rounds, outputs compared, cuBLAS in the same run.
 --same-args: the old copy takes today's argument list but m_group and the cluster launch (a kernel from 62b9c88 to
 b482bb8), so cases with a K split are compared too (one-wave grids only: its tiles are m-fastest).
 --today-args: the old copy takes today's argument list but tile_base (a kernel from 1d1efd2 to 7ccefa9): every case.
+--all-args: the old copy takes today's whole argument list (a kernel from 4eeba42 on): every case.
 Today's launch is planned without a tail launch (tail_splits = 1), which the old copies do not have.
 """
 import statistics
@@ -31,9 +32,10 @@ def main():
     b = Bench(quick=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     args = sys.argv[1:]
-    today_args = "--today-args" in args
+    all_args = "--all-args" in args
+    today_args = "--today-args" in args or all_args
     same_args = "--same-args" in args or today_args
-    args = [a for a in args if a not in ("--same-args", "--today-args")]
+    args = [a for a in args if a not in ("--same-args", "--today-args", "--all-args")]
     for arg in args:
         n, k, m = (int(v) for v in arg.split(":"))
         scales = (torch.rand(k // G, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
@@ -48,7 +50,7 @@ def main():
         assert tail is None
         assert same_args or cfg.splits == 1, "the old kernel's grid order differs with a K split"
         assert today_args or cfg.m_group in (0, cfg.m_tiles), "the old kernel's tiles are m-fastest"
-        old_scalars = scalars[:-1] if today_args else scalars[:-2]
+        old_scalars = scalars if all_args else scalars[:-1] if today_args else scalars[:-2]
         old = Kernel("_quant_sm90_old.cu", kern.name, hopper=True)
         y_old = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         tmap = _tma.tile_map_2d(x.data_ptr(), "bfloat16", rows=m, cols=k, row_stride=k, box_rows=cfg.mt, box_cols=64)

@@ -12,8 +12,9 @@ last exit in the traced run; skew = spread of the CTAs' entries; first = entry t
 step = median time between stages in the steady state (stages 2..n-1); lat = a stage's full wait returning minus
 the producer's empty wait for it (time from issue to the consumers having it, when the consumers wait); tail = last
 stage's data to the loop end; epi = loop end to the last store; tail_cta = the last exit minus the median exit.
-Then the epilogue's phases, p50 / p90 over CTAs: the first barrier (the cluster's with split-K), the partials sent
-and landed (split-K), the sum and y tile, the tile's barrier, the copy to y.
+Then the epilogue's phases, p50 / p90 over CTAs: the consumers' barrier; with split-K the partials stored to the
+CTA's own slots, the cluster barrier, the owner's reads of every rank's slots with the sum and y tile; without, the
+y tile; then the tile's barrier and the copy to y.
 """
 import os
 import sys
@@ -115,7 +116,7 @@ def run(b, n, k, m, defs=()):
         print(f"  producers (first 4 stages / the rest): x issue {pr(px - prod)}  lead of x {pr(full - px)}  "
               f"lead of weights {pr(full - pw)}")
     # the epilogue's phases, p50 / p90 over CTAs, us
-    marks = [("sync1", 3, EPI), ("slots", EPI, EPI + 1), ("sync2", EPI + 1, EPI + 2), ("sum+tile", EPI + 2, EPI + 3)] \
+    marks = [("bar", 3, EPI), ("slots", EPI, EPI + 1), ("cluster", EPI + 1, EPI + 2), ("pull+tile", EPI + 2, EPI + 3)] \
         if cfg.splits > 1 else [("bar", 3, EPI), ("tile", EPI, EPI + 3)]
     marks += [("bar", EPI + 3, EPI + 4), ("copy", EPI + 4, 5)]
     print("  epilogue " + "  ".join(f"{nm} {np.percentile(us(tr[:, b] - tr[:, a]), 50):5.2f}/"

@@ -109,6 +109,68 @@ __device__ __forceinline__ unsigned ctaid_x() {
   asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
   return r;
 }
+__device__ __forceinline__ unsigned tid_x() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(r));
+  return r;
+}
+
+// Row groups (8 rows) of a tile owned by each rank of a split-K cluster: an even count, so that the owner writes its
+// y tile two row groups per stmatrix (speedcore.quant.w4wgmma_epilogue_bytes mirrors it).
+__device__ __forceinline__ int w4_rows_per_rank(int row_groups, int splits) {
+  return 2 * ((row_groups + 2 * splits - 1) / (2 * splits));
+}
+
+// Two floats rounded to one word of two T (low half first) by one packed conversion.
+template <typename T> __device__ __forceinline__ unsigned pack_rn(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack_rn<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack_rn<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// Split-K epilogue of 3 to 8 ranks, owner side: row groups [j0, j0 + n) (n even) of every block summed over the
+// cluster's nsrc ranks in rank order (src_at: this thread's 16 bytes of slot (0, 0) in each rank's shared memory,
+// slots (j, blk) of 4 KB) and handed to tile_pair(owner-local row group, blk, sums of it, of the next).  The loads of
+// two row groups from every rank are issued before the first is used.
+template <int BLK, typename TilePair>
+__device__ __forceinline__ void w4_owner_sums(const unsigned (&src_at)[W4_MAX_SPLITS], int nsrc, int j0, int n,
+                                              TilePair& tile_pair) {
+  constexpr int SLOT = 256 * 16;
+#pragma unroll 1
+  for (int j = 0; j < n; j += 2) {
+#pragma unroll
+    for (int blk = 0; blk < BLK; ++blk) {
+      float4 x[2][W4_MAX_SPLITS];
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int src = 0; src < W4_MAX_SPLITS; ++src)
+          if (src < nsrc) x[p][src] = sc::ld_cluster_v4(src_at[src] + ((j0 + j + p) * BLK + blk) * SLOT);
+      float v[2][4];
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        v[p][0] = x[p][0].x;
+        v[p][1] = x[p][0].y;
+        v[p][2] = x[p][0].z;
+        v[p][3] = x[p][0].w;
+#pragma unroll
+        for (int src = 1; src < W4_MAX_SPLITS; ++src) {
+          if (src < nsrc) {
+            v[p][0] += x[p][src].x;
+            v[p][1] += x[p][src].y;
+            v[p][2] += x[p][src].z;
+            v[p][3] += x[p][src].w;
+          }
+        }
+      }
+      tile_pair(j, blk, v[0], v[1]);
+    }
+  }
+}
 
 // Keep the compiler from moving an A-fragment register's reuse across wgmma issue / wait points.
 __device__ __forceinline__ void fence_reg(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
@@ -145,7 +207,6 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   unsigned char* ring_g = ring_w + STAGES * L::W_BYTES;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring_g + STAGES * L::G_BYTES);
   unsigned long long* empty = full + STAGES;
-  unsigned long long* red_bar = empty + STAGES;  // split-K: the partials other ranks owe this CTA have landed
 
   const int split = blockIdx.x % splits;  // the CTA's rank in its cluster (the tile's splits)
   const int n_tiles = N / (64 * L::BLOCKS);
@@ -170,7 +231,6 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       sc::mbar_init(&full[s], kProducers);
       sc::mbar_init(&empty[s], 8);
     }
-    sc::mbar_init(red_bar, 1);
     sc::fence_mbar_init();
   }
   __syncthreads();
@@ -253,7 +313,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 
   sc::setmaxnreg_inc<232>();
   const int cw = wg - 1;
-  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4;
   float acc[BLK][NACC];
 #pragma unroll
   for (int blk = 0; blk < BLK; ++blk)
@@ -367,160 +427,181 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #pragma unroll
       for (int i = 0; i < NACC; ++i) sc::wgmma_fence_operand(acc[blk][i]);
   };
-  consume(kb_begin, kb_end);
-#ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(3, clock64());
-#endif
-  // The tile's coordinates again, from the CTA index read anew: kept live across the main loop they spilled at
-  // MT x BLK = 256 (128 accumulator registers).
-  const int cta = (int)ctaid_x();
-  const int e_split = cta % splits;
-  int e_m_tile, e_n_tile;
-  tile_coords(tile_base + cta / splits, m_tiles, N / (64 * L::BLOCKS), m_group, e_m_tile, e_n_tile);
-
-  // Epilogue through shared memory (the ring, free once every consumer of the cluster is past its last wgmma).  It
-  // runs once per CTA, so its code runs at the instruction fetch rate: fully unrolled sums took 2-16 us per CTA
-  // on the H200; hence few instructions per accumulator and loops where the registers allow.
-  // 1. Split-K (the tile's splits are one cluster): every thread stores row group j of its accumulators
-  //    (accumulators 4 j .. 4 j + 3 of each block: tile rows 8 j + 2 c + e, channels n_lane + 64 blk + 8 h as
-  //    [2 h + e]) to the rank that owns it, slot (source rank, owner-local row group, blk) of 256 threads x 16 bytes;
-  //    rank r owns row groups [r jmax, (r + 1) jmax); the stores to another rank complete on its red_bar.  Once
-  //    they have landed the owner sums each slot over the source ranks in rank order (the same bits whichever CTA
+  // Epilogue through shared memory (the ring, free once every consumer of the cluster is past its last wgmma).
+  // 1. Split-K (the tile's splits are one cluster): rank r owns row groups [r jmax, (r + 1) jmax) of the tile (row
+  //    group j: accumulators 4 j .. 4 j + 3 of each block, tile rows 8 j + 2 c + e, channels n_lane + 64 blk + 8 h
+  //    as [2 h + e]).  Every thread stores all its row groups to its own CTA's slots (j, blk) of 256 threads x 16
+  //    bytes (constant offsets: one instruction per slot); after a cluster barrier each owner reads its row groups'
+  //    slots from every rank (distributed shared memory) and sums them in rank order (the same bits whichever CTA
   //    finishes first).
   // 2. The bias is added (INT8: the scales applied first), the values rounded to T and written to a row-major tile
-  //    of the CTA's rows (16-byte chunks XOR-swizzled by row, so that the four rows of a warp's store fall in
-  //    different banks); without a split straight from the accumulators.
+  //    of the CTA's rows (16-byte chunks XOR-swizzled by row, so that the rows of a store fall in different banks)
+  //    by stmatrix.trans: one instruction per two row groups of a block (the accumulator pairs (2 c, 2 c + 1) of a
+  //    channel are an 8 x 8 matrix fragment whose transpose is the row-major tile).  Without a split straight from
+  //    the accumulators.
   // 3. The 256 consumer threads store the tile's rows to y in whole 16-byte chunks: storing the accumulator order
   //    straight to y writes partial sectors.
+  // The epilogue runs once per CTA, so its code runs at the instruction-fetch rate (cold: ~6 cycles per instruction
+  // on the H200); hence few instructions per accumulator and loops where the registers allow.
   constexpr int J = MT / 8;
   constexpr int Y_ROW = 128 * BLK * (int)sizeof(T);
-  const int tid = threadIdx.x - 128;
-  const int jmax = (J + splits - 1) / splits;
-  constexpr int SLOT = 256 * 16;  // one block's row group from one source rank: 16 bytes per consumer thread
-  // Byte offset of this thread's 16 bytes in slot (source rank src, owner-local row group jl, blk).
-  auto slot_off = [&](int src, int jl, int blk) { return ((src * jmax + jl) * BLK + blk) * SLOT + tid * 16; };
-  const int my_j0 = min(J, e_split * jmax), my_jn = min(J, my_j0 + jmax) - my_j0;
-  unsigned char* y_tile = smem + splits * jmax * BLK * SLOT;  // past every slot
-  // T value of tile row r, byte b of the row (16-byte chunks XOR-swizzled by row).
-  auto y_at = [&](int r, int b) {
-    return reinterpret_cast<T*>(y_tile + r * Y_ROW + ((((b >> 4) ^ (r & 7)) << 4) | (b & 15)));
-  };
-  // Channel of (blk, h): n_lane + 64 blk + 8 h.
-  const int n_lane = (e_n_tile * L::BLOCKS + cw * BLK) * 64 + 16 * warp + g;
-  float bv[BLK][2], sv[BLK][2];  // bias, and (INT8) the channel's scale
-#pragma unroll
-  for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      bv[blk][h] = bias != nullptr ? sc::to_float<T>(bias[n_lane + 64 * blk + 8 * h]) : 0.f;
-      sv[blk][h] = KIND == W_INT8 ? sc::to_float<T>(reinterpret_cast<const T*>(grec)[n_lane + 64 * blk + 8 * h]) : 1.f;
-    }
-  if (splits == 1) {
-    // Without a split the slots would only be a round trip: the tile straight from the accumulators (unrolled, but
-    // two instructions per value).
+  constexpr int PIECES = Y_ROW / 16;  // 16-byte chunks per row
+  constexpr int SLOT = 256 * 16;      // one block's row group: 16 bytes per consumer thread
+  {
+    consume(kb_begin, kb_end);
+#ifdef W4_TRACE
+    if (threadIdx.x == 128) W4_MARK(3, clock64());
+#endif
     sc::named_bar_sync(1, 256);  // both consumer warpgroups are done reading the ring
 #ifdef W4_TRACE
     if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
 #endif
+    // The tile's coordinates and the thread's indices again, from the CTA and thread indices read anew (opaque to the
+    // compiler): kept live across the main loop they spilled at MT x BLK = 256 (128 accumulator registers).
+    const int cta = (int)ctaid_x();
+    const int e_split = cta % splits;
+    int e_m_tile, e_n_tile;
+    tile_coords(tile_base + cta / splits, m_tiles, N / (64 * L::BLOCKS), m_group, e_m_tile, e_n_tile);
+    const int tid = (int)tid_x() - 128;
+    const int cw = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4;
+    const int jmax = w4_rows_per_rank(J, splits);
+    const int my_j0 = min(J, e_split * jmax), my_jn = min(J, my_j0 + jmax) - my_j0;
+    unsigned char* y_tile = smem + (splits > 1 ? J * BLK * SLOT : 0);  // past the slots
+    // stmatrix.trans of row groups (j, j + 1) of block blk: matrix q = 2 (j parity) + h; lane 8 q + i gives the
+    // address of tile row 8 (j + q / 2) + i, chunk (cw BLK + blk) 8 + 2 warp + h of it (swizzled by i = row % 8).
+    const int sq = lane >> 3, si = lane & 7;
+    const unsigned y_lane = sc::smem_addr(y_tile) + (8 * (sq >> 1) + si) * Y_ROW;
+    auto y_addr = [&](int j, int blk) {
+      return y_lane + 8 * j * Y_ROW + ((((cw * BLK + blk) * 8 + 2 * warp + (sq & 1)) ^ si) << 4);
+    };
+    // Channel of (blk, h): n_lane + 64 blk + 8 h.
+    const int n_lane = (e_n_tile * L::BLOCKS + cw * BLK) * 64 + 16 * warp + g;
+    float bv[BLK][2], sv[BLK][2];  // bias, and (INT8) the channel's scale
+    const bool affine = KIND == W_INT8 || bias != nullptr;
 #pragma unroll
-    for (int j = 0; j < J; ++j)
+    for (int blk = 0; blk < BLK; ++blk)
 #pragma unroll
-      for (int blk = 0; blk < BLK; ++blk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = i >> 1, e = i & 1;
-          float v = acc[blk][4 * j + i];
-          if constexpr (KIND == W_INT8) v *= sv[blk][h];
-          *y_at(8 * j + 2 * c + e, ((cw * BLK + blk) * 64 + 16 * warp + g + 8 * h) * (int)sizeof(T)) =
-              sc::from_float<T>(v + bv[blk][h]);
-        }
-  } else {
-    // Every CTA of the cluster is done reading its ring (its wgmmas have retired, its copies have landed): an
-    // execution barrier only (relaxed: the release form fenced every thread's outstanding global accesses first).
-    sc::cluster_arrive_relaxed();
-    sc::cluster_wait();
-#ifdef W4_TRACE
-    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
-#endif
-    // The partials the other ranks owe this CTA complete on red_bar (st.async) in place of a second cluster barrier;
-    // their bytes may land before this expect_tx.
-    if (tid == 0) sc::mbar_arrive_expect_tx(red_bar, (unsigned)((splits - 1) * my_jn * BLK * SLOT));
-    {
-      int owner = 0, jl = 0;
-      const unsigned base = sc::smem_addr(smem), bar = sc::smem_addr(red_bar);
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-#pragma unroll
-        for (int blk = 0; blk < BLK; ++blk) {
-          const int off = slot_off(e_split, jl, blk);
-          if (owner != e_split)
-            sc::st_async_v4(sc::cluster_map(base + (unsigned)off, (unsigned)owner), acc[blk][4 * j],
-                            acc[blk][4 * j + 1], acc[blk][4 * j + 2], acc[blk][4 * j + 3],
-                            sc::cluster_map(bar, (unsigned)owner));
-          else
-            *reinterpret_cast<float4*>(smem + off) =
-                make_float4(acc[blk][4 * j], acc[blk][4 * j + 1], acc[blk][4 * j + 2], acc[blk][4 * j + 3]);
-        }
-        if (++jl == jmax) {
-          jl = 0;
-          ++owner;
-        }
+      for (int h = 0; h < 2; ++h) {
+        bv[blk][h] = bias != nullptr ? sc::to_float<T>(bias[n_lane + 64 * blk + 8 * h]) : 0.f;
+        sv[blk][h] =
+            KIND == W_INT8 ? sc::to_float<T>(reinterpret_cast<const T*>(grec)[n_lane + 64 * blk + 8 * h]) : 1.f;
       }
-    }
-#ifdef W4_TRACE
-    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
-#endif
-    sc::cluster_arrive_relaxed();  // waited for before exit: no CTA leaves while partials it sent are in flight
-    sc::named_bar_sync(1, 256);    // this CTA's own slots are written
-    sc::mbar_wait(red_bar, 0);     // and the other ranks' partials have landed
-#ifdef W4_TRACE
-    if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
-#endif
-
-    // (4 row groups per iteration: one at a time waited out each shared-memory load's latency, 3.5 us at MT = 256)
-#pragma unroll 4
-    for (int jl = 0; jl < my_jn; ++jl) {
+    // Two row groups (v0: j, v1: j + 1) of block blk, after scale and bias, rounded into the y tile.
+    auto tile_pair = [&](int j, int blk, const float* v0, const float* v1) {
+      unsigned r[4];
 #pragma unroll
-      for (int blk = 0; blk < BLK; ++blk) {
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-        // unrolled to the largest cluster, so that the loads of 4 row groups are in flight together
+      for (int q = 0; q < 4; ++q) {
+        const float* v = (q >> 1) ? v1 : v0;
+        const int h = q & 1;
+        float lo = v[2 * h], hi = v[2 * h + 1];
+        if (affine) {
+          lo = fmaf(lo, sv[blk][h], bv[blk][h]);
+          hi = fmaf(hi, sv[blk][h], bv[blk][h]);
+        }
+        r[q] = pack_rn<T>(lo, hi);
+      }
+      sc::stmatrix_x4_trans(y_addr(j, blk), r[0], r[1], r[2], r[3]);
+    };
+    if (splits == 1) {
 #pragma unroll
-        for (int src = 0; src < W4_MAX_SPLITS; ++src) {
-          if (src < splits) {
-            const float4 v = *reinterpret_cast<const float4*>(smem + slot_off(src, jl, blk));
-            sum.x += v.x;
-            sum.y += v.y;
-            sum.z += v.z;
-            sum.w += v.w;
+      for (int j = 0; j < J; j += 2)
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk) tile_pair(j, blk, &acc[blk][4 * j], &acc[blk][4 * j + 4]);
+    } else if (splits == 2) {
+      // Two ranks: each keeps the half of the tile it owns in registers and hands over the other half, so that half
+      // the bytes cross shared memory (8192^2 M = 256: 2.6 us of pulls through the cluster window when all J row
+      // groups went to the slots).  Rank r stores row groups [(1 - r) H, (2 - r) H) to its slots [0, H), and after
+      // the cluster barrier reads the other rank's slots for its own rows (own + other: one addition, the same bits
+      // on either rank).  The two ranks' copies of the code differ only in which accumulators they take.
+      constexpr int H = J / 2;
+      const unsigned mine = sc::smem_addr(smem) + tid * 16;  // this thread's 16 bytes of slot (0, 0)
+      auto hand_over = [&](const int base) {
+#pragma unroll
+        for (int jj = 0; jj < H; ++jj)
+#pragma unroll
+          for (int blk = 0; blk < BLK; ++blk)
+            sc::st_shared_v4(mine + (jj * BLK + blk) * SLOT, acc[blk][4 * (base + jj)], acc[blk][4 * (base + jj) + 1],
+                             acc[blk][4 * (base + jj) + 2], acc[blk][4 * (base + jj) + 3]);
+      };
+      if (e_split == 0) hand_over(H);
+      else hand_over(0);
+#ifdef W4_TRACE
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
+#endif
+      sc::cluster_arrive_release();
+      sc::cluster_wait();
+#ifdef W4_TRACE
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
+#endif
+      const unsigned other = sc::cluster_map(mine, (unsigned)(1 - e_split));
+      auto sum_own = [&](const int base) {
+        float4 x[H][BLK];  // every load in flight before the first is used
+#pragma unroll
+        for (int jj = 0; jj < H; ++jj)
+#pragma unroll
+          for (int blk = 0; blk < BLK; ++blk) x[jj][blk] = sc::ld_cluster_v4(other + (jj * BLK + blk) * SLOT);
+#ifdef W4_TRACE
+        if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 5, clock64());
+#endif
+#pragma unroll
+        for (int jj = 0; jj < H; jj += 2)
+#pragma unroll
+          for (int blk = 0; blk < BLK; ++blk) {
+            float v[2][4];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+              const float* a = &acc[blk][4 * (base + jj + q)];
+              v[q][0] = a[0] + x[jj + q][blk].x;
+              v[q][1] = a[1] + x[jj + q][blk].y;
+              v[q][2] = a[2] + x[jj + q][blk].z;
+              v[q][3] = a[3] + x[jj + q][blk].w;
+            }
+            tile_pair(jj, blk, v[0], v[1]);
+#ifdef W4_TRACE
+            if (jj == 0 && blk == 0 && threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 6, clock64());
+#endif
           }
-        }
-        const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+      };
+      if (e_split == 0) sum_own(0);
+      else sum_own(H);
+      sc::cluster_arrive_relaxed();  // waited for before exit: no CTA leaves while the other still reads its slots
+    } else {
+      const unsigned mine = sc::smem_addr(smem) + tid * 16;  // this thread's 16 bytes of slot (0, 0)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = i >> 1, e = i & 1;
-          const int r = 8 * jl + 2 * c + e;                                                // tile row
-          const int b = ((cw * BLK + blk) * 64 + 16 * warp + g + 8 * h) * (int)sizeof(T);  // byte in the row
-          float v = vals[i];
-          if constexpr (KIND == W_INT8) v *= sv[blk][h];
-          *y_at(r, b) = sc::from_float<T>(v + bv[blk][h]);
-        }
-      }
+      for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int blk = 0; blk < BLK; ++blk)
+          sc::st_shared_v4(mine + (j * BLK + blk) * SLOT, acc[blk][4 * j], acc[blk][4 * j + 1], acc[blk][4 * j + 2],
+                           acc[blk][4 * j + 3]);
+#ifdef W4_TRACE
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
+#endif
+      // Every rank's slots are written (release / acquire: the other ranks read them next).
+      sc::cluster_arrive_release();
+      sc::cluster_wait();
+#ifdef W4_TRACE
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
+#endif
+      unsigned src_at[W4_MAX_SPLITS];  // this thread's 16 bytes of slot (0, 0) in each rank's shared memory
+#pragma unroll
+      for (int src = 0; src < W4_MAX_SPLITS; ++src) src_at[src] = src < splits ? sc::cluster_map(mine, src) : 0u;
+      w4_owner_sums<BLK>(src_at, splits, my_j0, my_jn, tile_pair);
+      sc::cluster_arrive_relaxed();  // waited for before exit: no CTA leaves while another still reads its slots
     }
-  }
+    {
 #ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 3, clock64());
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 3, clock64());
 #endif
-  sc::named_bar_sync(1, 256);
+      sc::named_bar_sync(1, 256);
 #ifdef W4_TRACE
-  if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 4, clock64());
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 4, clock64());
 #endif
-  {
-    constexpr int PIECES = Y_ROW / 16;  // 16-byte chunks per row
-    const int r0 = e_m_tile * MT + 8 * my_j0;  // the first x row of the tile
-    const int rows = min(8 * my_jn, M - r0);
-    T* ybase = y + (long long)r0 * N + e_n_tile * L::BLOCKS * 64;
+    }
+    const int r0 = e_m_tile * MT + 8 * my_j0;  // the first x row of the CTA's y tile
+    const int pieces = min(8 * my_jn, M - r0) * PIECES;
+    T* const ybase = y + (long long)r0 * N + e_n_tile * L::BLOCKS * 64;
 #pragma unroll 4
-    for (int i = tid; i < rows * PIECES; i += 256) {
+    for (int i = tid; i < pieces; i += 256) {
       const int r = i / PIECES, q = i % PIECES;
       *reinterpret_cast<uint4*>(ybase + (long long)r * N + q * (16 / (int)sizeof(T))) =
           *reinterpret_cast<const uint4*>(y_tile + r * Y_ROW + ((q ^ (r & 7)) << 4));

@@ -708,14 +708,14 @@ def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int 
 
 def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4) -> int:
     """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8."""
-    budget = W4WGMMA_SMEM_LIMIT - 1024 - 16
+    budget = W4WGMMA_SMEM_LIMIT - 1024
     return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16))
 
 
 def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, ks: int = 1, kind: int = KIND_INT4) -> int:
-    """Dynamic shared memory of w4_wgmma_kernel: alignment slack, the ring, 2 mbarriers per stage, the flag."""
+    """Dynamic shared memory of w4_wgmma_kernel: alignment slack, the ring, 2 mbarriers per stage."""
     stages = stages or w4wgmma_stages(mt, blk, ks, kind)
-    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16) + 16
+    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16)
 
 
 def w4wgmma_supported(k: int, n: int, group: int) -> bool:
@@ -972,11 +972,18 @@ def w4wgmma_m_group(m_tiles: int, n_tiles: int, splits: int, sms: int, mt: int, 
 
 
 def w4wgmma_epilogue_bytes(mt: int, blk: int, splits: int) -> int:
-    """Shared memory of w4_wgmma_kernel's epilogue, inside the ring: per source rank (one without a split) a slot of
-    jmax = ceil(J / splits) row groups (J = mt / 8) x blk blocks x 256 threads x 16 bytes of fp32 accumulators,
-    then the y tile of the CTA's 8 jmax rows x 128 blk channels (2-byte values)."""
-    jmax = -(-(mt // 8) // splits)
-    return splits * jmax * blk * 256 * 16 + 8 * jmax * 128 * blk * 2
+    """Shared memory of w4_wgmma_kernel's epilogue, inside the ring: with a split, every row group (8 rows; J = mt /
+    8) of the CTA's fp32 accumulators (J x blk blocks x 256 threads x 16 bytes), which the cluster's other CTAs
+    read; then the y tile of the rows the CTA owns, 8 jmax rows x 128 blk channels of 2-byte values (jmax =
+    w4wgmma_rows_per_rank)."""
+    jmax = w4wgmma_rows_per_rank(mt // 8, splits)
+    return (mt // 8 * blk * 256 * 16 if splits > 1 else 0) + 8 * jmax * 128 * blk * 2
+
+
+def w4wgmma_rows_per_rank(row_groups: int, splits: int) -> int:
+    """Row groups of a tile that each CTA of a split-K cluster sums and stores (w4_rows_per_rank in
+    kernels/quant_sm90.cu): an even count, two row groups per stmatrix."""
+    return 2 * -(-row_groups // (2 * splits))
 
 
 def w4wgmma_work(cfg: W4WgmmaConfig, k: int) -> list:

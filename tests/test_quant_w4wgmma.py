@@ -254,9 +254,9 @@ def _kernel_mirror(x, words, recs, m, n, k, g, cfg, dtype, bias=None):
     rgroups = mt // 8
     owners = {}
     for splits in {cfg.splits, cfg.tail_splits}:
-        owners[splits] = ((np.arange(rgroups) + 1) * splits - 1) // rgroups  # the kernel's owner(j)
-        assert (np.diff(owners[splits]) >= 0).all() and owners[splits][0] == 0
-        assert owners[splits][-1] == splits - 1
+        jmax = Q.w4wgmma_rows_per_rank(rgroups, splits)  # rank r owns row groups [r jmax, (r + 1) jmax)
+        owners[splits] = np.arange(rgroups) // jmax
+        assert jmax % 2 == 0 and owners[splits][0] == 0 and owners[splits][-1] < splits
     # epilogue map of a consumer thread's accumulators: (warp, lane, r) -> (channel in block, x row in tile)
     ew, el, er = (a.reshape(-1) for a in np.meshgrid(np.arange(4), np.arange(32), np.arange(mt // 2), indexing="ij"))
     e_row = 16 * ew + el // 4 + 8 * ((er >> 1) & 1)
@@ -458,13 +458,28 @@ def test_config_heuristic_choices():
         Q.w4wgmma_config(64, 28672, 8192, 132, streamk=1)  # the stream-K variant is gone
 
 
+def test_split_epilogue_layout():
+    # each rank of a split-K cluster owns an even number of row groups (stmatrix writes two at once), the fewest
+    # that cover the tile; the epilogue keeps every row group's fp32 slot (read by the other ranks) and the owned
+    # rows' y tile inside the ring
+    for mt in (64, 96, 128, 160, 192, 256):
+        j = mt // 8
+        for splits in range(1, Q.W4WGMMA_MAX_SPLITS + 1):
+            jmax = Q.w4wgmma_rows_per_rank(j, splits)
+            assert jmax % 2 == 0 and jmax * splits >= j and (jmax - 2) * splits < j
+            for blk in (1, 2):
+                slots = j * blk * 256 * 16 if splits > 1 else 0
+                assert Q.w4wgmma_epilogue_bytes(mt, blk, splits) == slots + 8 * jmax * 256 * blk
+    assert Q.w4wgmma_epilogue_bytes(160, 1, 2) == 20 * 4096 + 80 * 256
+
+
 def test_smem_budget_matches_the_kernel_layout():
     # stage: x tile (mt rows x 128 bytes) + 4 blocks x (2048 weight bytes + 192 record bytes); 2 mbarriers a stage
     assert Q.w4wgmma_stage_bytes(64) == 8192 + 4 * 2240 == 17152
     assert Q.w4wgmma_stage_bytes(128) == 16384 + 4 * 2240 == 25344
     assert Q.w4wgmma_stages(64) == Q.w4wgmma_stages(128) == 8
-    assert Q.w4wgmma_smem_bytes(64) == 1024 + 8 * (17152 + 16) + 16 == 138384
-    assert Q.w4wgmma_smem_bytes(128) == 1024 + 8 * (25344 + 16) + 16 == 203920
+    assert Q.w4wgmma_smem_bytes(64) == 1024 + 8 * (17152 + 16) == 138368
+    assert Q.w4wgmma_smem_bytes(128) == 1024 + 8 * (25344 + 16) == 203904
     for mt in Q.W4WGMMA_SHAPES[2]:
         assert Q.w4wgmma_smem_bytes(mt) <= 232448
         assert (mt * 128) % 1024 == 0  # x tiles keep the 128-byte swizzle's 1024-byte alignment
@@ -473,7 +488,7 @@ def test_smem_budget_matches_the_kernel_layout():
     assert Q.w4wgmma_stage_bytes(128, 1) == 16384 + 2 * 2240 == 20864
     assert Q.w4wgmma_stage_bytes(256, 1) == 32768 + 2 * 2240 == 37248
     assert Q.w4wgmma_stages(64, 1) == Q.w4wgmma_stages(128, 1) == 8 and Q.w4wgmma_stages(256, 1) == 6
-    assert Q.w4wgmma_smem_bytes(256, 1) == 1024 + 6 * (37248 + 16) + 16 == 224624
+    assert Q.w4wgmma_smem_bytes(256, 1) == 1024 + 6 * (37248 + 16) == 224608
     for blk, mts in Q.W4WGMMA_SHAPES.items():
         for mt in mts:
             assert Q.w4wgmma_smem_bytes(mt, blk) <= Q.W4WGMMA_SMEM_LIMIT and Q.w4wgmma_stages(mt, blk) >= 4
@@ -794,7 +809,8 @@ def test_pack_kernel_matches_reference_small(fmt):
 @pytest.mark.parametrize("m,n,k,g,override", [
     (17, 512, 1024, 128, {}), (33, 768, 2048, 256, {}), (100, 256, 640, 128, {"splits": 3}),
     (257, 1024, 1024, 128, {}), (1000, 512, 512, 128, {}), (64, 4096, 4096, 128, {}), (40, 256, 128, 128, {}),
-    (300, 2048, 2048, 128, {"splits": 4}), (64, 8192, 1024, 1024, {"mt": 128})])
+    (300, 2048, 2048, 128, {"splits": 4}), (64, 8192, 1024, 1024, {"mt": 128}),
+    (200, 512, 1024, 128, {"mt": 128, "splits": 2})])
 def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
     """Odd M (x rows past M zero-filled by TMA, masked stores; several m tiles), split-K (chosen and forced),
     groups of one and several stages, one-stage-per-split K, both tile heights; against float64 x @ W (per-row
@@ -829,6 +845,7 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
     (257, 768, 1024, 256, {"blk": 1, "mt": 128}), (300, 512, 2048, 128, {"blk": 1, "mt": 256}),
     (513, 256, 1024, 128, {"blk": 1, "mt": 256, "splits": 4}), (40, 1024, 512, 128, {"blk": 1, "mt": 256}),
     (150, 512, 1024, 128, {"blk": 1, "mt": 192}), (385, 256, 1152, 128, {"blk": 1, "mt": 192, "splits": 3, "gs": 4}),
+    (300, 512, 1024, 128, {"blk": 1, "mt": 256, "splits": 2}),
     (77, 768, 1024, 128, {"blk": 1, "mt": 96, "gs": 2, "splits": 2}), (170, 256, 896, 128, {"blk": 1, "mt": 160}),
     # several waves: m tiles in groups of 8 (32 m tiles; 21, the last group of 5)
     (2000, 1024, 512, 128, {"blk": 1, "mt": 64, "gs": 4}), (1300, 1536, 512, 128, {"blk": 1, "mt": 64, "gs": 2})])

@@ -137,6 +137,24 @@ __device__ __forceinline__ void st_async_v4(unsigned addr, float a, float b, flo
                : "memory");
 }
 
+// The cluster barrier's arrive with release semantics: this thread's shared-memory writes before it are visible to
+// every cluster CTA that reads them after its cluster_wait.
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+}
+// 16 bytes to this CTA's shared memory at `addr` (smem_addr), and 16 bytes from any cluster CTA's at `addr`
+// (cluster_map): 32-bit addresses, so that constant offsets from one base register fold into the instruction.
+__device__ __forceinline__ void st_shared_v4(unsigned addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+__device__ __forceinline__ float4 ld_cluster_v4(unsigned addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr));
+  return v;
+}
+
 // Warpgroup register reallocation (all 128 threads of a warpgroup execute it).
 template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));

@@ -9,6 +9,15 @@
 
 namespace sc {
 
+// stmatrix (sm_90): four 8 x 8 matrices of 16-bit values, transposed, into shared memory.  Lanes 8 q .. 8 q + 7 give
+// the addresses (32-bit, smem_addr) of the 16-byte rows of stored matrix q; register q holds, as in an mma
+// fragment, elements (lane / 4, 2 (lane % 4)) and (lane / 4, 2 (lane % 4) + 1) of matrix q before the transpose.
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Descriptor of a K-major tile whose rows are 128 bytes (64 fp16/bf16 elements) stored with the 128-byte
 // swizzle (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row groups of 1024 bytes, so the stride
 // byte offset is 1024; the leading byte offset is unused for swizzled K-major layouts.  The tile must start
