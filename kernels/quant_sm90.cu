@@ -104,11 +104,6 @@ __device__ __forceinline__ void tile_coords(int t, int m_tiles, int n_tiles, int
   n_tile = r / gm;
 }
 
-__device__ __forceinline__ unsigned ctaid_x() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
-  return r;
-}
 __device__ __forceinline__ unsigned tid_x() {
   unsigned r;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(r));
@@ -207,6 +202,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   unsigned char* ring_g = ring_w + STAGES * L::W_BYTES;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring_g + STAGES * L::G_BYTES);
   unsigned long long* empty = full + STAGES;
+  // The CTA's (split, m tile, n tile), for the epilogue: kept in registers across the main loop they spilled at MT x
+  // BLK = 256 (128 accumulator registers), and derived anew they cost integer divisions of cold code.
+  int* tile_info = reinterpret_cast<int*>(empty + STAGES);
 
   const int split = blockIdx.x % splits;  // the CTA's rank in its cluster (the tile's splits)
   const int n_tiles = N / (64 * L::BLOCKS);
@@ -232,6 +230,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       sc::mbar_init(&empty[s], 8);
     }
     sc::fence_mbar_init();
+    tile_info[0] = split;
+    tile_info[1] = m_tile;
+    tile_info[2] = n_tile;
   }
   __syncthreads();
 
@@ -456,12 +457,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #ifdef W4_TRACE
     if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 0, clock64());
 #endif
-    // The tile's coordinates and the thread's indices again, from the CTA and thread indices read anew (opaque to the
-    // compiler): kept live across the main loop they spilled at MT x BLK = 256 (128 accumulator registers).
-    const int cta = (int)ctaid_x();
-    const int e_split = cta % splits;
-    int e_m_tile, e_n_tile;
-    tile_coords(tile_base + cta / splits, m_tiles, N / (64 * L::BLOCKS), m_group, e_m_tile, e_n_tile);
+    // The tile's coordinates from shared memory and the thread's indices read anew (opaque to the compiler): kept
+    // live across the main loop they spilled.
+    const int e_split = tile_info[0], e_m_tile = tile_info[1], e_n_tile = tile_info[2];
     const int tid = (int)tid_x() - 128;
     const int cw = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4;
     const int jmax = w4_rows_per_rank(J, splits);

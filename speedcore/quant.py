@@ -708,14 +708,15 @@ def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int 
 
 def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4) -> int:
     """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8."""
-    budget = W4WGMMA_SMEM_LIMIT - 1024
+    budget = W4WGMMA_SMEM_LIMIT - 1024 - 16
     return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16))
 
 
 def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, ks: int = 1, kind: int = KIND_INT4) -> int:
-    """Dynamic shared memory of w4_wgmma_kernel: alignment slack, the ring, 2 mbarriers per stage."""
+    """Dynamic shared memory of w4_wgmma_kernel: alignment slack, the ring, 2 mbarriers per stage, the tile's
+    coordinates (16 bytes)."""
     stages = stages or w4wgmma_stages(mt, blk, ks, kind)
-    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16)
+    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16) + 16
 
 
 def w4wgmma_supported(k: int, n: int, group: int) -> bool:

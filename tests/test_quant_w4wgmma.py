@@ -478,8 +478,8 @@ def test_smem_budget_matches_the_kernel_layout():
     assert Q.w4wgmma_stage_bytes(64) == 8192 + 4 * 2240 == 17152
     assert Q.w4wgmma_stage_bytes(128) == 16384 + 4 * 2240 == 25344
     assert Q.w4wgmma_stages(64) == Q.w4wgmma_stages(128) == 8
-    assert Q.w4wgmma_smem_bytes(64) == 1024 + 8 * (17152 + 16) == 138368
-    assert Q.w4wgmma_smem_bytes(128) == 1024 + 8 * (25344 + 16) == 203904
+    assert Q.w4wgmma_smem_bytes(64) == 1024 + 8 * (17152 + 16) + 16 == 138384
+    assert Q.w4wgmma_smem_bytes(128) == 1024 + 8 * (25344 + 16) + 16 == 203920
     for mt in Q.W4WGMMA_SHAPES[2]:
         assert Q.w4wgmma_smem_bytes(mt) <= 232448
         assert (mt * 128) % 1024 == 0  # x tiles keep the 128-byte swizzle's 1024-byte alignment
@@ -488,7 +488,7 @@ def test_smem_budget_matches_the_kernel_layout():
     assert Q.w4wgmma_stage_bytes(128, 1) == 16384 + 2 * 2240 == 20864
     assert Q.w4wgmma_stage_bytes(256, 1) == 32768 + 2 * 2240 == 37248
     assert Q.w4wgmma_stages(64, 1) == Q.w4wgmma_stages(128, 1) == 8 and Q.w4wgmma_stages(256, 1) == 6
-    assert Q.w4wgmma_smem_bytes(256, 1) == 1024 + 6 * (37248 + 16) == 224608
+    assert Q.w4wgmma_smem_bytes(256, 1) == 1024 + 6 * (37248 + 16) + 16 == 224624
     for blk, mts in Q.W4WGMMA_SHAPES.items():
         for mt in mts:
             assert Q.w4wgmma_smem_bytes(mt, blk) <= Q.W4WGMMA_SMEM_LIMIT and Q.w4wgmma_stages(mt, blk) >= 4
