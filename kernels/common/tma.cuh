@@ -121,22 +121,11 @@ __device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
 }
 // The cluster barrier (every thread of the cluster's CTAs that has not exited arrives, then waits for the others)
 // without memory ordering: arrive (relaxed: no fence, so no wait for this thread's outstanding memory operations)
-// and wait, apart.  For "every CTA has reached this point" where nothing written before must be seen (data handed
-// over by st_async_v4 is ordered by its mbarrier instead).
+// and wait, apart.  For "every CTA has reached this point" where nothing written before must be seen.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
-// 16 bytes into a cluster CTA's shared memory (an address from cluster_map), completing 16 transaction bytes on
-// that CTA's mbarrier `bar` (a cluster_map address too): the receiver waits on its own barrier (expect_tx of the
-// bytes it is owed) instead of a cluster barrier.
-__device__ __forceinline__ void st_async_v4(unsigned addr, float a, float b, float c, float d, unsigned bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
-                   addr),
-               "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
-               : "memory");
-}
-
 // The cluster barrier's arrive with release semantics: this thread's shared-memory writes before it are visible to
 // every cluster CTA that reads them after its cluster_wait.
 __device__ __forceinline__ void cluster_arrive_release() {
