@@ -24,6 +24,14 @@ SRC = r'''// Probe (not shipped): how fast two CTAs of a cluster exchange NV x 1
 // times[cta * 4 + 0..2]: clock64 before the exchange, after it (sum done), globaltimer.
 #include "common/tma.cuh"
 
+// 16 bytes into a cluster CTA's shared memory, completing on that CTA's mbarrier (both cluster_map addresses).
+__device__ __forceinline__ void st_async_v4(unsigned addr, float a, float b, float c, float d, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   addr),
+               "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
+               : "memory");
+}
+
 template <int MODE, int NV>
 __global__ void __launch_bounds__(256, 1) dsmem_probe(long long* times, float* out, int iters) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -61,7 +69,7 @@ __global__ void __launch_bounds__(256, 1) dsmem_probe(long long* times, float* o
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         if ((j / HALF) != (int)rank)
-          sc::st_async_v4(rbase + (j % HALF) * SLOT + tid * 16, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
+          st_async_v4(rbase + (j % HALF) * SLOT + tid * 16, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
                           acc[4 * j + 3], rbar);
       }
       sc::mbar_wait(&bar[it], 0);
