@@ -33,7 +33,7 @@ __device__ __forceinline__ void st_async_v4(unsigned addr, float a, float b, flo
 }
 
 template <int MODE, int NV>
-__global__ void __launch_bounds__(256, 1) dsmem_probe(long long* times, float* out, int iters) {
+__global__ void __launch_bounds__(384, 1) dsmem_probe(long long* times, float* out, int iters, int active) {
   extern __shared__ __align__(1024) unsigned char smem[];
   constexpr int HALF = NV / 2;
   constexpr int SLOT = 256 * 16;
@@ -88,19 +88,23 @@ __global__ void __launch_bounds__(256, 1) dsmem_probe(long long* times, float* o
 #pragma unroll
       for (int j = 0; j < HALF; ++j) sum[j] = *reinterpret_cast<const float4*>(smem + j * SLOT + tid * 16);
     } else if constexpr (MODE == 2) {
+      // (threads from `active` on only take part in the barriers: the w4_wgmma kernel's producer warpgroup)
+      if (tid < active) {
 #pragma unroll
-      for (int j = 0; j < NV; ++j)
-        *reinterpret_cast<float4*>(smem + j * SLOT + tid * 16) =
-            make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        for (int j = 0; j < NV; ++j)
+          *reinterpret_cast<float4*>(smem + j * SLOT + tid * 16) =
+              make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+      }
       asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
       sc::cluster_wait();
 #pragma unroll
       for (int j = 0; j < HALF; ++j) {
-        float4 v;
-        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                     : "r"(rbase + (rank * HALF + j) * SLOT + tid * 16)
-                     : "memory");
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (tid < active)
+          asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                       : "r"(rbase + (rank * HALF + j) * SLOT + tid * 16)
+                       : "memory");
         sum[j] = v;
       }
     } else if constexpr (MODE == 4 || MODE == 5) {
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(256, 1) dsmem_probe(long long* times, float* o
   }
   sc::cluster_arrive_relaxed();
   sc::cluster_wait();
-  out[blockIdx.x * 256 + tid] = total;
+  if (tid < 256) out[blockIdx.x * 256 + tid] = total;
   if (tid == 0) {
     times[blockIdx.x * 4 + 0] = t0;
     times[blockIdx.x * 4 + 1] = t1;
@@ -186,22 +190,35 @@ def run():
     from cupy.cuda import Stream
     cs = Stream.from_external(torch.cuda.current_stream())
     nv = 20
-    print(f"{'mode':44s} {'KB sent':>8s} {'cold p50':>9s} {'p90':>6s} {'warm p50':>9s} {'p90':>6s}")
-    for mode, name in MODES.items():
+    print(f"{'mode':56s} {'KB sent':>8s} {'cold p50':>9s} {'p90':>6s} {'warm p50':>9s} {'p90':>6s}")
+    runs = [(mode, name, smem, 256, ctas) for mode, name in MODES.items()
+            for smem in ((nv + nv // 2) * 256 * 16 + 32 * 8, 227 * 1024)]
+    # the pull as the w4_wgmma kernel's consumers run it: 384 threads of which 256 work, 128 CTAs
+    runs += [(2, MODES[2] + ", 384 thr", 227 * 1024, 384, ctas), (2, MODES[2] + ", 128 CTAs", 227 * 1024, 256, 128),
+             (2, MODES[2] + ", 384 thr, 128 CTAs", 227 * 1024, 384, 128)]
+    runs += [(2, MODES[2] + ", after a flush and a spin", 227 * 1024, 256, ctas),
+             (0, MODES[0] + ", after a flush and a spin", 227 * 1024, 256, ctas)]
+    big = torch.empty(64 * 2**20, dtype=torch.float32, device="cuda")
+    for mode, name, smem, threads, grid in runs:
+        flush = big if "flush" in name else None
         k = Kernel("_dsmem_probe.cu", f"dsmem_probe<{mode}, {nv}>", hopper=True)
-        for smem in ((nv + nv // 2) * 256 * 16 + 32 * 8, 227 * 1024):
-            res = []
-            for iters in (1, 8):
-                times = torch.zeros(ctas * 4, dtype=torch.int64, device="cuda")
-                out = torch.empty(ctas * 256, dtype=torch.float32, device="cuda")
-                cfg = LaunchConfig((ctas,), (256,), smem, cluster=2)
-                launch(k, cfg, (times.data_ptr(), out.data_ptr(), np.int32(iters)), device=0, stream=cs)
-                torch.cuda.synchronize()
-                t = times.view(ctas, 4).cpu().numpy()
-                d = (t[:, 1] - t[:, 0]).astype(np.float64)
-                res.append((np.median(d), np.percentile(d, 90)))
-            print(f"{name:44s} {nv // 2 * 4:8d} {res[0][0]:9.0f} {res[0][1]:6.0f} {res[1][0]:9.0f} {res[1][1]:6.0f}"
-                  f"   (regs {get_kernel(k, 0).num_regs}, smem {smem // 1024} KB)", flush=True)
+        res = []
+        for iters in (1, 8):
+            times = torch.zeros(grid * 4, dtype=torch.int64, device="cuda")
+            out = torch.empty(grid * 256, dtype=torch.float32, device="cuda")
+            cfg = LaunchConfig((grid,), (threads,), smem, cluster=2)
+            if flush is not None:  # as the benchmarks time a kernel: after an L2 flush and a spin of ~100 us
+                flush.fill_(1.0)
+                torch.cuda._sleep(200_000)
+            launch(k, cfg, (times.data_ptr(), out.data_ptr(), np.int32(iters), np.int32(256)), device=0,
+                   stream=cs)
+            torch.cuda.synchronize()
+            t = times.view(grid, 4).cpu().numpy()
+            d = (t[:, 1] - t[:, 0]).astype(np.float64)
+            res.append((np.median(d), np.percentile(d, 90)))
+        print(f"{name:56s} {nv // 2 * 4:8d} {res[0][0]:9.0f} {res[0][1]:6.0f} {res[1][0]:9.0f} {res[1][1]:6.0f}"
+              f"   (regs {get_kernel(k, 0).num_regs}, smem {smem // 1024} KB)", flush=True)
+
 
 if __name__ == "__main__":
     main()
