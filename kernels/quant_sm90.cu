@@ -501,6 +501,17 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       }
       sc::stmatrix_x4_trans(y_addr(j, blk), r[0], r[1], r[2], r[3]);
     };
+    // Split-K: every rank's slots are written (release / acquire: the other ranks read them next).
+    auto slots_written = [&]() {
+#ifdef W4_TRACE
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
+#endif
+      sc::cluster_arrive_release();
+      sc::cluster_wait();
+#ifdef W4_TRACE
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
+#endif
+    };
     if (splits == 1) {
 #pragma unroll
       for (int j = 0; j < J; j += 2)
@@ -524,14 +535,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       };
       if (e_split == 0) hand_over(H);
       else hand_over(0);
-#ifdef W4_TRACE
-      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
-#endif
-      sc::cluster_arrive_release();
-      sc::cluster_wait();
-#ifdef W4_TRACE
-      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
-#endif
+      slots_written();
       const unsigned other = sc::cluster_map(mine, (unsigned)(1 - e_split));
       auto sum_own = [&](const int base) {
         float4 x[H][BLK];  // every load in flight before the first is used
@@ -572,15 +576,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         for (int blk = 0; blk < BLK; ++blk)
           sc::st_shared_v4(mine + (j * BLK + blk) * SLOT, acc[blk][4 * j], acc[blk][4 * j + 1], acc[blk][4 * j + 2],
                            acc[blk][4 * j + 3]);
-#ifdef W4_TRACE
-      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
-#endif
-      // Every rank's slots are written (release / acquire: the other ranks read them next).
-      sc::cluster_arrive_release();
-      sc::cluster_wait();
-#ifdef W4_TRACE
-      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
-#endif
+      slots_written();
       unsigned src_at[W4_MAX_SPLITS];  // this thread's 16 bytes of slot (0, 0) in each rank's shared memory
 #pragma unroll
       for (int src = 0; src < W4_MAX_SPLITS; ++src) src_at[src] = src < splits ? sc::cluster_map(mine, src) : 0u;
