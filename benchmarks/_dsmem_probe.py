@@ -32,8 +32,21 @@ __device__ __forceinline__ void st_async_v4(unsigned addr, float a, float b, flo
                : "memory");
 }
 
+// Loads j = J .. N - 1 of 16 bytes at a + j * SLOT of a cluster CTA's shared memory, the offsets as immediates.
+template <int J, int N, int SLOT> struct PullImm {
+  static __device__ __forceinline__ void run(float4* v, unsigned a) {
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4+%5];\n"
+                 : "=f"(v[J].x), "=f"(v[J].y), "=f"(v[J].z), "=f"(v[J].w)
+                 : "r"(a), "n"(J * SLOT));
+    PullImm<J + 1, N, SLOT>::run(v, a);
+  }
+};
+template <int N, int SLOT> struct PullImm<N, N, SLOT> {
+  static __device__ __forceinline__ void run(float4*, unsigned) {}
+};
+
 template <int MODE, int NV>
-__global__ void __launch_bounds__(384, 1) dsmem_probe(long long* times, float* out, int iters, int active) {
+__global__ void __launch_bounds__(384) dsmem_probe(long long* times, float* out, int iters, int active) {
   extern __shared__ __align__(1024) unsigned char smem[];
   constexpr int HALF = NV / 2;
   constexpr int SLOT = 256 * 16;
@@ -107,6 +120,21 @@ __global__ void __launch_bounds__(384, 1) dsmem_probe(long long* times, float* o
                        : "memory");
         sum[j] = v;
       }
+    } else if constexpr (MODE == 6) {
+      // as 2 (the working threads only), the loads' addresses one base register plus constant offsets: the form the
+      // w4_wgmma epilogue's pulls compile to (LD.E.128 [R + 0x1000 j]), where mode 2's get a register pair each
+      if (tid < active) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+          *reinterpret_cast<float4*>(smem + j * SLOT + tid * 16) =
+              make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+      }
+      asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+      sc::cluster_wait();
+      if (tid < active) PullImm<0, HALF, SLOT>::run(sum, rbase + rank * HALF * SLOT + tid * 16);
+      else
+#pragma unroll
+        for (int j = 0; j < HALF; ++j) sum[j] = make_float4(0.f, 0.f, 0.f, 0.f);
     } else if constexpr (MODE == 4 || MODE == 5) {
       // every row group to local smem, cluster barrier, then the own half summed over both ranks: the peer's by
       // ld.shared::cluster, the own by ld.shared::cluster of its own window address (4) or plain ld.shared (5)
@@ -172,7 +200,7 @@ __global__ void __launch_bounds__(384, 1) dsmem_probe(long long* times, float* o
 
 MODES = {0: "st.async from registers", 1: "st.shared::cluster + barrier", 2: "local + barrier + ld pull",
          3: "local + one bulk copy", 4: "local + barrier + pull own+peer (cluster)",
-         5: "local + barrier + pull peer, own ld.shared"}
+         5: "local + barrier + pull peer, own ld.shared", 6: "local + barrier + ld pull, base + offsets"}
 
 
 def main():

@@ -542,7 +542,17 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #pragma unroll
         for (int jj = 0; jj < H; ++jj)
 #pragma unroll
-          for (int blk = 0; blk < BLK; ++blk) x[jj][blk] = sc::ld_cluster_v4(other + (jj * BLK + blk) * SLOT);
+          for (int blk = 0; blk < BLK; ++blk) {
+#ifdef W4_EXP_SEPADDR
+            // (experiment for benchmarks/_quant_w4_trace.py --defs: each load's address from a mapa of its own, so that
+            // it sits in a register of its own as in benchmarks/_dsmem_probe.py's fast pull, instead of one base
+            // register plus constant offsets; see _dsmem_probe.py's mode 6)
+            x[jj][blk] =
+                sc::ld_cluster_v4(sc::cluster_map(mine + (jj * BLK + blk) * SLOT, (unsigned)(1 - e_split)));
+#else
+            x[jj][blk] = sc::ld_cluster_v4(other + (jj * BLK + blk) * SLOT);
+#endif
+          }
 #ifdef W4_TRACE
         if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 5, clock64());
 #endif
