@@ -46,7 +46,7 @@ template <int N, int SLOT> struct PullImm<N, N, SLOT> {
 };
 
 template <int MODE, int NV>
-__global__ void __launch_bounds__(384) dsmem_probe(long long* times, float* out, int iters, int active) {
+__global__ void __launch_bounds__(MODE == 2 || MODE == 6 ? 384 : 256, 1) dsmem_probe(long long* times, float* out, int iters, int active) {
   extern __shared__ __align__(1024) unsigned char smem[];
   constexpr int HALF = NV / 2;
   constexpr int SLOT = 256 * 16;
