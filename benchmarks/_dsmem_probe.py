@@ -46,7 +46,8 @@ template <int N, int SLOT> struct PullImm<N, N, SLOT> {
 };
 
 template <int MODE, int NV>
-__global__ void __launch_bounds__(MODE == 2 || MODE == 6 ? 384 : 256, 1) dsmem_probe(long long* times, float* out, int iters, int active) {
+__global__ void __launch_bounds__(MODE == 2 || MODE == 6 ? 384 : 256, 1) dsmem_probe(long long* times, float* out, int iters, int active,
+                                                                                                 float4* gbuf, int gs) {
   extern __shared__ __align__(1024) unsigned char smem[];
   constexpr int HALF = NV / 2;
   constexpr int SLOT = 256 * 16;
@@ -135,6 +136,29 @@ __global__ void __launch_bounds__(MODE == 2 || MODE == 6 ? 384 : 256, 1) dsmem_p
       else
 #pragma unroll
         for (int j = 0; j < HALF; ++j) sum[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else if constexpr (MODE == 7) {
+      // the first gs of the peer's row groups through global memory (L2), the rest through the peer's shared memory
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int jj = j % HALF;
+        const float4 v = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        if ((j / HALF) != (int)rank && jj < gs) __stcg(&gbuf[(blockIdx.x * HALF + jj) * 256 + tid], v);
+        else *reinterpret_cast<float4*>(smem + j * SLOT + tid * 16) = v;
+      }
+      asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+      sc::cluster_wait();
+#pragma unroll
+      for (int j = 0; j < HALF; ++j) {
+        if (j < gs) {
+          sum[j] = __ldcg(&gbuf[((blockIdx.x ^ 1u) * HALF + j) * 256 + tid]);
+        } else {
+          float4 v;
+          asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                       : "r"(rbase + (rank * HALF + j) * SLOT + tid * 16));
+          sum[j] = v;
+        }
+      }
     } else if constexpr (MODE == 4 || MODE == 5) {
       // every row group to local smem, cluster barrier, then the own half summed over both ranks: the peer's by
       // ld.shared::cluster, the own by ld.shared::cluster of its own window address (4) or plain ld.shared (5)
@@ -182,10 +206,11 @@ __global__ void __launch_bounds__(MODE == 2 || MODE == 6 ? 384 : 256, 1) dsmem_p
 #pragma unroll
       for (int j = 0; j < HALF; ++j) sum[j] = *reinterpret_cast<const float4*>(smem + j * SLOT + tid * 16);
     }
-    __syncthreads();
-    if (tid == 0 && it == iters - 1) t1 = clock64();
+    // the sum consumed before the stamp: a load's data arrives after the instruction issues
 #pragma unroll
     for (int j = 0; j < HALF; ++j) total += sum[j].x + sum[j].y + sum[j].z + sum[j].w;
+    __syncthreads();
+    if (tid == 0 && it == iters - 1) t1 = clock64();
   }
   sc::cluster_arrive_relaxed();
   sc::cluster_wait();
@@ -200,7 +225,7 @@ __global__ void __launch_bounds__(MODE == 2 || MODE == 6 ? 384 : 256, 1) dsmem_p
 
 MODES = {0: "st.async from registers", 1: "st.shared::cluster + barrier", 2: "local + barrier + ld pull",
          3: "local + one bulk copy", 4: "local + barrier + pull own+peer (cluster)",
-         5: "local + barrier + pull peer, own ld.shared", 6: "local + barrier + ld pull, base + offsets"}
+         5: "local + barrier + pull peer, own ld.shared", 6: "local + barrier + ld pull, base + offsets", 7: "global for some, ld pull the rest"}
 
 
 def main():
@@ -217,36 +242,33 @@ def run():
     ctas = sms // 2 * 2
     from cupy.cuda import Stream
     cs = Stream.from_external(torch.cuda.current_stream())
-    nv = 20
     print(f"{'mode':56s} {'KB sent':>8s} {'cold p50':>9s} {'p90':>6s} {'warm p50':>9s} {'p90':>6s}")
-    runs = [(mode, name, smem, 256, ctas) for mode, name in MODES.items()
-            for smem in ((nv + nv // 2) * 256 * 16 + 32 * 8, 227 * 1024)]
-    # the pull as the w4_wgmma kernel's consumers run it: 384 threads of which 256 work, 128 CTAs
-    runs += [(2, MODES[2] + ", 384 thr", 227 * 1024, 384, ctas), (2, MODES[2] + ", 128 CTAs", 227 * 1024, 256, 128),
-             (2, MODES[2] + ", 384 thr, 128 CTAs", 227 * 1024, 384, 128)]
-    runs += [(2, MODES[2] + ", after a flush and a spin", 227 * 1024, 256, ctas),
-             (0, MODES[0] + ", after a flush and a spin", 227 * 1024, 256, ctas)]
     big = torch.empty(64 * 2**20, dtype=torch.float32, device="cuda")
-    for mode, name, smem, threads, grid in runs:
-        flush = big if "flush" in name else None
+    gbuf = torch.empty(ctas * 16 * 256 * 4, dtype=torch.float32, device="cuda")
+    # (mode, NV, gs, threads): the exchange of NV / 2 slots of 4 KB each way; the same exchange with fewer bytes
+    # (as packed partials would send); part of it through L2
+    runs = [(0, 20, 0, 256), (2, 20, 0, 256), (6, 20, 0, 256), (6, 20, 0, 384), (6, 16, 0, 256), (6, 14, 0, 256),
+            (6, 10, 0, 256), (7, 20, 2, 256), (7, 20, 3, 256), (7, 20, 4, 256), (7, 20, 5, 256), (7, 20, 10, 256),
+            (7, 16, 3, 256)]
+    for mode, nv, gs, threads in runs:
+        name = MODES[mode] + (f", {gs} via L2" if mode == 7 else "") + (f", {threads} thr" if threads != 256 else "")
+        smem = 227 * 1024
         k = Kernel("_dsmem_probe.cu", f"dsmem_probe<{mode}, {nv}>", hopper=True)
         res = []
         for iters in (1, 8):
-            times = torch.zeros(grid * 4, dtype=torch.int64, device="cuda")
-            out = torch.empty(grid * 256, dtype=torch.float32, device="cuda")
-            cfg = LaunchConfig((grid,), (threads,), smem, cluster=2)
-            if flush is not None:  # as the benchmarks time a kernel: after an L2 flush and a spin of ~100 us
-                flush.fill_(1.0)
-                torch.cuda._sleep(200_000)
-            launch(k, cfg, (times.data_ptr(), out.data_ptr(), np.int32(iters), np.int32(256)), device=0,
-                   stream=cs)
+            times = torch.zeros(ctas * 4, dtype=torch.int64, device="cuda")
+            out = torch.empty(ctas * 256, dtype=torch.float32, device="cuda")
+            cfg = LaunchConfig((ctas,), (threads,), smem, cluster=2)
+            big.fill_(1.0)
+            torch.cuda._sleep(200_000)
+            launch(k, cfg, (times.data_ptr(), out.data_ptr(), np.int32(iters), np.int32(256), gbuf.data_ptr(),
+                            np.int32(gs)), device=0, stream=cs)
             torch.cuda.synchronize()
-            t = times.view(grid, 4).cpu().numpy()
+            t = times.view(ctas, 4).cpu().numpy()
             d = (t[:, 1] - t[:, 0]).astype(np.float64)
             res.append((np.median(d), np.percentile(d, 90)))
         print(f"{name:56s} {nv // 2 * 4:8d} {res[0][0]:9.0f} {res[0][1]:6.0f} {res[1][0]:9.0f} {res[1][1]:6.0f}"
-              f"   (regs {get_kernel(k, 0).num_regs}, smem {smem // 1024} KB)", flush=True)
-
+              f"   (regs {get_kernel(k, 0).num_regs})", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -128,6 +128,77 @@ template <> __device__ __forceinline__ unsigned pack_rn<__half>(float lo, float 
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
+// The two ranks of a split-K cluster hand each other half of their fp32 partials through distributed shared memory,
+// whose rate on the H200 (about 11-16 bytes per clock per SM, benchmarks/_dsmem_probe.py: 40 KB each way ~3800
+// cycles, 20 KB ~1850) makes the bytes the epilogue's cost.  So the partials go packed, eight floats (four of row
+// group j, four of j + 1) at a time; W4_SPLIT_PACK (bits per float):
+// 24: each float's top three bytes (sign, exponent, 15 mantissa bits) in six words, the fourth float of each four
+//     spread over the low bytes of the other three's words; the receiver uses those words as they are (relative error
+//     below 2^-15 per partial, under y's rounding: 2^-9 for bf16, 2^-11 for fp16);
+// 16: bf16, rounded to nearest (half the bytes; relative error up to 2^-9 per partial);
+// 32: the fp32 bits.
+#ifndef W4_SPLIT_PACK
+#define W4_SPLIT_PACK 24
+#endif
+constexpr int W4_PACK_WORDS = W4_SPLIT_PACK / 4;  // words per thread for eight floats
+static_assert(W4_SPLIT_PACK == 16 || W4_SPLIT_PACK == 24 || W4_SPLIT_PACK == 32, "W4_SPLIT_PACK: 16, 24 or 32");
+
+__device__ __forceinline__ void w4_pack8(const float* a, const float* b, unsigned (&w)[W4_PACK_WORDS]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float* f = h ? b : a;
+    if constexpr (W4_SPLIT_PACK == 24) {
+      const unsigned d = __float_as_uint(f[3]);
+      w[3 * h + 0] = __byte_perm(__float_as_uint(f[0]), d, 0x3215);  // [d.b1, f0.b1, f0.b2, f0.b3]
+      w[3 * h + 1] = __byte_perm(__float_as_uint(f[1]), d, 0x3216);  // [d.b2, f1.b1 ..]
+      w[3 * h + 2] = __byte_perm(__float_as_uint(f[2]), d, 0x3217);  // [d.b3, f2.b1 ..]
+    } else if constexpr (W4_SPLIT_PACK == 16) {
+      w[2 * h + 0] = pack_rn<__nv_bfloat16>(f[0], f[1]);
+      w[2 * h + 1] = pack_rn<__nv_bfloat16>(f[2], f[3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w[4 * h + e] = __float_as_uint(f[e]);
+    }
+  }
+}
+__device__ __forceinline__ void w4_unpack8(const unsigned (&w)[W4_PACK_WORDS], float* a, float* b) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float* f = h ? b : a;
+    if constexpr (W4_SPLIT_PACK == 24) {
+      const unsigned w0 = w[3 * h], w1 = w[3 * h + 1], w2 = w[3 * h + 2];
+      f[0] = __uint_as_float(w0);
+      f[1] = __uint_as_float(w1);
+      f[2] = __uint_as_float(w2);
+      f[3] = __uint_as_float(__byte_perm(__byte_perm(w0, w1, 0x4000), w2, 0x4310));  // [., w0.b0, w1.b0, w2.b0]
+    } else if constexpr (W4_SPLIT_PACK == 16) {
+      f[0] = __uint_as_float(w[2 * h] << 16);
+      f[1] = __uint_as_float(w[2 * h] & 0xffff0000u);
+      f[2] = __uint_as_float(w[2 * h + 1] << 16);
+      f[3] = __uint_as_float(w[2 * h + 1] & 0xffff0000u);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f[e] = __uint_as_float(w[4 * h + e]);
+    }
+  }
+}
+
+// Split-K over two ranks by pushes, where the receive buffer fits: each rank's buffer for the half of the tile it
+// owns (its H / 2 pairs of row groups x BLK blocks, packed: w4_pack8), past the ring, its mbarriers and the tile's
+// coordinates, behind a receive mbarrier of its own (speedcore.quant.w4wgmma_rx_bytes mirrors this).  A dedicated
+// buffer lets the other rank send as soon as its own main loop ends, without the cluster barrier that ring slots
+// would need (the receiver must be done with them), and the owner read its half locally.
+constexpr int W4_SMEM_LIMIT = 232448;  // 227 KB per block on sm_90 (speedcore.quant.W4WGMMA_SMEM_LIMIT)
+template <int MT, int BLK, int STAGES, int KS, int KIND> struct W4Rx {
+  static constexpr int BYTES = (MT / 32) * BLK * 256 * 4 * W4_PACK_WORDS;
+  static constexpr int RING_END = STAGES * (W4Tile<MT, BLK, KS, KIND>::STAGE + 16) + 16;
+#ifdef W4_NO_PUSH  // (A/B measurements: benchmarks/_quant_w4_pack_ab.py)
+  static constexpr bool FITS = false;
+#else
+  static constexpr bool FITS = 1024 + RING_END + 16 + BYTES <= W4_SMEM_LIMIT;
+#endif
+};
+
 // Split-K epilogue of 3 to 8 ranks, owner side: row groups [j0, j0 + n) (n even) of every block summed over the
 // cluster's nsrc ranks in rank order (src_at: this thread's 16 bytes of slot (0, 0) in each rank's shared memory,
 // slots (j, blk) of 4 KB) and handed to tile_pair(owner-local row group, blk, sums of it, of the next).  The loads of
@@ -206,6 +277,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // The CTA's (split, m tile, n tile), for the epilogue: kept in registers across the main loop they spilled at MT x
   // BLK = 256 (128 accumulator registers), and derived anew they cost integer divisions of cold code.
   int* tile_info = reinterpret_cast<int*>(empty + STAGES);
+  using RX = W4Rx<MT, BLK, STAGES, KS, KIND>;
+  unsigned long long* rx_full = reinterpret_cast<unsigned long long*>(tile_info + 4);
+  unsigned char* rx_buf = reinterpret_cast<unsigned char*>(rx_full + 2);
 
   const int split = blockIdx.x % splits;  // the CTA's rank in its cluster (the tile's splits)
   const int n_tiles = N / (64 * L::BLOCKS);
@@ -216,6 +290,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   const int kb_end = (int)((long long)(split + 1) * KB / splits);
 
   const int wg = threadIdx.x / 128;
+  const bool push = RX::FITS && splits == 2;  // two-rank split-K by pushes into rx_buf
   // Every CTA has started: a tail launch waiting on this grid (LaunchConfig.overlap) may take the SMs it frees.
   sc::launch_dependents();
   if (threadIdx.x == 0) {
@@ -230,12 +305,18 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       sc::mbar_init(&full[s], kProducers);
       sc::mbar_init(&empty[s], 8);
     }
+    if (push) {
+      sc::mbar_init(rx_full, 1);
+      sc::mbar_arrive_expect_tx(rx_full, RX::BYTES);  // the other rank's half of the tile
+    }
     sc::fence_mbar_init();
     tile_info[0] = split;
     tile_info[1] = m_tile;
     tile_info[2] = n_tile;
   }
   __syncthreads();
+  // Waited for before the first push: the other rank's receive barrier is initialized.
+  if (push) sc::cluster_arrive_relaxed();
 
   if (wg == 0) {
     sc::setmaxnreg_dec<40>();
@@ -304,7 +385,11 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         }
       }
     }
-    if (splits > 1) {  // the consumers' two cluster barriers (split-K epilogue)
+    if (push) {  // the consumers' cluster barriers (split-K epilogue)
+      sc::cluster_wait();
+      sc::cluster_arrive_relaxed();
+      sc::cluster_wait();
+    } else if (splits > 1) {
       sc::cluster_arrive_relaxed();
       sc::cluster_wait();
       sc::cluster_arrive_relaxed();
@@ -465,7 +550,7 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
     const int cw = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4;
     const int jmax = w4_rows_per_rank(J, splits);
     const int my_j0 = min(J, e_split * jmax), my_jn = min(J, my_j0 + jmax) - my_j0;
-    unsigned char* y_tile = smem + (splits > 1 ? J * BLK * SLOT : 0);  // past the slots
+    unsigned char* y_tile = smem + (splits > 1 && !push ? J * BLK * SLOT : 0);  // past the slots
     // stmatrix.trans of row groups (j, j + 1) of block blk: matrix q = 2 (j parity) + h; lane 8 q + i gives the
     // address of tile row 8 (j + q / 2) + i, chunk (cw BLK + blk) 8 + 2 warp + h of it (swizzled by i = row % 8).
     const int sq = lane >> 3, si = lane & 7;
@@ -517,41 +602,141 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       for (int j = 0; j < J; j += 2)
 #pragma unroll
         for (int blk = 0; blk < BLK; ++blk) tile_pair(j, blk, &acc[blk][4 * j], &acc[blk][4 * j + 4]);
+    } else if (RX::FITS && splits == 2) {
+      // Two ranks, by pushes: each keeps the half of the tile it owns in registers, sends the other half (packed,
+      // st.async from registers) into the other rank's receive buffer as soon as its own main loop is done, and
+      // adds what it receives (own + other).  Pair p = (row groups 2 p, 2 p + 1 of the half, block blk) is PSLOT
+      // bytes of the buffer: every thread's first four words, then the rest.
+      constexpr int H = J / 2, PW = W4_PACK_WORDS, PSLOT = 256 * 4 * PW;
+      static_assert(H % 2 == 0, "row groups are handed over in pairs");
+      const unsigned rx0 = sc::smem_addr(rx_buf) + tid * 16, rx0_rest = sc::smem_addr(rx_buf) + 256 * 16 + tid * 4 * (PW - 4);
+      const unsigned other = (unsigned)(1 - e_split);
+      const unsigned to = sc::cluster_map(rx0, other), to_rest = sc::cluster_map(rx0_rest, other);
+      const unsigned to_bar = sc::cluster_map(sc::smem_addr(rx_full), other);
+      sc::cluster_wait();  // the other rank's receive barrier is initialized (its arrive at the start)
+#ifdef W4_TRACE
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
+#endif
+      auto send = [&](const int base) {
+#pragma unroll
+        for (int jj = 0; jj < H; jj += 2)
+#pragma unroll
+          for (int blk = 0; blk < BLK; ++blk) {
+            unsigned w[PW];
+            w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
+            const int at = (jj / 2 * BLK + blk) * PSLOT;
+            sc::st_async_v4(to + at, __uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]),
+                            __uint_as_float(w[3]), to_bar);
+            if constexpr (PW == 6) sc::st_async_v2(to_rest + at, __uint_as_float(w[4]), __uint_as_float(w[5]), to_bar);
+            if constexpr (PW == 8)
+              sc::st_async_v4(to_rest + at, __uint_as_float(w[4]), __uint_as_float(w[5]), __uint_as_float(w[6]),
+                              __uint_as_float(w[7]), to_bar);
+          }
+      };
+      if (e_split == 0) send(H);
+      else send(0);
+      sc::mbar_wait(rx_full, 0);
+#ifdef W4_TRACE
+      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
+#endif
+      auto sum_own = [&](const int base) {
+#pragma unroll
+        for (int jj = 0; jj < H; jj += 2)
+#pragma unroll
+          for (int blk = 0; blk < BLK; ++blk) {
+            const int at = (jj / 2 * BLK + blk) * PSLOT;
+            unsigned w[PW];
+            const uint4 v = *reinterpret_cast<const uint4*>(rx_buf + at + tid * 16);
+            w[0] = v.x;
+            w[1] = v.y;
+            w[2] = v.z;
+            w[3] = v.w;
+            if constexpr (PW == 6) {
+              const uint2 u = *reinterpret_cast<const uint2*>(rx_buf + at + 256 * 16 + tid * 8);
+              w[4] = u.x;
+              w[5] = u.y;
+            }
+            if constexpr (PW == 8) {
+              const uint4 u = *reinterpret_cast<const uint4*>(rx_buf + at + 256 * 16 + tid * 16);
+              w[4] = u.x;
+              w[5] = u.y;
+              w[6] = u.z;
+              w[7] = u.w;
+            }
+            float o[2][4], v2[2][4];
+            w4_unpack8(w, o[0], o[1]);
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+              const float* a = &acc[blk][4 * (base + jj + q)];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) v2[q][e] = a[e] + o[q][e];
+            }
+            tile_pair(jj, blk, v2[0], v2[1]);
+#ifdef W4_TRACE
+            if (jj == 0 && blk == 0 && threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 6, clock64());
+#endif
+          }
+      };
+      if (e_split == 0) sum_own(0);
+      else sum_own(H);
+      sc::cluster_arrive_relaxed();  // waited for before exit: no CTA leaves while the other may still send to it
     } else if (splits == 2) {
-      // Two ranks: each keeps the half of the tile it owns in registers and hands over the other half, so that half
+      // Two ranks (no room for a receive buffer): each keeps the half of the tile it owns in registers and hands over the other half, so that half
       // the bytes cross shared memory (8192^2 M = 256: 2.6 us of pulls through the cluster window when all J row
-      // groups went to the slots).  Rank r stores row groups [(1 - r) H, (2 - r) H) to its slots [0, H), and after
-      // the cluster barrier reads the other rank's slots for its own rows (own + other: one addition, the same bits
-      // on either rank).  The two ranks' copies of the code differ only in which accumulators they take.
-      constexpr int H = J / 2;
-      const unsigned mine = sc::smem_addr(smem) + tid * 16;  // this thread's 16 bytes of slot (0, 0)
+      // groups went to the slots), packed (w4_pack8).  Rank r stores row groups [(1 - r) H, (2 - r) H) to its slots,
+      // one per pair of row groups and block (PSLOT bytes: the first four words of each thread, then the rest), and
+      // after the cluster barrier reads the other rank's slots for its own rows (own + other).  The two ranks'
+      // copies of the code differ only in which accumulators they take.
+      constexpr int H = J / 2, PW = W4_PACK_WORDS, PSLOT = 256 * 4 * PW;
+      static_assert(H % 2 == 0, "row groups are handed over in pairs");
+      const unsigned mine = sc::smem_addr(smem) + tid * 16;  // this thread's first four words of slot 0
+      const unsigned mine_rest = sc::smem_addr(smem) + 256 * 16 + tid * 4 * (PW - 4);  // and the rest
       auto hand_over = [&](const int base) {
 #pragma unroll
-        for (int jj = 0; jj < H; ++jj)
+        for (int jj = 0; jj < H; jj += 2)
 #pragma unroll
-          for (int blk = 0; blk < BLK; ++blk)
-            sc::st_shared_v4(mine + (jj * BLK + blk) * SLOT, acc[blk][4 * (base + jj)], acc[blk][4 * (base + jj) + 1],
-                             acc[blk][4 * (base + jj) + 2], acc[blk][4 * (base + jj) + 3]);
+          for (int blk = 0; blk < BLK; ++blk) {
+            unsigned w[PW];
+            w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
+            const int at = (jj / 2 * BLK + blk) * PSLOT;
+            sc::st_shared_v4(mine + at, __uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]),
+                             __uint_as_float(w[3]));
+            if constexpr (PW == 6) sc::st_shared_v2(mine_rest + at, __uint_as_float(w[4]), __uint_as_float(w[5]));
+            if constexpr (PW == 8)
+              sc::st_shared_v4(mine_rest + at, __uint_as_float(w[4]), __uint_as_float(w[5]), __uint_as_float(w[6]),
+                               __uint_as_float(w[7]));
+          }
       };
       if (e_split == 0) hand_over(H);
       else hand_over(0);
       slots_written();
       const unsigned other = sc::cluster_map(mine, (unsigned)(1 - e_split));
+      const unsigned other_rest = sc::cluster_map(mine_rest, (unsigned)(1 - e_split));
       auto sum_own = [&](const int base) {
-        float4 x[H][BLK];  // every load in flight before the first is used
+        unsigned x[H / 2][BLK][PW];  // every load in flight before the first is used
 #pragma unroll
-        for (int jj = 0; jj < H; ++jj)
+        for (int jj = 0; jj < H; jj += 2)
 #pragma unroll
           for (int blk = 0; blk < BLK; ++blk) {
-#ifdef W4_EXP_SEPADDR
-            // (experiment for benchmarks/_quant_w4_trace.py --defs: each load's address from a mapa of its own, so that
-            // it sits in a register of its own as in benchmarks/_dsmem_probe.py's fast pull, instead of one base
-            // register plus constant offsets; see _dsmem_probe.py's mode 6)
-            x[jj][blk] =
-                sc::ld_cluster_v4(sc::cluster_map(mine + (jj * BLK + blk) * SLOT, (unsigned)(1 - e_split)));
-#else
-            x[jj][blk] = sc::ld_cluster_v4(other + (jj * BLK + blk) * SLOT);
-#endif
+            unsigned(&w)[PW] = x[jj / 2][blk];
+            const int at = (jj / 2 * BLK + blk) * PSLOT;
+            const float4 v = sc::ld_cluster_v4(other + at);
+            w[0] = __float_as_uint(v.x);
+            w[1] = __float_as_uint(v.y);
+            w[2] = __float_as_uint(v.z);
+            w[3] = __float_as_uint(v.w);
+            if constexpr (PW == 6) {
+              const float2 u = sc::ld_cluster_v2(other_rest + at);
+              w[4] = __float_as_uint(u.x);
+              w[5] = __float_as_uint(u.y);
+            }
+            if constexpr (PW == 8) {
+              const float4 u = sc::ld_cluster_v4(other_rest + at);
+              w[4] = __float_as_uint(u.x);
+              w[5] = __float_as_uint(u.y);
+              w[6] = __float_as_uint(u.z);
+              w[7] = __float_as_uint(u.w);
+            }
           }
 #ifdef W4_TRACE
         if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 5, clock64());
@@ -560,14 +745,13 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         for (int jj = 0; jj < H; jj += 2)
 #pragma unroll
           for (int blk = 0; blk < BLK; ++blk) {
-            float v[2][4];
+            float o[2][4], v[2][4];
+            w4_unpack8(x[jj / 2][blk], o[0], o[1]);
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
               const float* a = &acc[blk][4 * (base + jj + q)];
-              v[q][0] = a[0] + x[jj + q][blk].x;
-              v[q][1] = a[1] + x[jj + q][blk].y;
-              v[q][2] = a[2] + x[jj + q][blk].z;
-              v[q][3] = a[3] + x[jj + q][blk].w;
+#pragma unroll
+              for (int e = 0; e < 4; ++e) v[q][e] = a[e] + o[q][e];
             }
             tile_pair(jj, blk, v[0], v[1]);
 #ifdef W4_TRACE

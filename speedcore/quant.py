@@ -112,6 +112,9 @@ W8WGMMA_VARIANTS = {(2, 64, 4, 2), (1, 64, 4, 2), (2, 128, 1, 1), (1, 128, 1, 1)
                     (1, 128, 2, 1), (1, 192, 2, 1), (1, 96, 2, 1), (1, 160, 2, 1), (2, 64, 4, 1), (1, 64, 4, 1),
                     (2, 64, 1, 1), (1, 64, 1, 1), (1, 256, 1, 1)}
 W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
+# Bits per fp32 partial that the two ranks of a split-K cluster hand each other (kernels/quant_sm90.cu
+# W4_SPLIT_PACK: 24 = sign, exponent and 15 mantissa bits; the exchange's bytes are its cost).
+W4WGMMA_SPLIT_PACK = 24
 W4WGMMA_M_RANGE = (17, 8192)
 
 
@@ -714,9 +717,19 @@ def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIN
 
 def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, ks: int = 1, kind: int = KIND_INT4) -> int:
     """Dynamic shared memory of w4_wgmma_kernel: alignment slack, the ring, 2 mbarriers per stage, the tile's
-    coordinates (16 bytes)."""
+    coordinates (16 bytes), and where it fits the two-rank split-K receive buffer (w4wgmma_rx_bytes)."""
     stages = stages or w4wgmma_stages(mt, blk, ks, kind)
-    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16) + 16
+    return 1024 + stages * (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16) + 16 + w4wgmma_rx_bytes(mt, blk, stages, ks,
+                                                                                                  kind)
+
+
+def w4wgmma_rx_bytes(mt: int, blk: int, stages: int, ks: int = 1, kind: int = KIND_INT4) -> int:
+    """Shared memory of w4_wgmma_kernel's two-rank split-K receive buffer (kernels/quant_sm90.cu W4Rx): its mbarrier
+    (16 bytes) and the half of the tile a rank owns, packed at W4WGMMA_SPLIT_PACK bits per partial; 0 where it does
+    not fit past the ring (those variants hand the partials over through ring slots and a cluster barrier)."""
+    body = (mt // 32) * blk * 256 * W4WGMMA_SPLIT_PACK
+    ring_end = stages * (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16) + 16
+    return 16 + body if 1024 + ring_end + 16 + body <= W4WGMMA_SMEM_LIMIT else 0
 
 
 def w4wgmma_supported(k: int, n: int, group: int) -> bool:

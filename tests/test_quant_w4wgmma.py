@@ -478,7 +478,13 @@ def test_smem_budget_matches_the_kernel_layout():
     assert Q.w4wgmma_stage_bytes(64) == 8192 + 4 * 2240 == 17152
     assert Q.w4wgmma_stage_bytes(128) == 16384 + 4 * 2240 == 25344
     assert Q.w4wgmma_stages(64) == Q.w4wgmma_stages(128) == 8
-    assert Q.w4wgmma_smem_bytes(64) == 1024 + 8 * (17152 + 16) + 16 == 138384
+    # + the two-rank split-K receive buffer where it fits: its mbarrier and the owned half of the tile at 24 bits a
+    # partial (mt / 32 pairs of row groups x blk blocks x 256 threads x 24 bytes)
+    assert Q.W4WGMMA_SPLIT_PACK == 24
+    assert Q.w4wgmma_rx_bytes(64, 2, 8) == 16 + 2 * 2 * 256 * 24 == 24592
+    assert Q.w4wgmma_smem_bytes(64) == 1024 + 8 * (17152 + 16) + 16 + 24592 == 162976
+    assert Q.w4wgmma_rx_bytes(160, 1, 8) == 16 + 5 * 256 * 24 and Q.w4wgmma_rx_bytes(128, 2, 8) == 0
+    assert Q.w4wgmma_rx_bytes(256, 1, 6) == 0  # no room past the ring: through ring slots
     assert Q.w4wgmma_smem_bytes(128) == 1024 + 8 * (25344 + 16) + 16 == 203920
     for mt in Q.W4WGMMA_SHAPES[2]:
         assert Q.w4wgmma_smem_bytes(mt) <= 232448
@@ -1091,7 +1097,8 @@ def test_cluster_capacity_query():
 def test_w4wgmma_memcheck_case_small():
     """Small launches for compute-sanitizer (benchmarks/_quant_w4tune_gpu.sh):
     split-K with a partial m tile, a 2-m-tile direct store, the blk = 1 variants (mt 256 split over 70 rows;
-    mt 64 direct; mt 96 / 160 / 192), groups of 4 k16 steps over a split starting on an odd stage, and a
+    mt 64 direct; mt 96 / 160 / 192; two-rank splits by pushes into the receive buffer and through ring slots),
+    groups of 4 k16 steps over a split starting on an odd stage, and a
     multi-wave grid in groups of m tiles (tile_coords) with a smaller last group, a tail launch."""
     torch = _torch()
     rng = np.random.default_rng(5)
@@ -1099,6 +1106,7 @@ def test_w4wgmma_memcheck_case_small():
              (33, 512, 256, {"blk": 1}), (70, 1280, 640, {"gs": 4, "splits": 3}),
              (150, 512, 512, {"gs": 2, "blk": 1, "mt": 256}), (170, 256, 384, {"blk": 1, "mt": 160, "gs": 2}),
              (100, 512, 512, {"blk": 1, "mt": 96, "gs": 2, "splits": 2}),
+             (150, 512, 1024, {"blk": 1, "mt": 160, "gs": 2, "splits": 2}),
              (200, 256, 512, {"blk": 1, "mt": 192, "gs": 2, "splits": 2}),
              (1300, 1536, 256, {"blk": 1, "mt": 64, "gs": 2}),
              (300, 1024, 512, {"mt": 128, "tail_tiles": 3, "tail_splits": 2}))

@@ -143,6 +143,28 @@ __device__ __forceinline__ float4 ld_cluster_v4(unsigned addr) {
                : "r"(addr));
   return v;
 }
+// 16 / 8 bytes into a cluster CTA's shared memory (a cluster_map address), completing as many transaction bytes on
+// that CTA's mbarrier `bar` (a cluster_map address too): the receiver waits on its own barrier (expect_tx of the
+// bytes it is owed) instead of a cluster barrier.
+__device__ __forceinline__ void st_async_v4(unsigned addr, float a, float b, float c, float d, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   addr),
+               "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async_v2(unsigned addr, float a, float b, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(addr),
+               "f"(a), "f"(b), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_shared_v2(unsigned addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ float2 ld_cluster_v2(unsigned addr) {
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
 
 // Warpgroup register reallocation (all 128 threads of a warpgroup execute it).
 template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
