@@ -4,7 +4,10 @@ pulls from ring slots (-DW4_NO_PUSH) or pushes into a receive buffer where it fi
 same process, medians of interleaved rounds, cuBLAS in the same run; and each build's error against a float64
 reference (max |y - ref| / max |ref|) and the fraction of y elements that differ from the fp32 build.
 
-    PYTHONPATH=. python3 benchmarks/_quant_w4_pack_ab.py N:K:M ...
+    PYTHONPATH=. python3 benchmarks/_quant_w4_pack_ab.py [--variants BITS:PUSH:STAGES,...] N:K:M ...
+
+--variants: the builds compared, the first the reference of "differ" (default 32:0:0,24:0:0,24:1:0,16:1:0); STAGES
+caps the ring's stages (0: as configured), e.g. to make room for the receive buffer.
 """
 import statistics
 import sys
@@ -19,9 +22,10 @@ from speedcore._compile import Kernel
 from speedcore.bench import Bench
 
 G = 128
-# (bits, push): the old pull of fp32, the pull of 24-bit partials, the push of 24 / 16 bits
-PACKS = ((32, False), (24, False), (24, True), (16, True))
-NAMES = {p: f"{'push' if p[1] else 'pull'}{p[0]}" for p in PACKS}
+# (bits, push, stages): the old pull of fp32, the pull of 24-bit partials, the push of 24 / 16 bits
+PACKS = ((32, False, 0), (24, False, 0), (24, True, 0), (16, True, 0))
+NAMES = {}
+_stages, _epi = Q.w4wgmma_stages, Q.w4wgmma_epilogue_bytes
 
 
 def build(pack):
@@ -40,16 +44,28 @@ build.orig = Q._w4wgmma_kernel
 def use(pack):
     Q._w4wgmma_kernel = build(pack)
     Q.W4WGMMA_SPLIT_PACK = pack[0]  # the receive buffer's size, as the build computes it
+    Q.w4wgmma_stages = lambda *a, **kw: min(_stages(*a, **kw), pack[2] or 99)
+    # with a capped ring and pushes (the variants here make room for the receive buffer), the ring holds only the
+    # y tile in the epilogue
+    Q.w4wgmma_epilogue_bytes = (lambda mt, blk, c: _epi(mt, blk, 1) if c == 2 else _epi(mt, blk, c)) \
+        if pack[1] and pack[2] else _epi
     for f in vars(Q).values():
         if hasattr(f, "cache_clear"):
             f.cache_clear()
 
 
 def main():
+    global PACKS
+    args = sys.argv[1:]
+    if "--variants" in args:
+        i = args.index("--variants")
+        PACKS = tuple((int(a), bool(int(b)), int(c)) for a, b, c in (v.split(":") for v in args[i + 1].split(",")))
+        del args[i:i + 2]
+    NAMES.update({p: f"{'push' if p[1] else 'pull'}{p[0]}" + (f"st{p[2]}" if p[2] else "") for p in PACKS})
     b = Bench(quick=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     Q._W4WGMMA_OVERRIDE["tail_splits"] = 1
-    for arg in sys.argv[1:]:
+    for arg in args:
         n, k, m = (int(v) for v in arg.split(":"))
         for dt in (torch.bfloat16, torch.float16):
             rng = np.random.default_rng(n + k + m)
@@ -87,7 +103,7 @@ def main():
             line += "  err " + " / ".join(f"{errs[p]:.2e}" for p in PACKS) + "  differ " + \
                 " / ".join(f"{diff[p]:.4f}" for p in PACKS)
             print(line, flush=True)
-    use((24, True))
+    use((24, True, 0))
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ W4WGMMA_SMEM_LIMIT = 232448   # 227 KB per block on sm_90
 # Bits per fp32 partial that the two ranks of a split-K cluster hand each other (kernels/quant_sm90.cu
 # W4_SPLIT_PACK: 24 = sign, exponent and 15 mantissa bits; the exchange's bytes are its cost).
 W4WGMMA_SPLIT_PACK = 24
+W4WGMMA_PUSH_MIN_STAGES = 4  # fewest ring stages a two-rank split keeps to make room for its receive buffer
 W4WGMMA_M_RANGE = (17, 8192)
 
 
@@ -709,10 +710,18 @@ def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int 
     return ks * (mt * 128 + 2 * blk * W4WGMMA_BLOCK_BYTES) + 2 * blk * GEMV_GROUP_BYTES
 
 
-def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4) -> int:
-    """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8."""
+def w4wgmma_stages(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4, splits: int = 1) -> int:
+    """Ring depth: as many stages as fit in 227 KB (1 KB of it for the 1024-byte alignment), at most 8.  For a
+    launch split over two ranks, as many as leave room for the receive buffer (w4wgmma_rx_bytes), where that keeps
+    at least W4WGMMA_PUSH_MIN_STAGES (H200, AWQ bf16, same process: 4096^2 M = 512 in 256-row tiles 30.0 us with 6
+    stages and the exchange through ring slots, 29.5 with 4 and the receive buffer; 8192^2 M = 256 49.6 / 49.2)."""
     budget = W4WGMMA_SMEM_LIMIT - 1024 - 16
-    return min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16))
+    full = min(W4WGMMA_MAX_STAGES, budget // (w4wgmma_stage_bytes(mt, blk, ks, kind) + 16))
+    if splits == 2:
+        for stages in range(full, W4WGMMA_PUSH_MIN_STAGES - 1, -1):
+            if w4wgmma_rx_bytes(mt, blk, stages, ks, kind):
+                return stages
+    return full
 
 
 def w4wgmma_smem_bytes(mt: int, blk: int = W4WGMMA_BLK, stages: int = 0, ks: int = 1, kind: int = KIND_INT4) -> int:
@@ -832,10 +841,16 @@ def _w4wgmma_best_split(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks:
                         cluster_ctas: tuple = ()):
     """(estimated us, split count) of least _w4wgmma_time for one tile shape, among the _w4wgmma_splits whose
     epilogue fits the ring (w4wgmma_epilogue_bytes); None where none does."""
-    ring = w4wgmma_stages(mt, blk, ks, kind) * w4wgmma_stage_bytes(mt, blk, ks, kind)
     return min(((round(_w4wgmma_time(m, n, k, sms, blk, mt, c), 3), c)
                 for c in _w4wgmma_splits(m, n, k, sms, blk, mt, ks, cluster_ctas)
-                if w4wgmma_epilogue_bytes(mt, blk, c) <= ring), default=None)
+                if _w4wgmma_epilogue_fits(mt, blk, ks, kind, c, w4wgmma_stages(mt, blk, ks, kind, c))), default=None)
+
+
+def _w4wgmma_epilogue_fits(mt: int, blk: int, ks: int, kind: int, splits: int, stages: int) -> bool:
+    """Whether the epilogue of a launch split `splits` ways fits a ring of `stages` stages (w4wgmma_epilogue_bytes;
+    a two-rank split with a receive buffer keeps only the y tile in the ring)."""
+    push = splits == 2 and w4wgmma_rx_bytes(mt, blk, stages, ks, kind) > 0
+    return w4wgmma_epilogue_bytes(mt, blk, splits, push) <= stages * w4wgmma_stage_bytes(mt, blk, ks, kind)
 
 
 def _w4wgmma_tail(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, kind: int, cluster_ctas: tuple = (),
@@ -851,11 +866,11 @@ def _w4wgmma_tail(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, 
     tail = tail_tiles or (tiles % sms if tiles > sms else 0)
     if not 0 < tail < tiles:
         return None
-    ring = w4wgmma_stages(mt, blk, ks, kind) * w4wgmma_stage_bytes(mt, blk, ks, kind)
+    stages = w4wgmma_stages(mt, blk, ks, kind)  # the first launch's kernel, unsplit
     head = _w4wgmma_tiles_time(tiles - tail, k, sms, blk, mt, 1) + W4WGMMA_TAIL_GAP_US - W4WGMMA_CTA_US
     return min(((round(head + _w4wgmma_tiles_time(tail, k, sms, blk, mt, c), 3), tail, c)
                 for c in _w4wgmma_splits(m, n, k, sms, blk, mt, ks, cluster_ctas, tiles=tail)
-                if c > 1 and w4wgmma_epilogue_bytes(mt, blk, c) <= ring), default=None)
+                if c > 1 and _w4wgmma_epilogue_fits(mt, blk, ks, kind, c, stages)), default=None)
 
 
 def _w4wgmma_pick(m: int, n: int, k: int, sms: int, blk: int, mt: int, ks: int, kind: int, cluster_ctas: tuple = (),
@@ -964,9 +979,9 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     if kind == KIND_INT8 and (blk, mt, gs, ks) not in W8WGMMA_VARIANTS:
         raise ValueError(f"w4wgmma_config: INT8 is built for (blk, mt, gs, ks) in {sorted(W8WGMMA_VARIANTS)}, got "
                          f"{(blk, mt, gs, ks)}")
-    stages = w4wgmma_stages(mt, blk, ks, kind)
+    stages = w4wgmma_stages(mt, blk, ks, kind, s)
     for c in (s, ts):
-        if w4wgmma_epilogue_bytes(mt, blk, c) > stages * w4wgmma_stage_bytes(mt, blk, ks, kind):
+        if not _w4wgmma_epilogue_fits(mt, blk, ks, kind, c, stages):
             raise ValueError(f"w4wgmma_config: the epilogue of {c} splits does not fit the ring of mt = {mt}, "
                              f"blk = {blk}")
     return W4WgmmaConfig(mt, blk, m_tiles, n_tiles, s, stages, w4wgmma_smem_bytes(mt, blk, stages, ks, kind), gs, ks,
@@ -986,13 +1001,14 @@ def w4wgmma_m_group(m_tiles: int, n_tiles: int, splits: int, sms: int, mt: int, 
     return max(1, min(m_tiles, g))
 
 
-def w4wgmma_epilogue_bytes(mt: int, blk: int, splits: int) -> int:
-    """Shared memory of w4_wgmma_kernel's epilogue, inside the ring: with a split, every row group (8 rows; J = mt /
-    8) of the CTA's fp32 accumulators (J x blk blocks x 256 threads x 16 bytes), which the cluster's other CTAs
-    read; then the y tile of the rows the CTA owns, 8 jmax rows x 128 blk channels of 2-byte values (jmax =
-    w4wgmma_rows_per_rank)."""
+def w4wgmma_epilogue_bytes(mt: int, blk: int, splits: int, push: bool = False) -> int:
+    """Shared memory of w4_wgmma_kernel's epilogue, inside the ring: with a split through ring slots, room for every
+    row group (8 rows; J = mt / 8) of the CTA's fp32 accumulators (J x blk blocks x 256 threads x 16 bytes), which
+    the cluster's other CTAs read; then the y tile of the rows the CTA owns, 8 jmax rows x 128 blk channels of 2-byte
+    values (jmax = w4wgmma_rows_per_rank).  ``push``: a two-rank split into the receive buffer past the ring
+    (w4wgmma_rx_bytes), so the y tile alone."""
     jmax = w4wgmma_rows_per_rank(mt // 8, splits)
-    return (mt // 8 * blk * 256 * 16 if splits > 1 else 0) + 8 * jmax * 128 * blk * 2
+    return (mt // 8 * blk * 256 * 16 if splits > 1 and not push else 0) + 8 * jmax * 128 * blk * 2
 
 
 def w4wgmma_rows_per_rank(row_groups: int, splits: int) -> int:
@@ -1323,17 +1339,21 @@ def all_kernels() -> list:
                 out.append(_bulk_kernel(dtype, kind, mt))
         for mt in MARLIN_MT_CHOICES:
             out.append(_marlin_kernel(dtype, mt))
+
+        def w4(mt, blk, gs=1, ks=1, kind=KIND_INT4):  # the unsplit ring, and the two-rank split's where it differs
+            for stages in dict.fromkeys(w4wgmma_stages(mt, blk, ks, kind, splits) for splits in (1, 2)):
+                out.append(_w4wgmma_kernel(dtype, mt, blk, stages, gs=gs, ks=ks, kind=kind))
         for blk, mts in W4WGMMA_SHAPES.items():
             for mt in mts:
-                out.append(_w4wgmma_kernel(dtype, mt, blk))
+                w4(mt, blk)
                 for gs in W4WGMMA_GROUP_STEPS[1:]:
                     if gs != 4 or (blk, mt) not in W4WGMMA_NO_GS4:
-                        out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs))
+                        w4(mt, blk, gs=gs)
                 if mt == 64:  # 128-k stages (ks = 2): gs 4 the default, gs 1 for measurements
                     for gs in (1, 4):
-                        out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=2))
+                        w4(mt, blk, gs=gs, ks=2)
         for blk, mt, gs, ks in sorted(W8WGMMA_VARIANTS):
-            out.append(_w4wgmma_kernel(dtype, mt, blk, gs=gs, ks=ks, kind=KIND_INT8))
+            w4(mt, blk, gs=gs, ks=ks, kind=KIND_INT8)
     out.append(_PERMUTE_KERNEL)
     out.extend(_PACK_KERNELS.values())
     out.extend(_GEMV_PACK_INT4.values())

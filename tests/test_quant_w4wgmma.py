@@ -451,9 +451,11 @@ def test_config_heuristic_choices():
     c = Q.w4wgmma_config(256, 8192, 8192, 132, blk=1)
     assert (c.mt, c.m_tiles, c.n_tiles, c.splits, c.grid) == (128, 2, 64, 1, 128)   # M = 256 without split-K
     c = Q.w4wgmma_config(256, 8192, 8192, 132, blk=1, mt=256)
-    assert (c.mt, c.m_tiles, c.n_tiles, c.splits, c.stages) == (256, 1, 64, 2, 6)
+    # two ranks: 4 ring stages instead of 6, to make room for the receive buffer
+    assert (c.mt, c.m_tiles, c.n_tiles, c.splits, c.stages) == (256, 1, 64, 2, 4)
+    assert c.smem == Q.w4wgmma_smem_bytes(256, 1, 4) == 1024 + 4 * (37248 + 16) + 16 + 16 + 8 * 256 * 24
     c = Q.w4wgmma_config(2048, 8192, 8192, 132, blk=1, mt=256)
-    assert (c.m_tiles, c.n_tiles, c.splits, c.grid) == (8, 64, 1, 512)
+    assert (c.m_tiles, c.n_tiles, c.splits, c.grid, c.stages) == (8, 64, 1, 512, 6)
     with pytest.raises(TypeError):
         Q.w4wgmma_config(64, 28672, 8192, 132, streamk=1)  # the stream-K variant is gone
 
@@ -538,12 +540,13 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 87 and all(k.hopper for k in ks)
+    assert len(ks) == 115 and all(k.hopper for k in ks)  # with the two-rank splits' shorter rings
     assert "quant_sm90::w8wgmma_pack_kernel<1>" in names
     for dt in ("__half", "__nv_bfloat16"):  # INT8 (KIND = 1): the INT4 default shapes
         for blk, mt, gs, ks_ in Q.W8WGMMA_VARIANTS:
-            stages = Q.w4wgmma_stages(mt, blk, ks_, Q.KIND_INT8)
-            assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, {blk}, {stages}, {gs}, {ks_}, 1>" in names
+            for splits in (1, 2):
+                stages = Q.w4wgmma_stages(mt, blk, ks_, Q.KIND_INT8, splits)
+                assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, {blk}, {stages}, {gs}, {ks_}, 1>" in names
     for dt in ("__half", "__nv_bfloat16"):  # 128-k stages at 64 rows
         for shape in ("2, 6, 1, 2", "2, 6, 4, 2", "1, 8, 1, 2", "1, 8, 4, 2"):
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, 64, {shape}>" in names
@@ -632,7 +635,7 @@ def test_dispatch_launch_arguments(fake_gpu, m):
 
 @pytest.mark.parametrize("m,override,name", [
     (100, {"blk": 1}, "w4_wgmma_kernel<__half, 128, 1, 8>"),
-    (300, {"blk": 1, "mt": 256, "splits": 2}, "w4_wgmma_kernel<__half, 256, 1, 6>"),
+    (300, {"blk": 1, "mt": 256, "splits": 2}, "w4_wgmma_kernel<__half, 256, 1, 4>"),  # 4 stages + receive buffer
     (64, {"gs": 4, "blk": 2}, "w4_wgmma_kernel<__half, 64, 2, 8, 4>"),
     (300, {"gs": 2, "blk": 1, "mt": 256}, "w4_wgmma_kernel<__half, 256, 1, 6, 2>")])
 def test_override_launch_arguments(fake_gpu, m, override, name):
