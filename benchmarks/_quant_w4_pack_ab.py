@@ -25,7 +25,7 @@ G = 128
 # (bits, push, stages): the old pull of fp32, the pull of 24-bit partials, the push of 24 / 16 bits
 PACKS = ((32, False, 0), (24, False, 0), (24, True, 0), (16, True, 0))
 NAMES = {}
-_stages, _epi = Q.w4wgmma_stages, Q.w4wgmma_epilogue_bytes
+_stages = Q.w4wgmma_stages
 
 
 def build(pack):
@@ -44,11 +44,11 @@ build.orig = Q._w4wgmma_kernel
 def use(pack):
     Q._w4wgmma_kernel = build(pack)
     Q.W4WGMMA_SPLIT_PACK = pack[0]  # the receive buffer's size, as the build computes it
-    Q.w4wgmma_stages = lambda *a, **kw: min(_stages(*a, **kw), pack[2] or 99)
-    # with a capped ring and pushes (the variants here make room for the receive buffer), the ring holds only the
-    # y tile in the epilogue
-    Q.w4wgmma_epilogue_bytes = (lambda mt, blk, c: _epi(mt, blk, 1) if c == 2 else _epi(mt, blk, c)) \
-        if pack[1] and pack[2] else _epi
+
+    def stages(mt, blk=Q.W4WGMMA_BLK, ks=1, kind=Q.KIND_INT4, splits=1):
+        # pulls through ring slots: the whole ring, as before the receive buffer
+        return min(_stages(mt, blk, ks, kind, splits if pack[1] else 1), pack[2] or 99)
+    Q.w4wgmma_stages = stages
     for f in vars(Q).values():
         if hasattr(f, "cache_clear"):
             f.cache_clear()
