@@ -12,9 +12,11 @@ last exit in the traced run; skew = spread of the CTAs' entries; first = entry t
 step = median time between stages in the steady state (stages 2..n-1); lat = a stage's full wait returning minus
 the producer's empty wait for it (time from issue to the consumers having it, when the consumers wait); tail = last
 stage's data to the loop end; epi = loop end to the last store; tail_cta = the last exit minus the median exit.
-Then the epilogue's phases, p50 / p90 over CTAs: the consumers' barrier; with split-K the partials stored to the
-CTA's own slots, the cluster barrier, the owner's reads of every rank's slots with the sum and y tile; without, the
-y tile; then the tile's barrier and the copy to y.
+Then the epilogue's phases, p50 / p90 over CTAs: the consumers' barrier; with split-K through ring slots the
+partials stored to the CTA's own slots ("slots"), the cluster barrier ("cluster"), the owner's reads of every rank's
+slots with the sum and y tile ("pull+tile"); with a two-rank push into the receive buffer the check that the other
+rank's receive barrier is set up ("slots"), the st.async pushes and the wait for the other rank's half ("cluster"),
+the sum and y tile; without a split, the y tile; then the tile's barrier and the copy to y.
 """
 import os
 import sys

@@ -517,11 +517,12 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
   // Epilogue through shared memory (the ring, free once every consumer of the cluster is past its last wgmma).
   // 1. Split-K (the tile's splits are one cluster): rank r owns row groups [r jmax, (r + 1) jmax) of the tile (row
   //    group j: accumulators 4 j .. 4 j + 3 of each block, tile rows 8 j + 2 c + e, channels n_lane + 64 blk + 8 h
-  //    as [2 h + e]).  Each thread stores the row groups other ranks own to its own CTA's slots (j, blk) of 256
-  //    threads x 16 bytes (constant offsets: one instruction per slot; with 3 or more ranks all of them); after a
-  //    cluster barrier each owner reads its row groups' slots from the other ranks (distributed shared memory: a
-  //    pull measured 2.3x faster than st.async pushes from registers, and than one bulk copy per rank) and sums
-  //    them in rank order (the same bits whichever CTA finishes first).
+  //    as [2 h + e]).  Two ranks (the common case): each keeps its own half in registers and hands the other half
+  //    over packed (w4_pack8): by st.async pushes into the other rank's receive buffer where it fits (W4Rx), else
+  //    through its own ring slots that the owner pulls after a cluster barrier.  3 to 8 ranks: each thread stores
+  //    every row group to its CTA's slots (j, blk) of 256 threads x 16 bytes (constant offsets: one instruction per
+  //    slot), and after a cluster barrier each owner reads its row groups' slots from the other ranks (distributed
+  //    shared memory) and sums them in rank order (the same bits whichever CTA finishes first).
   // 2. The bias is added (INT8: the scales applied first), the values rounded to T and written to a row-major tile
   //    of the CTA's rows (16-byte chunks XOR-swizzled by row, so that the rows of a store fall in different banks)
   //    by stmatrix.trans: one instruction per two row groups of a block (the accumulator pairs (2 c, 2 c + 1) of a
