@@ -6,8 +6,9 @@ reference (max |y - ref| / max |ref|) and the fraction of y elements that differ
 
     PYTHONPATH=. python3 benchmarks/_quant_w4_pack_ab.py [--variants BITS:PUSH:STAGES,...] N:K:M ...
 
---variants: the builds compared, the first the reference of "differ" (default 32:0:0,24:0:0,24:1:0,16:1:0); STAGES
-caps the ring's stages (0: as configured), e.g. to make room for the receive buffer.
+--variants: the builds compared, BITS:PUSH:STAGES[:NAME], the first the reference of "differ" (default
+32:0:0,24:0:0,24:1:0,16:1:0); STAGES caps the ring's stages (0: as configured), e.g. to make room for the receive
+buffer; NAME a macro defined in that build (-DNAME, an experiment switch of kernels/quant_sm90.cu).
 """
 import statistics
 import sys
@@ -23,14 +24,15 @@ from speedcore.bench import Bench
 
 G = 128
 # (bits, push, stages): the old pull of fp32, the pull of 24-bit partials, the push of 24 / 16 bits
-PACKS = ((32, False, 0), (24, False, 0), (24, True, 0), (16, True, 0))
+PACKS = ((32, False, 0, ""), (24, False, 0, ""), (24, True, 0, ""), (16, True, 0, ""))
 NAMES = {}
 _stages = Q.w4wgmma_stages
 
 
 def build(pack):
     orig = build.orig
-    defs = (f"-DW4_SPLIT_PACK={pack[0]}",) + (() if pack[1] else ("-DW4_NO_PUSH",))
+    defs = (f"-DW4_SPLIT_PACK={pack[0]}",) + (() if pack[1] else ("-DW4_NO_PUSH",)) + \
+        ((f"-D{pack[3]}",) if pack[3] else ())
 
     def kern(*a, **kw):
         k = orig(*a, **kw)
@@ -59,9 +61,11 @@ def main():
     args = sys.argv[1:]
     if "--variants" in args:
         i = args.index("--variants")
-        PACKS = tuple((int(a), bool(int(b)), int(c)) for a, b, c in (v.split(":") for v in args[i + 1].split(",")))
+        PACKS = tuple((int(f[0]), bool(int(f[1])), int(f[2]), f[3] if len(f) > 3 else "")
+                      for f in (v.split(":") for v in args[i + 1].split(",")))
         del args[i:i + 2]
-    NAMES.update({p: f"{'push' if p[1] else 'pull'}{p[0]}" + (f"st{p[2]}" if p[2] else "") for p in PACKS})
+    NAMES.update({p: f"{'push' if p[1] else 'pull'}{p[0]}" + (f"st{p[2]}" if p[2] else "") +
+                  (f"+{p[3]}" if p[3] else "") for p in PACKS})
     b = Bench(quick=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     Q._W4WGMMA_OVERRIDE["tail_splits"] = 1
@@ -103,7 +107,7 @@ def main():
             line += "  err " + " / ".join(f"{errs[p]:.2e}" for p in PACKS) + "  differ " + \
                 " / ".join(f"{diff[p]:.4f}" for p in PACKS)
             print(line, flush=True)
-    use((24, True, 0))
+    use((24, True, 0, ""))
 
 
 if __name__ == "__main__":
