@@ -810,9 +810,9 @@ def _w4wgmma_tiles_time(tiles: int, k: int, sms: int, blk: int, mt: int, splits:
     epilogue writes the mt x 128 blk tile (fp32 accumulators: ~64 KB / us through shared memory); with a split the
     cluster's CTAs first hand each other (splits - 1) / splits of them (~32 KB / us of distributed shared memory,
     fitted when 40 KB went in 1.5-1.7 us at 4096^2 M = 320, H200) and each sums its share.  Two ranks now hand over
-    24-bit partials by pushes, ~0.8 us faster there (benchmarks/results/h200-ab-2026-11-30.md, session 16); the
-    estimate is unchanged until a sweep confirms the shapes it would move.  (A split grid is one wave:
-    _w4wgmma_splits admits no other.)"""
+    24-bit partials by pushes, ~0.8 us faster there (benchmarks/results/h200-ab-2026-11-30.md, session 16); an
+    estimate recalibrated to that moved 4 of 77 launch picks on the H200 and lost 0.6% on them, so it stays.  (A
+    split grid is one wave: _w4wgmma_splits admits no other.)"""
     waves = -(-tiles * splits // sms)
     acc_kb = mt * 128 * blk * 4 / 1024
     if splits == 1:
