@@ -17,8 +17,8 @@ from speedcore.bench import Bench
 
 G = 128
 MS = [17, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024, 2048, 4096, 8192]
-CANDS = ["mt=64,blk=1,gs=4,ks=2", "mt=64,blk=2,gs=4,ks=2", "mt=128,blk=1,gs=2", "mt=128,blk=1,gs=4",
-         "mt=128,blk=2,gs=1", "mt=192,blk=1,gs=2", "mt=192,blk=1,gs=4", "mt=256,blk=1,gs=2"]
+CANDS = ["mt=64,blk=1,gs=4,ks=2", "mt=64,blk=2,gs=4,ks=2", "mt=128,blk=1,gs=2", "mt=128,blk=2,gs=1",
+         "mt=192,blk=1,gs=2", "mt=256,blk=1,gs=2"]
 
 
 def label(cfg):

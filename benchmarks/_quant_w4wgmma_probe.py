@@ -124,7 +124,7 @@ def tune_variants(m, n, k, sms):
     for tag, ov, cfg in [(f"b{base.blk}m{base.mt}s{base.splits}", {"blk": base.blk, "mt": base.mt,
                                                                     "splits": base.splits}, base)] + out:
         for gs in Q.W4WGMMA_GROUP_STEPS:
-            if gs != cfg.gs and not (gs == 4 and (cfg.blk, cfg.mt) in Q.W4WGMMA_NO_GS4):
+            if gs != cfg.gs and not (gs == 4 and not Q.w4wgmma_gs4_built(cfg.blk, cfg.mt, cfg.ks)):
                 grouped.append((f"{tag}g{gs}", {**ov, "gs": gs}, Q.w4wgmma_config(m, n, k, sms, **ov, gs=gs)))
     out += grouped
     if m <= 128:  # 128-k ring stages at 64-row tiles (two of them from M = 65)

@@ -104,8 +104,15 @@ W4WGMMA_SHAPES = {2: (64, 128), 1: (64, 96, 128, 160, 192, 256)}
 W4WGMMA_MAX_STAGES = 8
 W4WGMMA_MAX_SPLITS = MAX_CLUSTER  # a tile's splits are one thread-block cluster (kernel: W4_MAX_SPLITS)
 W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait granularity); the first is the default
-# (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower).
+# (blk, mt) without gs = 4: 256-row tiles spill 8 bytes there (and measured slower).  And INT4 at blk = 1 takes gs = 4
+# only with 128-k stages (ks = 2, the 64-row tiles the heuristic picks): with 64-k stages ptxas serializes its
+# wgmma since the packed split-K epilogue (session 16), and the heuristic never chose them (w4wgmma_gs4_built).
 W4WGMMA_NO_GS4 = {(1, 256)}
+
+
+def w4wgmma_gs4_built(blk: int, mt: int, ks: int) -> bool:
+    """Whether INT4 w4_wgmma_kernel is built with wgmma groups of 4 k16 steps for this tile shape."""
+    return (blk, mt) not in W4WGMMA_NO_GS4 and not (blk == 1 and ks == 1)
 # INT8 (KIND = W_INT8) variants built: the shapes w4wgmma_shape chooses among (W4WGMMA_CANDIDATES), and ks = 1 /
 # gs = 1 of some for comparison.
 W8WGMMA_VARIANTS = {(2, 64, 4, 2), (1, 64, 4, 2), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
@@ -942,11 +949,12 @@ def w4wgmma_config(m: int, n: int, k: int, sms: int, splits: int = 0, mt: int = 
     mt = mt or (64 if m <= 64 else 128)
     if mt not in W4WGMMA_SHAPES[blk]:
         raise ValueError(f"w4wgmma_config: mt must be one of {W4WGMMA_SHAPES[blk]} with blk = {blk}, got {mt}")
-    if gs == 4 and (blk, mt) in W4WGMMA_NO_GS4:
-        raise ValueError(f"w4wgmma_config: gs = 4 is not built for blk = {blk}, mt = {mt}")
+    ks = ks or W4WGMMA_STAGE_CHUNKS[0]
+    if gs == 4 and kind == KIND_INT4 and not w4wgmma_gs4_built(blk, mt, ks):
+        raise ValueError(f"w4wgmma_config: gs = 4 is not built for blk = {blk}, mt = {mt}, ks = {ks} (at blk = 1 "
+                         f"only with ks = 2)")
     if n % (128 * blk):
         raise ValueError(f"w4wgmma_config: blk = {blk} needs N % {128 * blk} == 0, got N = {n}")
-    ks = ks or W4WGMMA_STAGE_CHUNKS[0]
     if ks != 1 and (mt != 64 or gs == 2):
         raise ValueError(f"w4wgmma_config: ks = {ks} is built for mt = 64 with gs 1 or 4 only")
     if ks not in W4WGMMA_STAGE_CHUNKS or k % (W4WGMMA_BK * ks):
@@ -1349,7 +1357,7 @@ def all_kernels() -> list:
             for mt in mts:
                 w4(mt, blk)
                 for gs in W4WGMMA_GROUP_STEPS[1:]:
-                    if gs != 4 or (blk, mt) not in W4WGMMA_NO_GS4:
+                    if gs != 4 or w4wgmma_gs4_built(blk, mt, 1):
                         w4(mt, blk, gs=gs)
                 if mt == 64:  # 128-k stages (ks = 2): gs 4 the default, gs 1 for measurements
                     for gs in (1, 4):

@@ -205,11 +205,12 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 192
+    assert len(names) == len(set(names)) == 180
     assert "quant_sm90::w4_wgmma_kernel<__nv_bfloat16, 64, 2, 8>" in names
     assert "quant_sm90::w4_wgmma_kernel<__half, 256, 1, 6>" in names  # blk = 1 shapes: measurements only
     assert "quant_sm90::w4_wgmma_kernel<__half, 256, 1, 4>" in names  # split over two ranks: room for the receive buffer
-    assert "quant_sm90::w4_wgmma_kernel<__half, 128, 1, 8, 4>" in names  # wgmma groups of 4 k16 steps
+    assert "quant_sm90::w4_wgmma_kernel<__half, 128, 2, 8, 4>" in names  # wgmma groups of 4 k16 steps
+    assert "quant_sm90::w4_wgmma_kernel<__half, 128, 1, 8, 4>" not in names  # at blk = 1 with 128-k stages only
     assert "quant_sm90::w4_wgmma_kernel<__half, 128, 2, 8>" in names
     assert "quant::quant_marlin_kernel<__half, 4>" in names and "quant::quant_marlin_kernel<__nv_bfloat16, 8>" in names
     assert "quant::gemv_stream_kernel<__half, 1, 2>" in names and "quant::gemv_bulk_kernel<__half, 0, 1>" in names

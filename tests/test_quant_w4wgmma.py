@@ -431,7 +431,9 @@ def test_config_heuristic_choices():
     assert Q.w4wgmma_config(64, 256, 128, 132, splits=9).splits == 1  # at most one split per (128-k) stage
     with pytest.raises(ValueError, match="at most 8 splits"):
         Q.w4wgmma_config(64, 8192, 8192, 132, splits=9)  # a tile's splits are one cluster of at most 8 CTAs
-    assert Q.w4wgmma_config(64, 256, 128, 132, splits=9, ks=1, mt=64, blk=1, gs=4).splits == 2
+    assert Q.w4wgmma_config(64, 256, 128, 132, splits=9, ks=1, mt=64, blk=1, gs=2).splits == 2
+    with pytest.raises(ValueError, match="gs = 4 is not built"):  # INT4 at blk = 1: gs = 4 with 128-k stages only
+        Q.w4wgmma_config(64, 256, 128, 132, ks=1, mt=64, blk=1, gs=4)
     assert Q.w4wgmma_config(20, 8192, 8192, 132, mt=128).mt == 128
     with pytest.raises(ValueError):
         Q.w4wgmma_config(0, 8192, 8192, 132)
@@ -540,7 +542,7 @@ def test_switch_reads_the_environment():
 def test_variants_listed_and_hopper_only():
     ks = [k for k in Q.all_kernels() if k.source == Q.W4WGMMA_SOURCE]
     names = {k.name for k in ks}
-    assert len(ks) == 115 and all(k.hopper for k in ks)  # with the two-rank splits' shorter rings
+    assert len(ks) == 103 and all(k.hopper for k in ks)  # with the two-rank splits' shorter rings
     assert "quant_sm90::w8wgmma_pack_kernel<1>" in names
     for dt in ("__half", "__nv_bfloat16"):  # INT8 (KIND = 1): the INT4 default shapes
         for blk, mt, gs, ks_ in Q.W8WGMMA_VARIANTS:
@@ -556,9 +558,9 @@ def test_variants_listed_and_hopper_only():
         for mt, stages in ((64, 8), (128, 8), (256, 6)):
             assert f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, 1, {stages}>" in names
         for blk, mt, stages in ((2, 64, 8), (2, 128, 8), (1, 64, 8), (1, 128, 8), (1, 256, 6)):
-            for gs in (2, 4):  # wgmma groups of gs k16 steps (not gs = 4 at mt = 256)
+            for gs in (2, 4):  # wgmma groups of gs k16 steps (gs = 4 at blk = 1: 128-k stages only)
                 name = f"quant_sm90::w4_wgmma_kernel<{dt}, {mt}, {blk}, {stages}, {gs}>"
-                assert (name in names) == (gs == 2 or mt != 256)
+                assert (name in names) == (gs == 2 or blk == 2)
         assert not any(f"<{dt}, 64, 4, " in nm for nm in names)  # no 512-channel CTAs
     assert {"quant_sm90::w4wgmma_pack_kernel<0>", "quant_sm90::w4wgmma_pack_kernel<1>"} <= names
 
@@ -853,11 +855,11 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
     (17, 512, 1024, 128, {"blk": 1}), (100, 256, 640, 128, {"blk": 1, "splits": 3}),
     (257, 768, 1024, 256, {"blk": 1, "mt": 128}), (300, 512, 2048, 128, {"blk": 1, "mt": 256}),
     (513, 256, 1024, 128, {"blk": 1, "mt": 256, "splits": 4}), (40, 1024, 512, 128, {"blk": 1, "mt": 256}),
-    (150, 512, 1024, 128, {"blk": 1, "mt": 192}), (385, 256, 1152, 128, {"blk": 1, "mt": 192, "splits": 3, "gs": 4}),
+    (150, 512, 1024, 128, {"blk": 1, "mt": 192}), (385, 256, 1152, 128, {"blk": 1, "mt": 192, "splits": 3, "gs": 2}),
     (300, 512, 1024, 128, {"blk": 1, "mt": 256, "splits": 2}),
     (77, 768, 1024, 128, {"blk": 1, "mt": 96, "gs": 2, "splits": 2}), (170, 256, 896, 128, {"blk": 1, "mt": 160}),
     # several waves: m tiles in groups of 8 (32 m tiles; 21, the last group of 5)
-    (2000, 1024, 512, 128, {"blk": 1, "mt": 64, "gs": 4}), (1300, 1536, 512, 128, {"blk": 1, "mt": 64, "gs": 2})])
+    (2000, 1024, 512, 128, {"blk": 1, "mt": 64, "gs": 4, "ks": 2}), (1300, 1536, 512, 128, {"blk": 1, "mt": 64, "gs": 2})])
 def test_w4wgmma_blk1_small(dtype, fmt, m, n, k, g, override):
     """The blk = 1 variants (128-channel CTAs; mt 64 / 96 / 128 / 160 / 192 / 256) forced through _W4WGMMA_OVERRIDE:
     odd M (partial m tiles, a 256-row box over 40 rows), split-K, multi-wave grids in m groups, both dtypes, AWQ and
@@ -1026,7 +1028,7 @@ def test_w4wgmma_gptq_act_order_small(dtype, m):
 @pytest.mark.parametrize("m,n,k,override", [
     (320, 12288, 4096, {}),  # the heuristic's own tail: 2 x 96 tiles of 160 rows, the last 60 in clusters of 2
     (300, 2048, 2048, {"mt": 128, "tail_tiles": 5, "tail_splits": 3}),
-    (2000, 1024, 512, {"blk": 1, "mt": 64, "gs": 4, "tail_tiles": 9, "tail_splits": 4}),  # across m groups
+    (2000, 1024, 512, {"blk": 1, "mt": 64, "gs": 4, "ks": 2, "tail_tiles": 9, "tail_splits": 4}),  # across m groups
     (1000, 512, 512, {"tail_tiles": 3, "tail_splits": 2})])                                # 128-k stages
 def test_w4wgmma_tail_small(dtype, m, n, k, override):
     """The tail launch (the last tiles split-K in a second launch from tile_base): planned where the estimate says
