@@ -108,11 +108,6 @@ W4WGMMA_GROUP_STEPS = (1, 2, 4)  # k16 steps per wgmma group (commit / wait gran
 # only with 128-k stages (ks = 2, the 64-row tiles the heuristic picks): with 64-k stages ptxas serializes its
 # wgmma since the packed split-K epilogue (session 16), and the heuristic never chose them (w4wgmma_gs4_built).
 W4WGMMA_NO_GS4 = {(1, 256)}
-
-
-def w4wgmma_gs4_built(blk: int, mt: int, ks: int) -> bool:
-    """Whether INT4 w4_wgmma_kernel is built with wgmma groups of 4 k16 steps for this tile shape."""
-    return (blk, mt) not in W4WGMMA_NO_GS4 and not (blk == 1 and ks == 1)
 # INT8 (KIND = W_INT8) variants built: the shapes w4wgmma_shape chooses among (W4WGMMA_CANDIDATES), and ks = 1 /
 # gs = 1 of some for comparison.
 W8WGMMA_VARIANTS = {(2, 64, 4, 2), (1, 64, 4, 2), (2, 128, 1, 1), (1, 128, 1, 1), (1, 256, 2, 1), (1, 128, 4, 1),
@@ -707,6 +702,11 @@ def marlin_config(m: int, n: int, k: int, sms: int, ctas: int = 0) -> MarlinConf
 def marlin_workspace_floats(cfg: MarlinConfig) -> int:
     """fp32 partial slots of quant_marlin_kernel: two per CTA (its range's first and last segment), 8 mt x 256."""
     return 2 * cfg.ctas * 8 * cfg.mt * MARLIN_BLOCKS * 64
+
+
+def w4wgmma_gs4_built(blk: int, mt: int, ks: int) -> bool:
+    """Whether INT4 w4_wgmma_kernel is built with wgmma groups of 4 k16 steps for this tile shape (W4WGMMA_NO_GS4)."""
+    return (blk, mt) not in W4WGMMA_NO_GS4 and not (blk == 1 and ks == 1)
 
 
 def w4wgmma_stage_bytes(mt: int, blk: int = W4WGMMA_BLK, ks: int = 1, kind: int = KIND_INT4) -> int:
