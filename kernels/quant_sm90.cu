@@ -183,6 +183,63 @@ __device__ __forceinline__ void w4_unpack8(const unsigned (&w)[W4_PACK_WORDS], f
   }
 }
 
+// A thread's W4_PACK_WORDS words of one pair slot: the first four at `first`, the rest (two or four) at `rest`; to
+// this CTA's shared memory, to a cluster CTA's (st.async, completing on its mbarrier `bar`), and back.
+__device__ __forceinline__ void w4_st_words(unsigned first, unsigned rest, const unsigned (&w)[W4_PACK_WORDS]) {
+  sc::st_shared_v4(first, __uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]), __uint_as_float(w[3]));
+  if constexpr (W4_PACK_WORDS == 6) sc::st_shared_v2(rest, __uint_as_float(w[4]), __uint_as_float(w[5]));
+  if constexpr (W4_PACK_WORDS == 8)
+    sc::st_shared_v4(rest, __uint_as_float(w[4]), __uint_as_float(w[5]), __uint_as_float(w[6]), __uint_as_float(w[7]));
+}
+__device__ __forceinline__ void w4_st_async_words(unsigned first, unsigned rest, const unsigned (&w)[W4_PACK_WORDS],
+                                                  unsigned bar) {
+  sc::st_async_v4(first, __uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]), __uint_as_float(w[3]),
+                  bar);
+  if constexpr (W4_PACK_WORDS == 6) sc::st_async_v2(rest, __uint_as_float(w[4]), __uint_as_float(w[5]), bar);
+  if constexpr (W4_PACK_WORDS == 8)
+    sc::st_async_v4(rest, __uint_as_float(w[4]), __uint_as_float(w[5]), __uint_as_float(w[6]), __uint_as_float(w[7]),
+                    bar);
+}
+__device__ __forceinline__ void w4_ld_cluster_words(unsigned first, unsigned rest, unsigned (&w)[W4_PACK_WORDS]) {
+  const float4 v = sc::ld_cluster_v4(first);
+  w[0] = __float_as_uint(v.x);
+  w[1] = __float_as_uint(v.y);
+  w[2] = __float_as_uint(v.z);
+  w[3] = __float_as_uint(v.w);
+  if constexpr (W4_PACK_WORDS == 6) {
+    const float2 u = sc::ld_cluster_v2(rest);
+    w[4] = __float_as_uint(u.x);
+    w[5] = __float_as_uint(u.y);
+  }
+  if constexpr (W4_PACK_WORDS == 8) {
+    const float4 u = sc::ld_cluster_v4(rest);
+    w[4] = __float_as_uint(u.x);
+    w[5] = __float_as_uint(u.y);
+    w[6] = __float_as_uint(u.z);
+    w[7] = __float_as_uint(u.w);
+  }
+}
+__device__ __forceinline__ void w4_ld_words(const unsigned char* first, const unsigned char* rest,
+                                            unsigned (&w)[W4_PACK_WORDS]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(first);
+  w[0] = v.x;
+  w[1] = v.y;
+  w[2] = v.z;
+  w[3] = v.w;
+  if constexpr (W4_PACK_WORDS == 6) {
+    const uint2 u = *reinterpret_cast<const uint2*>(rest);
+    w[4] = u.x;
+    w[5] = u.y;
+  }
+  if constexpr (W4_PACK_WORDS == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(rest);
+    w[4] = u.x;
+    w[5] = u.y;
+    w[6] = u.z;
+    w[7] = u.w;
+  }
+}
+
 // Split-K over two ranks by pushes, where the receive buffer fits: each rank's buffer for the half of the tile it
 // owns (its H / 2 pairs of row groups x BLK blocks, packed: w4_pack8), past the ring, its mbarriers and the tile's
 // coordinates, behind a receive mbarrier of its own (speedcore.quant.w4wgmma_rx_bytes mirrors this).  A dedicated
@@ -603,166 +660,110 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
       for (int j = 0; j < J; j += 2)
 #pragma unroll
         for (int blk = 0; blk < BLK; ++blk) tile_pair(j, blk, &acc[blk][4 * j], &acc[blk][4 * j + 4]);
-    } else if (RX::FITS && splits == 2) {
-      // Two ranks, by pushes: each keeps the half of the tile it owns in registers, sends the other half (packed,
-      // st.async from registers) into the other rank's receive buffer as soon as its own main loop is done, and
-      // adds what it receives (own + other).  Pair p = (row groups 2 p, 2 p + 1 of the half, block blk) is PSLOT
-      // bytes of the buffer: every thread's first four words, then the rest.
-      constexpr int H = J / 2, PW = W4_PACK_WORDS, PSLOT = 256 * 4 * PW;
-      static_assert(H % 2 == 0, "row groups are handed over in pairs");
-      const unsigned rx0 = sc::smem_addr(rx_buf) + tid * 16, rx0_rest = sc::smem_addr(rx_buf) + 256 * 16 + tid * 4 * (PW - 4);
-      const unsigned other = (unsigned)(1 - e_split);
-      const unsigned to = sc::cluster_map(rx0, other), to_rest = sc::cluster_map(rx0_rest, other);
-      const unsigned to_bar = sc::cluster_map(sc::smem_addr(rx_full), other);
-      sc::cluster_wait();  // the other rank's receive barrier is initialized (its arrive at the start)
-#ifdef W4_TRACE
-      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
-#endif
-      auto send = [&](const int base) {
-#pragma unroll
-        for (int jj = 0; jj < H; jj += 2)
-#pragma unroll
-          for (int blk = 0; blk < BLK; ++blk) {
-            unsigned w[PW];
-            w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
-            const int at = (jj / 2 * BLK + blk) * PSLOT;
-            sc::st_async_v4(to + at, __uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]),
-                            __uint_as_float(w[3]), to_bar);
-            if constexpr (PW == 6) sc::st_async_v2(to_rest + at, __uint_as_float(w[4]), __uint_as_float(w[5]), to_bar);
-            if constexpr (PW == 8)
-              sc::st_async_v4(to_rest + at, __uint_as_float(w[4]), __uint_as_float(w[5]), __uint_as_float(w[6]),
-                              __uint_as_float(w[7]), to_bar);
-          }
-      };
-      if (e_split == 0) send(H);
-      else send(0);
-      sc::mbar_wait(rx_full, 0);
-#ifdef W4_TRACE
-      if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
-#endif
-      auto sum_own = [&](const int base) {
-#pragma unroll
-        for (int jj = 0; jj < H; jj += 2)
-#pragma unroll
-          for (int blk = 0; blk < BLK; ++blk) {
-            const int at = (jj / 2 * BLK + blk) * PSLOT;
-            unsigned w[PW];
-            const uint4 v = *reinterpret_cast<const uint4*>(rx_buf + at + tid * 16);
-            w[0] = v.x;
-            w[1] = v.y;
-            w[2] = v.z;
-            w[3] = v.w;
-            if constexpr (PW == 6) {
-              const uint2 u = *reinterpret_cast<const uint2*>(rx_buf + at + 256 * 16 + tid * 8);
-              w[4] = u.x;
-              w[5] = u.y;
-            }
-            if constexpr (PW == 8) {
-              const uint4 u = *reinterpret_cast<const uint4*>(rx_buf + at + 256 * 16 + tid * 16);
-              w[4] = u.x;
-              w[5] = u.y;
-              w[6] = u.z;
-              w[7] = u.w;
-            }
-            float o[2][4], v2[2][4];
-            w4_unpack8(w, o[0], o[1]);
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-              const float* a = &acc[blk][4 * (base + jj + q)];
-#pragma unroll
-              for (int e = 0; e < 4; ++e) v2[q][e] = a[e] + o[q][e];
-            }
-            tile_pair(jj, blk, v2[0], v2[1]);
-#ifdef W4_TRACE
-            if (jj == 0 && blk == 0 && threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 6, clock64());
-#endif
-          }
-      };
-      if (e_split == 0) sum_own(0);
-      else sum_own(H);
-      sc::cluster_arrive_relaxed();  // waited for before exit: no CTA leaves while the other may still send to it
     } else if (splits == 2) {
-      // Two ranks (no room for a receive buffer): each keeps the half of the tile it owns in registers and hands over the other half, so that half
+      // Two ranks: each keeps the half of the tile it owns in registers and hands over the other half, so that half
       // the bytes cross shared memory (8192^2 M = 256: 2.6 us of pulls through the cluster window when all J row
-      // groups went to the slots), packed (w4_pack8).  Rank r stores row groups [(1 - r) H, (2 - r) H) to its slots,
-      // one per pair of row groups and block (PSLOT bytes: the first four words of each thread, then the rest), and
-      // after the cluster barrier reads the other rank's slots for its own rows (own + other).  The two ranks'
-      // copies of the code differ only in which accumulators they take.
+      // groups went to the slots), packed (w4_pack8): rank r hands over row groups [(1 - r) H, (2 - r) H), in slots
+      // of PSLOT bytes per pair of row groups and block (every thread's first four words, then the rest), and adds
+      // what it gets to its own rows (own + other).  Where the receive buffer fits (RX), by st.async pushes into the
+      // other rank's buffer as soon as its own main loop is done; else to its own ring slots, which the other rank
+      // pulls after a cluster barrier.  The two ranks' copies of the code differ only in which accumulators they
+      // take.
       constexpr int H = J / 2, PW = W4_PACK_WORDS, PSLOT = 256 * 4 * PW;
       static_assert(H % 2 == 0, "row groups are handed over in pairs");
-      const unsigned mine = sc::smem_addr(smem) + tid * 16;  // this thread's first four words of slot 0
-      const unsigned mine_rest = sc::smem_addr(smem) + 256 * 16 + tid * 4 * (PW - 4);  // and the rest
-      auto hand_over = [&](const int base) {
+      const int first = tid * 16, rest = 256 * 16 + tid * 4 * (PW - 4);  // a thread's words in slot 0
+      const unsigned other = (unsigned)(1 - e_split);
+      // Pair (jj, jj + 1) of block blk: own + the other rank's words w, into the y tile.
+      auto add_pair = [&](const int base, const int jj, const int blk, const unsigned (&w)[PW]) {
+        float o[2][4], v[2][4];
+        w4_unpack8(w, o[0], o[1]);
 #pragma unroll
-        for (int jj = 0; jj < H; jj += 2)
+        for (int q = 0; q < 2; ++q) {
+          const float* a = &acc[blk][4 * (base + jj + q)];
 #pragma unroll
-          for (int blk = 0; blk < BLK; ++blk) {
-            unsigned w[PW];
-            w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
-            const int at = (jj / 2 * BLK + blk) * PSLOT;
-            sc::st_shared_v4(mine + at, __uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]),
-                             __uint_as_float(w[3]));
-            if constexpr (PW == 6) sc::st_shared_v2(mine_rest + at, __uint_as_float(w[4]), __uint_as_float(w[5]));
-            if constexpr (PW == 8)
-              sc::st_shared_v4(mine_rest + at, __uint_as_float(w[4]), __uint_as_float(w[5]), __uint_as_float(w[6]),
-                               __uint_as_float(w[7]));
-          }
-      };
-      if (e_split == 0) hand_over(H);
-      else hand_over(0);
-      slots_written();
-      const unsigned other = sc::cluster_map(mine, (unsigned)(1 - e_split));
-      const unsigned other_rest = sc::cluster_map(mine_rest, (unsigned)(1 - e_split));
-      auto sum_own = [&](const int base) {
-        unsigned x[H / 2][BLK][PW];  // every load in flight before the first is used
-#pragma unroll
-        for (int jj = 0; jj < H; jj += 2)
-#pragma unroll
-          for (int blk = 0; blk < BLK; ++blk) {
-            unsigned(&w)[PW] = x[jj / 2][blk];
-            const int at = (jj / 2 * BLK + blk) * PSLOT;
-            const float4 v = sc::ld_cluster_v4(other + at);
-            w[0] = __float_as_uint(v.x);
-            w[1] = __float_as_uint(v.y);
-            w[2] = __float_as_uint(v.z);
-            w[3] = __float_as_uint(v.w);
-            if constexpr (PW == 6) {
-              const float2 u = sc::ld_cluster_v2(other_rest + at);
-              w[4] = __float_as_uint(u.x);
-              w[5] = __float_as_uint(u.y);
-            }
-            if constexpr (PW == 8) {
-              const float4 u = sc::ld_cluster_v4(other_rest + at);
-              w[4] = __float_as_uint(u.x);
-              w[5] = __float_as_uint(u.y);
-              w[6] = __float_as_uint(u.z);
-              w[7] = __float_as_uint(u.w);
-            }
-          }
+          for (int e = 0; e < 4; ++e) v[q][e] = a[e] + o[q][e];
+        }
+        tile_pair(jj, blk, v[0], v[1]);
 #ifdef W4_TRACE
-        if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 5, clock64());
+        if (jj == 0 && blk == 0 && threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 6, clock64());
+#endif
+      };
+      if constexpr (RX::FITS) {
+        const unsigned rx = sc::smem_addr(rx_buf);
+        const unsigned to = sc::cluster_map(rx + first, other), to_rest = sc::cluster_map(rx + rest, other);
+        const unsigned to_bar = sc::cluster_map(sc::smem_addr(rx_full), other);
+        sc::cluster_wait();  // the other rank's receive barrier is initialized (its arrive at the start)
+#ifdef W4_TRACE
+        if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
+#endif
+        auto send = [&](const int base) {
+#pragma unroll
+          for (int jj = 0; jj < H; jj += 2)
+#pragma unroll
+            for (int blk = 0; blk < BLK; ++blk) {
+              unsigned w[PW];
+              w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
+              const int at = (jj / 2 * BLK + blk) * PSLOT;
+              w4_st_async_words(to + at, to_rest + at, w, to_bar);
+            }
+        };
+        if (e_split == 0) send(H);
+        else send(0);
+        sc::mbar_wait(rx_full, 0);
+#ifdef W4_TRACE
+        if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
+#endif
+        auto sum_own = [&](const int base) {
+#pragma unroll
+          for (int jj = 0; jj < H; jj += 2)
+#pragma unroll
+            for (int blk = 0; blk < BLK; ++blk) {
+              const int at = (jj / 2 * BLK + blk) * PSLOT;
+              unsigned w[PW];
+              w4_ld_words(rx_buf + at + first, rx_buf + at + rest, w);
+              add_pair(base, jj, blk, w);
+            }
+        };
+        if (e_split == 0) sum_own(0);
+        else sum_own(H);
+      } else {
+        const unsigned mine = sc::smem_addr(smem) + first, mine_rest = sc::smem_addr(smem) + rest;
+        auto hand_over = [&](const int base) {
+#pragma unroll
+          for (int jj = 0; jj < H; jj += 2)
+#pragma unroll
+            for (int blk = 0; blk < BLK; ++blk) {
+              unsigned w[PW];
+              w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
+              const int at = (jj / 2 * BLK + blk) * PSLOT;
+              w4_st_words(mine + at, mine_rest + at, w);
+            }
+        };
+        if (e_split == 0) hand_over(H);
+        else hand_over(0);
+        slots_written();
+        const unsigned from = sc::cluster_map(mine, other), from_rest = sc::cluster_map(mine_rest, other);
+        auto sum_own = [&](const int base) {
+          unsigned x[H / 2][BLK][PW];  // every load in flight before the first is used
+#pragma unroll
+          for (int jj = 0; jj < H; jj += 2)
+#pragma unroll
+            for (int blk = 0; blk < BLK; ++blk) {
+              const int at = (jj / 2 * BLK + blk) * PSLOT;
+              w4_ld_cluster_words(from + at, from_rest + at, x[jj / 2][blk]);
+            }
+#ifdef W4_TRACE
+          if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 5, clock64());
 #endif
 #pragma unroll
-        for (int jj = 0; jj < H; jj += 2)
+          for (int jj = 0; jj < H; jj += 2)
 #pragma unroll
-          for (int blk = 0; blk < BLK; ++blk) {
-            float o[2][4], v[2][4];
-            w4_unpack8(x[jj / 2][blk], o[0], o[1]);
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-              const float* a = &acc[blk][4 * (base + jj + q)];
-#pragma unroll
-              for (int e = 0; e < 4; ++e) v[q][e] = a[e] + o[q][e];
-            }
-            tile_pair(jj, blk, v[0], v[1]);
-#ifdef W4_TRACE
-            if (jj == 0 && blk == 0 && threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 6, clock64());
-#endif
-          }
-      };
-      if (e_split == 0) sum_own(0);
-      else sum_own(H);
-      sc::cluster_arrive_relaxed();  // waited for before exit: no CTA leaves while the other still reads its slots
+            for (int blk = 0; blk < BLK; ++blk) add_pair(base, jj, blk, x[jj / 2][blk]);
+        };
+        if (e_split == 0) sum_own(0);
+        else sum_own(H);
+      }
+      sc::cluster_arrive_relaxed();  // waited for before exit: no CTA leaves while the other still sends or reads
     } else {
       const unsigned mine = sc::smem_addr(smem) + tid * 16;  // this thread's 16 bytes of slot (0, 0)
 #pragma unroll
