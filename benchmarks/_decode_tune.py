@@ -24,25 +24,29 @@ from _decode_diag import contiguous_args, paged_problem  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OLD = os.path.exists(os.path.join(HERE, "..", "kernels", "_decode_old.cu"))
+# An old copy whose merge waits in-kernel (griddepcontrol) is launched as the current one is.
+OLD_PDL = OLD and "grid_dependency_wait" in open(os.path.join(HERE, "..", "kernels", "_decode_old.cu")).read()
 # name -> (source, warps, stages)
-VARIANTS = {"w4s3": ("decode.cu", 4, 3)}
+VARIANTS = {"w4s3": ("decode.cu", 4, 3), "nopg": ("decode.cu", 4, 3)}  # nopg: PAGE16 off (per-row page lookup)
 CONTIG = tuple(os.environ.get("DECODE_CONTIG", "w4s3").split(","))
 if OLD:
     VARIANTS = {"old": ("_decode_old.cu", 4, 3), **VARIANTS}
 # (batch, seqlen, heads, kv_heads, head_dim) -> {variant: split counts (None: the heuristic's)}
 SWEEP = {
-    (64, 4096, 32, 8, 128): {"old": [None], "w4s3": [None, 2]},
-    (8, 32768, 32, 8, 128): {"old": [None], "w4s3": [None, 8]},
-    (1, 131072, 32, 8, 128): {"old": [None], "w4s3": [None, 66]},
-    (256, 1024, 32, 32, 128): {"old": [None], "w4s3": [None]},
-    (16, 8192, 32, 8, 128): {"old": [None], "w4s3": [None, 4]},
-    (32, 2048, 64, 8, 128): {"old": [None], "w4s3": [None, 2]},
+    (64, 4096, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
+    (8, 32768, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
+    (1, 131072, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
+    (256, 1024, 32, 32, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
+    (16, 8192, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
+    (32, 2048, 64, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
 }
 
 
-def kernels(name):
+def kernels(name, page16=True):
     src, w, s = VARIANTS[name]
-    return (Kernel(src, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {D.L2_HINT}>"),
+    # The old copy may predate the PAGE16 template parameter (then it takes the default).
+    tail = "" if name == "old" else f", {'true' if page16 and name != 'nopg' else 'false'}"
+    return (Kernel(src, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {D.L2_HINT}{tail}>"),
             Kernel(src, "decode_merge_kernel<__nv_bfloat16, 128>"))
 
 
@@ -58,10 +62,10 @@ def use(name):
     """Point the module at one variant (kernels, config and the split heuristic's occupancy)."""
     _, w, s = VARIANTS[name]
     D.DECODE_CONFIGS[128] = (w, s)
-    D._decode_plan = _plain_merge_plan if name == "old" else _PLAN
+    D._decode_plan = _plain_merge_plan if name == "old" and not OLD_PDL else _PLAN
     D.decode_config.cache_clear()
     D.decode_num_splits.cache_clear()
-    D._attn_kernel = lambda dtype, d: kernels(name)[0]
+    D._attn_kernel = lambda dtype, d, page16=True: kernels(name, page16)[0]
     D._merge_kernel = lambda dtype, d: kernels(name)[1]
     D._DECODE_PLANS.clear()
 
@@ -69,7 +73,7 @@ def use(name):
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     t0 = time.time()
-    ks = [k for n in VARIANTS for k in kernels(n)]
+    ks = [k for n in VARIANTS for k in kernels(n)] + [kernels("w4s3", False)[0]]
     with ThreadPoolExecutor(8) as ex:
         for k, c in zip(ks, ex.map(lambda k: compile_kernel(k, "sm_90"), ks)):
             r = c.resources

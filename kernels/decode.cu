@@ -75,8 +75,8 @@ __device__ __forceinline__ float tanh_exp(float x) {
 // so the last ~10 us of a 130-250 us launch run below full bandwidth.  Sharing a unit's tiles among its warps
 // and splits by atomic tickets (chunks of 2 tiles) was 2-12% slower at every bench shape: the KV heads of a
 // sequence then no longer walk the same pages at the same time (the cache interleaves heads within a page).
-template <typename T, int D, int WARPS, int STAGES, int HINT = 0>
-__global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
+template <typename T, int D, int WARPS, int STAGES, int HINT = 0, bool PAGE16 = false>
+__global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ part_out, float* __restrict__ part_lse,
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens, int num_heads, int group,
@@ -135,11 +135,15 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
   int spec_lo, spec_hi, spec_begin, spec_end;
   range(max_len, spec_lo, spec_hi, spec_begin, spec_end);
   const int spec_first = spec_begin + warp;
+  // PAGE16 (block_size % 16 == 0): a tile's 16 rows are consecutive slots of one page, so every lane resolves the
+  // tile's first token (one broadcast load) and issue() needs no shuffles.
+  constexpr bool aligned = PAGE16;
   int spec_page[STAGES];
 #pragma unroll
   for (int j = 0; j < STAGES; ++j) {
-    const int tok = (spec_first + j * WARPS) * 16 + lane;
-    spec_page[j] = lane < 16 && tok >= spec_lo && tok < spec_hi ? bt_row[tok / block_size] : 0;
+    const int tile_tok = (spec_first + j * WARPS) * 16, tok = aligned ? tile_tok : tile_tok + lane;
+    const bool in = aligned ? tile_tok < spec_hi && tile_tok + 15 >= spec_lo : lane < 16 && tok >= spec_lo && tok < spec_hi;
+    spec_page[j] = in ? bt_row[tok / block_size] : 0;
   }
   int lo, hi, t_begin, t_end;
   range(min(seq_lens[b * sl_stride], max_len), lo, hi, t_begin, t_end);
@@ -170,9 +174,11 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
   // Lane r < 16 resolves row r of a tile: its page (loaded early, to hide the block-table latency) and slot.
   // spec: one of the first STAGES tiles (j a compile-time index after unrolling), whose entries may have been
   // loaded speculatively.
+  // Aligned: every lane resolves the tile's first token; ok then means the tile has attended rows.
   auto fetch_row = [&](bool spec, int j, int& page, int& slot) -> bool {
-    const int tok = (first + j * WARPS) * 16 + lane;
-    const bool ok = lane < 16 && j < njobs && tok >= lo && tok < hi;
+    const int tile_tok = (first + j * WARPS) * 16, tok = aligned ? tile_tok : tile_tok + lane;
+    const bool ok = aligned ? j < njobs && tile_tok < hi && tile_tok + 15 >= lo
+                            : lane < 16 && j < njobs && tok >= lo && tok < hi;
     page = 0;
     slot = 0;
     if (ok) {
@@ -190,12 +196,19 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(
         ok ? (long long)min((unsigned)page, (unsigned)(num_blocks - 1)) * c_stride_block +
                  (long long)slot * c_stride_tok
            : 0;
-    const int c = lane % LPR;
+    const int c = lane % LPR, tile_tok = (first + j * WARPS) * 16;
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
       const int row = i * RPI + lane / LPR;
-      const long long roff = __shfl_sync(0xffffffffu, off, row);
-      const bool rok = __shfl_sync(0xffffffffu, ok, row);
+      long long roff;
+      bool rok;
+      if (aligned) {
+        roff = off + (long long)row * c_stride_tok;
+        rok = ok && tile_tok + row >= lo && tile_tok + row < hi;
+      } else {
+        roff = __shfl_sync(0xffffffffu, off, row);
+        rok = __shfl_sync(0xffffffffu, ok, row);
+      }
 #pragma unroll
       for (int cc = 0; cc < CPR / LPR; ++cc) {
         const int chunk = c + cc * LPR;

@@ -85,9 +85,11 @@ def _ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
     return max(1, min(smem_per_sm // (smem + _RESERVED_SMEM_PER_CTA), 2048 // threads, 32))
 
 
-def _attn_kernel(dtype: str, head_dim: int) -> Kernel:
+def _attn_kernel(dtype: str, head_dim: int, page16: bool = True) -> Kernel:
+    """``page16``: block_size % TILE_TOKENS == 0, so every tile lies inside one page (no per-row page lookup)."""
     warps, stages, _ = decode_config(head_dim)
-    return Kernel(SOURCE, f"paged_decode_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}, {L2_HINT}>")
+    return Kernel(SOURCE, f"paged_decode_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}, {L2_HINT}, "
+                          f"{'true' if page16 else 'false'}>")
 
 
 def _merge_kernel(dtype: str, head_dim: int) -> Kernel:
@@ -126,7 +128,8 @@ def all_kernels() -> list:
     out = []
     for dtype in A.HALF_DTYPES:
         for d in HEAD_DIMS:
-            out.append(_attn_kernel(dtype, d))
+            out.append(_attn_kernel(dtype, d, True))
+            out.append(_attn_kernel(dtype, d, False))
             out.append(_merge_kernel(dtype, d))
     for w in sorted(_WORD_TYPES):
         out.append(_cache_kernel(w))
@@ -313,7 +316,7 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
     o_strides = oa.strides[:2] if oa is not None else (heads * head_dim, head_dim)
     plan = dict(
         batch=batch, heads=heads, head_dim=head_dim, splits=splits,
-        kernel=_attn_kernel(qa.dtype, head_dim),
+        kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0),
         cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"]),
         scalars=(np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),
                  np.int32(p["block_size"]), np.int32(p["num_blocks"]), np.int32(p["max_len"]),

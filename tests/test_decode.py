@@ -304,11 +304,12 @@ def test_paged_decode_split_paths(head_dim, num_splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("window_left", [0, 5, 100, 5000])
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
-def test_paged_decode_softcap_and_window(window_left, softcap):
+@pytest.mark.parametrize("block_size", [32, 7])  # whole tiles per page (PAGE16) or a per-row page lookup
+def test_paged_decode_softcap_and_window(window_left, softcap, block_size):
     torch = _torch()
     # a large scale makes the logits big enough for the cap to matter
     for splits in (None, 5):
-        run_decode(torch, batch_lens=[1, 700, 33, 2000], heads=16, kv_heads=4, head_dim=128, block_size=32,
+        run_decode(torch, batch_lens=[1, 700, 33, 2000], heads=16, kv_heads=4, head_dim=128, block_size=block_size,
                    dtype=torch.float16, softcap=softcap, window_left=window_left, scale=0.5 if softcap else None,
                    num_splits=splits, seed=window_left)
 
