@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OLD = os.path.exists(os.path.join(HERE, "..", "kernels", "_decode_old.cu"))
 # An old copy whose merge waits in-kernel (griddepcontrol) is launched as the current one is.
 OLD_PDL = OLD and "grid_dependency_wait" in open(os.path.join(HERE, "..", "kernels", "_decode_old.cu")).read()
+OLD_PAGE16 = OLD and "PAGE16" in open(os.path.join(HERE, "..", "kernels", "_decode_old.cu")).read()
 # name -> (source, warps, stages)
 VARIANTS = {"w4s3": ("decode.cu", 4, 3), "nopg": ("decode.cu", 4, 3)}  # nopg: PAGE16 off (per-row page lookup)
 CONTIG = tuple(os.environ.get("DECODE_CONTIG", "w4s3").split(","))
@@ -45,7 +46,7 @@ SWEEP = {
 def kernels(name, page16=True):
     src, w, s = VARIANTS[name]
     # The old copy may predate the PAGE16 template parameter (then it takes the default).
-    tail = "" if name == "old" else f", {'true' if page16 and name != 'nopg' else 'false'}"
+    tail = "" if name == "old" and not OLD_PAGE16 else f", {'true' if page16 and name != 'nopg' else 'false'}"
     return (Kernel(src, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {D.L2_HINT}{tail}>"),
             Kernel(src, "decode_merge_kernel<__nv_bfloat16, 128>"))
 

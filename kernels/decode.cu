@@ -23,17 +23,17 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
 // 16-byte cp.async of one K/V row chunk.  HINT 0: plain; 1: with an L2 prefetch of the surrounding 256 bytes
 // (a K/V row of one head is 128 to 512 contiguous bytes); 2: with an L2 evict-first policy (K/V are read once).
 template <int HINT>
-__device__ __forceinline__ void cp_async_kv(void* smem, const void* gmem, bool pred, unsigned long long policy) {
+__device__ __forceinline__ void cp_async_kv(unsigned saddr, const void* gmem, bool pred, unsigned long long policy) {
   if constexpr (HINT == 1) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(sc::smem_addr(smem)), "l"(gmem),
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem),
                  "r"(pred ? 16 : 0)
                  : "memory");
   } else if constexpr (HINT == 2) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(sc::smem_addr(smem)),
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(saddr),
                  "l"(gmem), "r"(pred ? 16 : 0), "l"(policy)
                  : "memory");
   } else {
-    sc::cp_async16(smem, gmem, pred);
+    sc::cp_async16_s(saddr, gmem, pred);
   }
 }
 __device__ __forceinline__ unsigned long long evict_first_policy() {
@@ -166,6 +166,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   uint4* ring = smem + warp * (STAGES * 2 * TILE);
   const unsigned long long policy = HINT == 2 ? dec::evict_first_policy() : 0ull;
 
+  // A power-of-two block size (vLLM's are) turns the per-tile page index into a shift.
+  const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+
   // This warp's tiles: t_begin + warp + j * WARPS for j < njobs.
   const int first = t_begin + warp;
   const int njobs = t_end > first ? (t_end - first + WARPS - 1) / WARPS : 0;
@@ -182,41 +185,63 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     page = 0;
     slot = 0;
     if (ok) {
-      const int blk = tok / block_size;
+      const int blk = bs_shift >= 0 ? tok >> bs_shift : tok / block_size;
       page = spec && use_spec ? spec_page[j] : bt_row[blk];
       slot = tok - blk * block_size;
     }
     return ok;
   };
-  auto issue = [&](int j, int page, int slot, bool ok) {
-    uint4* ks = ring + (j % STAGES) * 2 * TILE;
-    uint4* vs = ks + TILE;
+  // Shared addresses: stage j of this warp's ring at ring_s + (j % STAGES) * SLOT (K tile, then V tile), 16-byte
+  // chunks XOR-swizzled within 8-row groups.  The swizzle repeats every 8 rows and every 8 chunks, so each address
+  // below is a loop-invariant per-lane pattern plus a compile-time offset.
+  constexpr unsigned SLOT = 2 * TILE * 16;
+  const unsigned ring_s = sc::smem_addr(ring);
+  constexpr int IP = NI < 8 / RPI ? NI : 8 / RPI;  // cp.async rows repeat their swizzle every IP instructions
+  unsigned cp_pat[IP];
+#pragma unroll
+  for (int i = 0; i < IP; ++i) {
+    const int row = i * RPI + lane / LPR, chunk = lane % LPR;
+    cp_pat[i] = (row * CPR + (chunk ^ (row & 7))) * 16;
+  }
+  unsigned k_pat[4], v_pat[4];  // ldmatrix: k-step / m-tile kk repeats pattern kk % 4, 128 bytes on per 4
+  {
+    const int rk = (lane & 7) + ((lane >> 3) & 1) * 8, rv = (lane & 7) + (lane >> 4) * 8;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      k_pat[p] = (rk * CPR + ((2 * p + (lane >> 4)) ^ (rk & 7))) * 16;
+      v_pat[p] = TILE * 16 + (rv * CPR + ((2 * p + ((lane >> 3) & 1)) ^ (rv & 7))) * 16;
+    }
+  }
+  // Tile j into the stage at shared address st.
+  auto issue = [&](int j, unsigned st, int page, int slot, bool ok) {
     // min() with num_blocks - 1 keeps a corrupt block table from faulting.
     const long long off =
         ok ? (long long)min((unsigned)page, (unsigned)(num_blocks - 1)) * c_stride_block +
                  (long long)slot * c_stride_tok
            : 0;
-    const int c = lane % LPR, tile_tok = (first + j * WARPS) * 16;
+    const int chunk = lane % LPR, tile_tok = (first + j * WARPS) * 16;
+    // Aligned: a tile wholly inside [lo, hi) (all but the first and last) needs no per-row predicate.
+    const bool whole = aligned && ok && tile_tok >= lo && tile_tok + 16 <= hi;
+    auto copy = [&](bool check) {
 #pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const int row = i * RPI + lane / LPR;
-      long long roff;
-      bool rok;
-      if (aligned) {
-        roff = off + (long long)row * c_stride_tok;
-        rok = ok && tile_tok + row >= lo && tile_tok + row < hi;
-      } else {
-        roff = __shfl_sync(0xffffffffu, off, row);
-        rok = __shfl_sync(0xffffffffu, ok, row);
+      for (int i = 0; i < NI; ++i) {
+        const int row = i * RPI + lane / LPR;
+        long long roff;
+        bool rok;
+        if (aligned) {
+          roff = off + (long long)row * c_stride_tok;
+          rok = !check || (ok && tile_tok + row >= lo && tile_tok + row < hi);
+        } else {
+          roff = __shfl_sync(0xffffffffu, off, row);
+          rok = __shfl_sync(0xffffffffu, ok, row);
+        }
+        const unsigned dst = st + cp_pat[i % IP] + (i / IP) * (8 * CPR * 16);
+        dec::cp_async_kv<HINT>(dst, kbase + roff + chunk * 8, rok, policy);
+        dec::cp_async_kv<HINT>(dst + TILE * 16, vbase + roff + chunk * 8, rok, policy);
       }
-#pragma unroll
-      for (int cc = 0; cc < CPR / LPR; ++cc) {
-        const int chunk = c + cc * LPR;
-        const int dst = row * CPR + (chunk ^ (row & 7));
-        dec::cp_async_kv<HINT>(ks + dst, kbase + roff + chunk * 8, rok, policy);
-        dec::cp_async_kv<HINT>(vs + dst, vbase + roff + chunk * 8, rok, policy);
-      }
-    }
+    };
+    if (whole) copy(false);
+    else copy(true);
   };
 
   float oacc[KT][4];
@@ -228,35 +253,36 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   for (int j = 0; j < STAGES - 1; ++j) {
     int page, slot;
     const bool ok = fetch_row(true, j, page, slot);
-    if (j < njobs) issue(j, page, slot, ok);
+    if (j < njobs) issue(j, ring_s + j * SLOT, page, slot, ok);
     sc::cp_async_commit();
   }
   int pf_page, pf_slot;
   bool pf_ok = fetch_row(true, STAGES - 1, pf_page, pf_slot);
 
+  // st: tile j's stage; prev: the stage tile j - 1 had, which tile j + STAGES - 1 takes.
+  unsigned st = ring_s, prev = ring_s + (STAGES - 1) * SLOT;
   for (int j = 0; j < njobs; ++j) {
+    // Kept in registers: left to itself ptxas recomputes these from the lane index in every iteration.
+#pragma unroll
+    for (int p = 0; p < 4; ++p) asm volatile("" : "+r"(k_pat[p]), "+r"(v_pat[p]));
+#pragma unroll
+    for (int i = 0; i < IP; ++i) asm volatile("" : "+r"(cp_pat[i]));
     sc::cp_async_wait<STAGES - 2>();
     __syncwarp();
 #ifdef DECODE_TRACE
     if (j == 0 && threadIdx.x == 0) trace[1] = gtime();
 #endif
     // Refill the slot consumed in the previous iteration (every lane is past it after __syncwarp).
-    if (j + STAGES - 1 < njobs) issue(j + STAGES - 1, pf_page, pf_slot, pf_ok);
+    if (j + STAGES - 1 < njobs) issue(j + STAGES - 1, prev, pf_page, pf_slot, pf_ok);
     sc::cp_async_commit();
     pf_ok = fetch_row(false, j + STAGES, pf_page, pf_slot);
 
-    const uint4* ks = ring + (j % STAGES) * 2 * TILE;
-    const uint4* vs = ks + TILE;
     float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
-    {
-      const int row = (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-      for (int kk = 0; kk < KT; ++kk) {
-        const int chunk = 2 * kk + (lane >> 4);
-        unsigned a[4];
-        sc::ldmatrix_x4(a[0], a[1], a[2], a[3], ks + row * CPR + (chunk ^ (row & 7)));
-        sc::mma_16816<T>((kk & 1) ? sb : sa, a, qf[kk]);  // two accumulators halve the dependency chain
-      }
+    for (int kk = 0; kk < KT; ++kk) {
+      unsigned a[4];
+      sc::ldmatrix_x4_s(a, st + k_pat[kk % 4] + (kk / 4) * 128);
+      sc::mma_16816<T>((kk & 1) ? sb : sa, a, qf[kk]);  // two accumulators halve the dependency chain
     }
     const int tok_a = (first + j * WARPS) * 16 + (lane >> 2);
     const int tok_b = tok_a + 8;
@@ -278,30 +304,37 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     }
     const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
     const float base0 = mn0 == dec::neg_inf() ? 0.f : mn0, base1 = mn1 == dec::neg_inf() ? 0.f : mn1;
-    const float alpha0 = sc::fast_exp2(m0 - base0), alpha1 = sc::fast_exp2(m1 - base1);
-    m0 = mn0;
-    m1 = mn1;
-    const float p0 = sc::fast_exp2(s[0] - base0), p1 = sc::fast_exp2(s[1] - base1);
-    const float p2 = sc::fast_exp2(s[2] - base0), p3 = sc::fast_exp2(s[3] - base1);
-    l0 = l0 * alpha0 + p0 + p2;
-    l1 = l1 * alpha1 + p1 + p3;
-    unsigned pb[2];
-    pb[0] = dec::movmatrix_trans(sc::pack2<T>(p0, p1));
-    pb[1] = dec::movmatrix_trans(sc::pack2<T>(p2, p3));
-    {
-      const int row = (lane & 7) + (lane >> 4) * 8;
+    // The running max rarely rises after the first tiles; while it stays, alpha is exactly 1 and the rescale of
+    // the output accumulators (4 KT multiplies) is skipped, bit for bit the same result.
+    if (__any_sync(0xffffffffu, mn0 != m0 || mn1 != m1)) {
+      const float alpha0 = sc::fast_exp2(m0 - base0), alpha1 = sc::fast_exp2(m1 - base1);
+      l0 *= alpha0;
+      l1 *= alpha1;
 #pragma unroll
       for (int mt = 0; mt < KT; ++mt) {
         oacc[mt][0] *= alpha0;
         oacc[mt][1] *= alpha1;
         oacc[mt][2] *= alpha0;
         oacc[mt][3] *= alpha1;
-        const int chunk = 2 * mt + ((lane >> 3) & 1);
-        unsigned a[4];
-        sc::ldmatrix_x4_trans(a[0], a[1], a[2], a[3], vs + row * CPR + (chunk ^ (row & 7)));
-        sc::mma_16816<T>(oacc[mt], a, pb);
       }
     }
+    m0 = mn0;
+    m1 = mn1;
+    const float p0 = sc::fast_exp2(s[0] - base0), p1 = sc::fast_exp2(s[1] - base1);
+    const float p2 = sc::fast_exp2(s[2] - base0), p3 = sc::fast_exp2(s[3] - base1);
+    l0 += p0 + p2;
+    l1 += p1 + p3;
+    unsigned pb[2];
+    pb[0] = dec::movmatrix_trans(sc::pack2<T>(p0, p1));
+    pb[1] = dec::movmatrix_trans(sc::pack2<T>(p2, p3));
+#pragma unroll
+    for (int mt = 0; mt < KT; ++mt) {
+      unsigned a[4];
+      sc::ldmatrix_x4_trans_s(a, st + v_pat[mt % 4] + (mt / 4) * 128);
+      sc::mma_16816<T>(oacc[mt], a, pb);
+    }
+    prev = st;
+    st = st + SLOT == ring_s + STAGES * SLOT ? ring_s : st + SLOT;
   }
   sc::cp_async_wait<0>();
 #ifdef DECODE_TRACE
