@@ -29,6 +29,10 @@ OLD_PDL = OLD and "grid_dependency_wait" in open(os.path.join(HERE, "..", "kerne
 OLD_PAGE16 = OLD and "PAGE16" in open(os.path.join(HERE, "..", "kernels", "_decode_old.cu")).read()
 # name -> (source, warps, stages)
 VARIANTS = {"w4s3": ("decode.cu", 4, 3), "nopg": ("decode.cu", 4, 3)}  # nopg: PAGE16 off (per-row page lookup)
+# $DECODE_CONFIGS: more (warps, stages) configurations of the current kernel, e.g. "w3s4,w8s3", run at every shape
+# with the split heuristic's count.
+for _c in filter(None, os.environ.get("DECODE_CONFIGS", "").split(",")):
+    VARIANTS[_c] = ("decode.cu", int(_c[1:].split("s")[0]), int(_c.split("s")[1]))
 CONTIG = tuple(os.environ.get("DECODE_CONTIG", "w4s3").split(","))
 if OLD:
     VARIANTS = {"old": ("_decode_old.cu", 4, 3), **VARIANTS}
@@ -104,7 +108,8 @@ def main():
         for _ in range(rounds):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 results.setdefault("cudnn", []).append(nbytes / b.time_ms(cudnn) / 1e9)
-            for name, splits_list in plan.items():
+            extra = {n: [None] for n in VARIANTS if n not in plan}
+            for name, splits_list in {**plan, **extra}.items():
                 if name not in VARIANTS:
                     continue
                 use(name)
