@@ -79,6 +79,7 @@ STREAM_CHUNK_K = 128        # k per chunk (4 steps): K and (INT4) G must be mult
 STREAM_PREFETCH = 0         # chunks prefetched into L2 ahead of the one being loaded (H200: 1-3 were slower)
 STREAM_NBC_CHOICES = (1, 2, 4)  # blocks per CTA of gemv_stream_kernel built (its NBC; > 1 at M > 8 only)
 STREAM_INT8_MIN_WARPS = (8, 4)  # INT8: at least this many warps per 32-channel block (M <= 8, M <= 16)
+STREAM_SPLIT_COST_CHUNKS = 1.5  # INT4 at M > 8: a K split's cost in chunk loads per warp (stream_config)
 # gemv_bulk_kernel (sm_90+): the same chunks through cp.async.bulk into per-warp shared-memory rings.
 BULK_MAX_WARPS = 16
 BULK_X_PITCH = 288          # bytes per staged row of x (256 + 32: conflict-free 8-byte reads)
@@ -547,6 +548,13 @@ def stream_config(m: int, n: int, k: int, kind: int, sms: int, warps: int = 0, s
         raise ValueError(f"stream_config: nbc must be one of {STREAM_NBC_CHOICES}, divide the {nb} blocks and the {w} "
                          f"warps per CTA, and be 1 at M <= 8 (one block per CTA there), got nbc = {nbc} at M = {m}")
     sp = splits or max(1, min(per_block // (w // nbc), kc // (w // nbc)))
+    if not splits and sp > 1 and kind == KIND_INT4 and mt == 2 and nbc == 1:
+        # At M > 8 a split's fp32 partials, ticket and final pass cost about STREAM_SPLIT_COST_CHUNKS chunk loads of
+        # latency, so it must save more than that per warp (H200, same run, AWQ bf16, us, 1 / 2 splits: 4096^2
+        # M = 16 14.2 / 16.2, M = 12 13.6 / 14.9; 2048 x 4096 M = 16 13.9 / 14.5; 4096 x 14336 29.4 / 24.4).
+        per_warp = lambda s: -(-kc // ((w // nbc) * s))  # noqa: E731
+        if per_warp(1) <= per_warp(sp) + STREAM_SPLIT_COST_CHUNKS:
+            sp = 1
     pf = STREAM_PREFETCH if prefetch < 0 else prefetch
     smem = w * max(m, 1) * (gemv_block_n(kind) + 4) * 4
     if order < 0:

@@ -411,6 +411,12 @@ def test_stream_config(m, n, k):
     assert (c.warps, c.splits, c.grid) == (4, 1, 448)
     c = Q.stream_config(1, 4096, 4096, Q.KIND_INT4, 132)
     assert (c.warps, c.splits, c.grid) == (16, 2, 128)
+    # INT4 at M > 8: a split only where it saves more than STREAM_SPLIT_COST_CHUNKS chunks per warp
+    assert [Q.stream_config(m, 4096, 4096, Q.KIND_INT4, 132).splits for m in (9, 16)] == [1, 1]  # 3 chunks vs 2
+    assert Q.stream_config(16, 4096, 14336, Q.KIND_INT4, 132).splits == 2  # 10 chunks vs 5
+    assert Q.stream_config(16, 1024, 8192, Q.KIND_INT4, 132).splits == 5  # 6 chunks vs 2
+    assert Q.stream_config(16, 2048, 4096, Q.KIND_INT4, 132).splits == 1
+    assert Q.stream_config(16, 2048, 4096, Q.KIND_INT8, 132).splits == 2  # INT8 keeps the one-wave split
     # INT8 on wide layers: at least 8 (M <= 8) / 4 (M <= 16) warps per block, past one wave
     assert [Q.stream_config(m, 28672, 8192, Q.KIND_INT8, 132).warps for m in (1, 16)] == [8, 4]
     assert [Q.stream_config(m, 8192, 8192, Q.KIND_INT8, 132).warps for m in (1, 16)] == [8, 8]
