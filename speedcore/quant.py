@@ -1646,6 +1646,12 @@ _W4WGMMA_MODE = _env_switch("SPEEDCORE_QUANT_W4WGMMA")
 # producer warps and 256-row tiles (1d1efd2) at 4096^2 too (M = 2048 96.5 against the dense path's ~109, M = 8192
 # 367-373 against cuBLAS alone 343-351).
 W4WGMMA_AUTO_M = (17, 1024)
+# From M = 9 on narrow layers (N <= W4WGMMA_AUTO_NARROW_N), where gemv_stream_kernel's two 8-row x tiles have too
+# few channel blocks to hide its latency (H200, same run, AWQ, us, stream / w4wgmma / cuBLAS at M = 16: 1024 x 4096
+# 13.5 / 11.2 / 9.8, 2048 x 4096 14.5 / 12.7 / 12.4, 1024 x 8192 13.5 / 12.5 / 11.3; at 4096 x 4096 14.2 / 15.1 /
+# 15.1 the stream kernel stays ahead).
+W4WGMMA_AUTO_NARROW_M = 9
+W4WGMMA_AUTO_NARROW_N = 2048
 W4WGMMA_AUTO_WIDE_MAX_M = 8192  # the upper end on layers with N >= W4WGMMA_AUTO_WIDE_N
 W4WGMMA_AUTO_WIDE_N = 4096
 _W4WGMMA_OVERRIDE: dict = {}
@@ -1674,12 +1680,15 @@ def use_w8wgmma(m: int, n: int, k: int, cc: tuple = (9, 0)) -> bool:
 def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
     """Dispatch for prepacked INT4 layers (a pure function but for the _W4WGMMA_MODE switch): w4_wgmma_kernel on
     compute capability 9.0 where w4wgmma_supported holds, for M in W4WGMMA_AUTO_M ("auto", the default; up to
-    W4WGMMA_AUTO_WIDE_MAX_M where N >= W4WGMMA_AUTO_WIDE_N) or in W4WGMMA_M_RANGE ("on")."""
+    W4WGMMA_AUTO_WIDE_MAX_M where N >= W4WGMMA_AUTO_WIDE_N, from W4WGMMA_AUTO_NARROW_M where N <=
+    W4WGMMA_AUTO_NARROW_N) or in W4WGMMA_M_RANGE ("on")."""
     if _W4WGMMA_MODE == "off" or tuple(cc) != (9, 0) or not w4wgmma_supported(k, n, group):
         return False
     lo, hi = W4WGMMA_M_RANGE if _W4WGMMA_MODE == "on" else W4WGMMA_AUTO_M
     if _W4WGMMA_MODE == "auto" and n >= W4WGMMA_AUTO_WIDE_N:
         hi = W4WGMMA_AUTO_WIDE_MAX_M
+    if _W4WGMMA_MODE == "auto" and n <= W4WGMMA_AUTO_NARROW_N:
+        lo = W4WGMMA_AUTO_NARROW_M
     return lo <= m <= hi
 
 

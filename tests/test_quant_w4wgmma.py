@@ -520,6 +520,9 @@ def test_supported_shapes_and_switch():
         assert Q.use_w4wgmma(8192, 8192, 8192, 128) and not Q.use_w4wgmma(8193, 8192, 8192, 128)  # from N = 4096
         assert Q.use_w4wgmma(2048, 4096, 4096, 128)
         assert not Q.use_w4wgmma(256, 8192, 8192, 128, cc=(8, 0))
+        # narrow layers from M = 9 (the stream kernel's two x tiles); wider ones keep it up to M = 16
+        assert Q.use_w4wgmma(9, 2048, 4096, 128) and Q.use_w4wgmma(16, 1024, 8192, 128)
+        assert not Q.use_w4wgmma(8, 2048, 4096, 128) and not Q.use_w4wgmma(16, 4096, 4096, 128)
     with _w4("on"):
         assert Q.use_w4wgmma(17, 8192, 8192, 128) and Q.use_w4wgmma(8192, 8192, 8192, 128)
         assert not Q.use_w4wgmma(16, 8192, 8192, 128) and not Q.use_w4wgmma(8193, 8192, 8192, 128)
@@ -846,6 +849,20 @@ def test_w4wgmma_small(dtype, fmt, m, n, k, g, override):
     with _w4("off"):
         y_old = _linear(fmt, x, layer)
     assert (y.float() - y_old.float()).abs().max().item() <= 2e-2 * y_old.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k", [(9, 1024, 4096), (16, 2048, 1024), (12, 512, 2048)])
+def test_w4wgmma_narrow_layers_from_m9(dtype, m, n, k):
+    """Today's dispatch ("auto") takes w4_wgmma_kernel from M = 9 on layers of N <= 2048: right answers there."""
+    torch = _torch()
+    td = getattr(torch, dtype)
+    rng = np.random.default_rng(m + n + k)
+    with _w4("auto"):
+        layer, w_kn = _layer(torch, Q.FMT_AWQ, n, k, 128, td, rng)
+        x = torch.randn(m, k, device="cuda", dtype=td)
+        _poisoned_calls(torch, lambda: _linear(Q.FMT_AWQ, x, layer), (m, n), td, _ref(x, w_kn))  # launches, checks
 
 
 @pytest.mark.gpu
