@@ -64,9 +64,10 @@ __device__ __forceinline__ float tanh_exp(float x) {
 //
 // Each warp owns its own STAGES-deep cp.async ring of tiles (every WARPS-th tile of the CTA's range), so the
 // main loop has no CTA-wide barrier; warps keep their own running max/sum/output and are merged through
-// shared memory at the end.  Rows of a tile are gathered through the block table one token at a time, so any
-// block size works at the same speed (a 16-token tile may span pages when block_size < 16).  Rows outside
-// the attended range [lo, hi) are zero-filled rather than read, so unused cache memory (even NaN) is harmless.
+// shared memory at the end.  Where block_size % 16 == 0 (PAGE16) a tile lies inside one page and is resolved once;
+// otherwise its rows are gathered through the block table one token at a time, so any block size works (a 16-token
+// tile may span pages when block_size < 16).  Rows outside the attended range [lo, hi) are zero-filled rather than
+// read, so unused cache memory (even NaN) is harmless.
 //
 // With num_splits > 1 the CTA writes its normalized partial output (fp32) and its log-sum-exp to the
 // workspace, and decode_merge_kernel combines the splits.
@@ -74,7 +75,9 @@ __device__ __forceinline__ float tanh_exp(float x) {
 // Measured on the H200 (benchmarks/_decode_diag.py): the CTAs of one launch stream at rates up to ~20% apart,
 // so the last ~10 us of a 130-250 us launch run below full bandwidth.  Sharing a unit's tiles among its warps
 // and splits by atomic tickets (chunks of 2 tiles) was 2-12% slower at every bench shape: the KV heads of a
-// sequence then no longer walk the same pages at the same time (the cache interleaves heads within a page).
+// sequence then no longer walk the same pages at the same time (the cache interleaves heads within a page).  So
+// was a pool of a split range's last 1/4 or 1/8 of tiles taken one at a time (1/16: within noise), and each warp
+// writing its own split partial was no faster (benchmarks/results/h200-ab-2026-11-30.md, session 17).
 template <typename T, int D, int WARPS, int STAGES, int HINT = 0, bool PAGE16 = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ part_out, float* __restrict__ part_lse,
@@ -91,7 +94,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   constexpr int TILE = 16 * CPR;        // uint4 per 16-row tile
   constexpr int KT = D / 16;            // k-steps of QK^T and m-tiles of O^T
   static_assert(D % 64 == 0 && D <= 256, "head dim 64, 128 or 256");
-  static_assert(LPR * RPI == 32 && LPR <= CPR, "lane mapping");
+  static_assert(LPR * RPI == 32 && LPR == CPR, "lane mapping: one 16-byte chunk of a row per lane");
 
   extern __shared__ uint4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -142,7 +145,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
 #pragma unroll
   for (int j = 0; j < STAGES; ++j) {
     const int tile_tok = (spec_first + j * WARPS) * 16, tok = aligned ? tile_tok : tile_tok + lane;
-    const bool in = aligned ? tile_tok < spec_hi && tile_tok + 15 >= spec_lo : lane < 16 && tok >= spec_lo && tok < spec_hi;
+    const bool in = aligned ? tile_tok < spec_hi && tile_tok + 15 >= spec_lo
+                            : lane < 16 && tok >= spec_lo && tok < spec_hi;
     spec_page[j] = in ? bt_row[tok / block_size] : 0;
   }
   int lo, hi, t_begin, t_end;
