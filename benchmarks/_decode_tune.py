@@ -1,9 +1,11 @@
 """Tuning sweep for the paged decode kernel (not a bench suite: prints a table).
 
-python benchmarks/_decode_tune.py [rounds]  -- at each shape, torch SDPA's cuDNN backend and our kernel in several
-(warps, stages) configurations and split counts, interleaved, in the same process and on the same data (ours on
-a shuffled paged copy).  A variant named ``old`` runs kernels/_decode_old.cu when that file exists (a copy of an
-earlier kernels/decode.cu, for A/B runs), its merge as a plain launch (older merge kernels do not wait in-kernel).
+python benchmarks/_decode_tune.py [rounds]  -- at each shape, torch SDPA's cuDNN backend and our kernel (w4s3: the
+shipped 4 warps x 3 stages; nopg: the same with PAGE16 off, i.e. a page lookup per row; the (warps, stages)
+configurations named in $DECODE_CONFIGS, e.g. "w3s4,w8s3"), interleaved, in the same process and on the same data
+(ours on a shuffled paged copy).  A variant named ``old`` runs kernels/_decode_old.cu when that file exists (a copy
+of an earlier kernels/decode.cu, for A/B runs; its merge as a plain launch unless the copy's merge waits
+in-kernel).
 The variants named in $DECODE_CONTIG (default w4s3) also run on a contiguous cache: views (batch, seqlen,
 kv_heads, hd) of the peers' (batch, kv_heads, seqlen, hd) tensors, one page per sequence, so each head's rows are
 read contiguously as cuDNN reads them.  Every variant's output is checked against cuDNN's.
