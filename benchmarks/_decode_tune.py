@@ -25,10 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _decode_diag import contiguous_args, paged_problem  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OLD = os.path.exists(os.path.join(HERE, "..", "kernels", "_decode_old.cu"))
-# An old copy whose merge waits in-kernel (griddepcontrol) is launched as the current one is.
-OLD_PDL = OLD and "grid_dependency_wait" in open(os.path.join(HERE, "..", "kernels", "_decode_old.cu")).read()
-OLD_PAGE16 = OLD and "PAGE16" in open(os.path.join(HERE, "..", "kernels", "_decode_old.cu")).read()
+OLD_PATH = os.path.join(HERE, "..", "kernels", "_decode_old.cu")
+OLD = os.path.exists(OLD_PATH)
+OLD_TEXT = open(OLD_PATH).read() if OLD else ""
+OLD_PDL = "grid_dependency_wait" in OLD_TEXT  # its merge waits in-kernel: launched as the current one is
+OLD_PAGE16 = "PAGE16" in OLD_TEXT
 # name -> (source, warps, stages)
 VARIANTS = {"w4s3": ("decode.cu", 4, 3), "nopg": ("decode.cu", 4, 3)}  # nopg: PAGE16 off (per-row page lookup)
 # $DECODE_CONFIGS: more (warps, stages) configurations of the current kernel, e.g. "w3s4,w8s3", run at every shape

@@ -688,6 +688,17 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         if (jj == 0 && blk == 0 && threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 6, clock64());
 #endif
       };
+      // The half rank r hands over (row groups from base), packed pair by pair and stored by store(offset, words).
+      auto pack_pairs = [&](const int base, auto store) {
+#pragma unroll
+        for (int jj = 0; jj < H; jj += 2)
+#pragma unroll
+          for (int blk = 0; blk < BLK; ++blk) {
+            unsigned w[PW];
+            w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
+            store((jj / 2 * BLK + blk) * PSLOT, w);
+          }
+      };
       if constexpr (RX::FITS) {
         const unsigned rx = sc::smem_addr(rx_buf);
         const unsigned to = sc::cluster_map(rx + first, other), to_rest = sc::cluster_map(rx + rest, other);
@@ -696,19 +707,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
 #ifdef W4_TRACE
         if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
 #endif
-        auto send = [&](const int base) {
-#pragma unroll
-          for (int jj = 0; jj < H; jj += 2)
-#pragma unroll
-            for (int blk = 0; blk < BLK; ++blk) {
-              unsigned w[PW];
-              w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
-              const int at = (jj / 2 * BLK + blk) * PSLOT;
-              w4_st_async_words(to + at, to_rest + at, w, to_bar);
-            }
-        };
-        if (e_split == 0) send(H);
-        else send(0);
+        auto send = [&](const int at, const unsigned (&w)[PW]) { w4_st_async_words(to + at, to_rest + at, w, to_bar); };
+        if (e_split == 0) pack_pairs(H, send);
+        else pack_pairs(0, send);
         sc::mbar_wait(rx_full, 0);
 #ifdef W4_TRACE
         if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
@@ -728,19 +729,9 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         else sum_own(H);
       } else {
         const unsigned mine = sc::smem_addr(smem) + first, mine_rest = sc::smem_addr(smem) + rest;
-        auto hand_over = [&](const int base) {
-#pragma unroll
-          for (int jj = 0; jj < H; jj += 2)
-#pragma unroll
-            for (int blk = 0; blk < BLK; ++blk) {
-              unsigned w[PW];
-              w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
-              const int at = (jj / 2 * BLK + blk) * PSLOT;
-              w4_st_words(mine + at, mine_rest + at, w);
-            }
-        };
-        if (e_split == 0) hand_over(H);
-        else hand_over(0);
+        auto store = [&](const int at, const unsigned (&w)[PW]) { w4_st_words(mine + at, mine_rest + at, w); };
+        if (e_split == 0) pack_pairs(H, store);
+        else pack_pairs(0, store);
         slots_written();
         const unsigned from = sc::cluster_map(mine, other), from_rest = sc::cluster_map(mine_rest, other);
         auto sum_own = [&](const int base) {
