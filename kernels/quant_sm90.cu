@@ -688,28 +688,38 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         if (jj == 0 && blk == 0 && threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 6, clock64());
 #endif
       };
-      // The half rank r hands over (row groups from base), packed pair by pair and stored by store(offset, words).
-      auto pack_pairs = [&](const int base, auto store) {
+      // Where the half this rank hands over goes: the other rank's receive buffer (pushes), or its own ring slots.
+      unsigned dst, dst_rest, dst_bar = 0;
+      if constexpr (RX::FITS) {
+        const unsigned rx = sc::smem_addr(rx_buf);
+        dst = sc::cluster_map(rx + first, other);
+        dst_rest = sc::cluster_map(rx + rest, other);
+        dst_bar = sc::cluster_map(sc::smem_addr(rx_full), other);
+      } else {
+        dst = sc::smem_addr(smem) + first;
+        dst_rest = sc::smem_addr(smem) + rest;
+      }
+      // That half (row groups from base), packed pair by pair.  (Not a generic lambda: the GPU image's NVRTC 13.0
+      // rejects one in JIT mode.)
+      auto pack_pairs = [&](const int base) {
 #pragma unroll
         for (int jj = 0; jj < H; jj += 2)
 #pragma unroll
           for (int blk = 0; blk < BLK; ++blk) {
             unsigned w[PW];
             w4_pack8(&acc[blk][4 * (base + jj)], &acc[blk][4 * (base + jj + 1)], w);
-            store((jj / 2 * BLK + blk) * PSLOT, w);
+            const int at = (jj / 2 * BLK + blk) * PSLOT;
+            if constexpr (RX::FITS) w4_st_async_words(dst + at, dst_rest + at, w, dst_bar);
+            else w4_st_words(dst + at, dst_rest + at, w);
           }
       };
       if constexpr (RX::FITS) {
-        const unsigned rx = sc::smem_addr(rx_buf);
-        const unsigned to = sc::cluster_map(rx + first, other), to_rest = sc::cluster_map(rx + rest, other);
-        const unsigned to_bar = sc::cluster_map(sc::smem_addr(rx_full), other);
         sc::cluster_wait();  // the other rank's receive barrier is initialized (its arrive at the start)
 #ifdef W4_TRACE
         if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 1, clock64());
 #endif
-        auto send = [&](const int at, const unsigned (&w)[PW]) { w4_st_async_words(to + at, to_rest + at, w, to_bar); };
-        if (e_split == 0) pack_pairs(H, send);
-        else pack_pairs(0, send);
+        if (e_split == 0) pack_pairs(H);
+        else pack_pairs(0);
         sc::mbar_wait(rx_full, 0);
 #ifdef W4_TRACE
         if (threadIdx.x == 128) W4_MARK(W4_TRACE_EPI + 2, clock64());
@@ -728,12 +738,10 @@ __global__ void __launch_bounds__(384, 1) w4_wgmma_kernel(
         if (e_split == 0) sum_own(0);
         else sum_own(H);
       } else {
-        const unsigned mine = sc::smem_addr(smem) + first, mine_rest = sc::smem_addr(smem) + rest;
-        auto store = [&](const int at, const unsigned (&w)[PW]) { w4_st_words(mine + at, mine_rest + at, w); };
-        if (e_split == 0) pack_pairs(H, store);
-        else pack_pairs(0, store);
+        if (e_split == 0) pack_pairs(H);
+        else pack_pairs(0);
         slots_written();
-        const unsigned from = sc::cluster_map(mine, other), from_rest = sc::cluster_map(mine_rest, other);
+        const unsigned from = sc::cluster_map(dst, other), from_rest = sc::cluster_map(dst_rest, other);
         auto sum_own = [&](const int base) {
           unsigned x[H / 2][BLK][PW];  // every load in flight before the first is used
 #pragma unroll
