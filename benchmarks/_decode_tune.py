@@ -41,12 +41,12 @@ if OLD:
     VARIANTS = {"old": ("_decode_old.cu", 4, 3), **VARIANTS}
 # (batch, seqlen, heads, kv_heads, head_dim) -> {variant: split counts (None: the heuristic's)}
 SWEEP = {
-    (64, 4096, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
+    (64, 4096, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None, 2]},
     (8, 32768, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
     (1, 131072, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
     (256, 1024, 32, 32, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
     (16, 8192, 32, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
-    (32, 2048, 64, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None]},
+    (32, 2048, 64, 8, 128): {"old": [None], "nopg": [None], "w4s3": [None, 2]},
 }
 
 
@@ -70,6 +70,7 @@ def use(name):
     """Point the module at one variant (kernels, config and the split heuristic's occupancy)."""
     _, w, s = VARIANTS[name]
     D.DECODE_CONFIGS[128] = (w, s)
+    D.PAIR_MERGE = name != "old" or "pair_splits" in OLD_TEXT  # two splits merged in-kernel (sm_90 clusters)
     D._decode_plan = _plain_merge_plan if name == "old" and not OLD_PDL else _PLAN
     D.decode_config.cache_clear()
     D.decode_num_splits.cache_clear()

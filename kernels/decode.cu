@@ -6,6 +6,7 @@
 #include "common/reduce.cuh"
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
+#include "common/tma.cuh"
 
 namespace dec {
 
@@ -49,6 +50,12 @@ __device__ __forceinline__ float tanh_exp(float x) {
   return 1.f - __fdividef(2.f, t + 1.f);
 }
 
+__device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
 }  // namespace dec
 
 // ------------------------------------------------------------------------------------------------------------
@@ -86,7 +93,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     int qgroups, int units, int num_splits, int block_size, int num_blocks, int max_len, long long q_stride_b,
     long long q_stride_h, long long o_stride_b, long long o_stride_h, long long c_stride_block,
     long long c_stride_tok, long long c_stride_head, long long bt_stride, long long sl_stride, float scale_a,
-    float cap_log2, int use_softcap, int window_left) {
+    float cap_log2, int use_softcap, int window_left, int pair_splits) {
   constexpr int CPR = D / 8;            // 16-byte chunks per row
   constexpr int RPI = 32 / CPR > 0 ? 32 / CPR : 1;  // rows one warp-wide cp.async covers
   constexpr int LPR = 32 / RPI;         // lanes per row in one cp.async instruction
@@ -108,11 +115,22 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   lse_out = nullptr;
 #endif
 
+  // pair_splits (sm_90, num_splits == 2): the two splits of a unit are one thread-block cluster, adjacent in x, and
+  // are merged through distributed shared memory at the end instead of by decode_merge_kernel.
   int bid = blockIdx.x;
-  const int unit = bid % units;
-  bid /= units;
-  const int split = bid % num_splits;
-  const int b = bid / num_splits;
+  int unit, split;
+  if (pair_splits) {
+    split = bid & 1;
+    bid >>= 1;
+    unit = bid % units;
+    bid /= units;
+  } else {
+    unit = bid % units;
+    bid /= units;
+    split = bid % num_splits;
+    bid /= num_splits;
+  }
+  const int b = bid;
   const int kvh = unit / qgroups;
   const int q0 = (unit % qgroups) * 8;            // first query of this CTA inside the KV head's group
   const int nq = min(8, group - q0);              // queries served by this CTA
@@ -374,6 +392,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
       red_l[warp * 8 + qa + 1] = l1;
     }
   }
+  float* pair_o = red_l + WARPS * 8;                   // [8][D]: this split's normalized output (pair_splits)
+  float* pair_lse = pair_o + 8 * D;                    // [8]: its log2-sum-exp
   __syncthreads();
   const bool direct = num_splits == 1;
   for (int idx = threadIdx.x; idx < nq * D; idx += WARPS * 32) {
@@ -392,9 +412,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     }
     const bool empty = !(lsum > 0.f);
     o = empty ? 0.f : o * __frcp_rn(lsum);
-    const float lse = empty ? dec::neg_inf() : (mmax + __log2f(lsum)) * 0.6931471805599453f  /* ln 2 */;
+    const float lse2 = empty ? dec::neg_inf() : mmax + __log2f(lsum);
+    const float lse = lse2 * 0.6931471805599453f  /* ln 2 */;
     const int h = h0 + qi;
-    if (direct) {
+    if (pair_splits) {
+      pair_o[idx] = o;
+      if (d == 0) pair_lse[qi] = lse2;
+    } else if (direct) {
       out[(long long)b * o_stride_b + (long long)h * o_stride_h + d] = sc::from_float<T>(o);
       if (lse_out != nullptr && d == 0) lse_out[(long long)b * num_heads + h] = lse;
     } else {
@@ -403,6 +427,44 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
       if (d == 0) part_lse[row] = lse;
     }
   }
+#if __CUDA_ARCH__ >= 900
+  if (pair_splits) {
+    // Each CTA of the pair finalizes half of the outputs from both splits' shared memory (this split's, and its
+    // partner's through DSMEM), always combined in split order so that the result does not depend on which CTA
+    // computes it.  The release/acquire barrier publishes the partials; the second keeps each CTA's shared
+    // memory alive until its partner has read it.
+    sc::cluster_arrive_release();
+    sc::cluster_wait();
+    const unsigned mine = sc::smem_addr(pair_o), theirs = sc::cluster_map(mine, split ^ 1);
+    const unsigned o0 = split == 0 ? mine : theirs, o1 = split == 0 ? theirs : mine;
+    constexpr int V4 = D / 4;
+    const int items = nq * V4, half = (items + 1) >> 1, end = min(items, (split + 1) * half);
+    for (int i = split * half + threadIdx.x; i < end; i += WARPS * 32) {
+      const int qi = i / V4, c = i - qi * V4;
+      const float la = dec::ld_cluster_f32(o0 + (8 * D + qi) * 4), lb = dec::ld_cluster_f32(o1 + (8 * D + qi) * 4);
+      const float4 xa = sc::ld_cluster_v4(o0 + i * 16), xb = sc::ld_cluster_v4(o1 + i * 16);
+      const float m = fmaxf(la, lb);
+      float wa = 0.f, wb = 0.f, lse = dec::neg_inf();
+      if (m != dec::neg_inf()) {
+        wa = sc::fast_exp2(la - m);
+        wb = sc::fast_exp2(lb - m);
+        const float sum = wa + wb, r = __frcp_rn(sum);
+        wa *= r;
+        wb *= r;
+        lse = (m + __log2f(sum)) * 0.6931471805599453f;
+      }
+      const int h = h0 + qi;
+      T* dst = out + (long long)b * o_stride_b + (long long)h * o_stride_h + 4 * c;
+      dst[0] = sc::from_float<T>(wa * xa.x + wb * xb.x);
+      dst[1] = sc::from_float<T>(wa * xa.y + wb * xb.y);
+      dst[2] = sc::from_float<T>(wa * xa.z + wb * xb.z);
+      dst[3] = sc::from_float<T>(wa * xa.w + wb * xb.w);
+      if (lse_out != nullptr && c == 0) lse_out[(long long)b * num_heads + h] = lse;
+    }
+    sc::cluster_arrive_relaxed();
+    sc::cluster_wait();
+  }
+#endif
 #ifdef DECODE_TRACE
   __syncthreads();
   if (threadIdx.x == 0) trace[3] = gtime();

@@ -46,8 +46,20 @@ DECODE_CONFIGS = {64: (4, 4), 128: (4, 3), 256: (4, 3)}  # head_dim -> (warps, s
 
 def _decode_smem(head_dim: int, warps: int, stages: int) -> int:
     ring = warps * stages * 2 * TILE_TOKENS * head_dim * 2
-    merge = warps * QUERIES_PER_CTA * head_dim * 4 + warps * 2 * QUERIES_PER_CTA * 4
+    # the end: every warp's output, max and sum, then the CTA's normalized output and lse (read by a pair partner)
+    merge = (warps * QUERIES_PER_CTA * head_dim + warps * 2 * QUERIES_PER_CTA
+             + QUERIES_PER_CTA * head_dim + QUERIES_PER_CTA) * 4
     return max(ring, merge)
+
+
+PAIR_MERGE = True  # sm_90: two splits as one thread-block cluster, merged through DSMEM (no merge kernel)
+
+
+def pair_merge(cc: tuple, num_splits: int) -> bool:
+    """Whether a launch of ``num_splits`` splits merges them in-kernel: on sm_90 the two splits of a unit run as one
+    cluster and combine their results through distributed shared memory, so no merge kernel (and no wait for the
+    whole grid) follows.  Clusters of 4 or 8 cost resident slots on the H200 (its GPCs' SM counts), 2 does not."""
+    return PAIR_MERGE and num_splits == 2 and tuple(cc) >= (9, 0)
 
 
 @lru_cache(maxsize=4096)
@@ -314,16 +326,18 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
                            smem_per_sm=dev.smem_per_sm, num_splits=num_splits)
     batch, heads, head_dim, splits = p["batch"], p["heads"], p["head_dim"], p["num_splits"]
     o_strides = oa.strides[:2] if oa is not None else (heads * head_dim, head_dim)
+    pair = pair_merge(dev.cc, splits)
     plan = dict(
-        batch=batch, heads=heads, head_dim=head_dim, splits=splits,
+        batch=batch, heads=heads, head_dim=head_dim, splits=splits, pair=pair,
         kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0),
-        cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"]),
+        cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"],
+                         cluster=2 if pair else 1),
         scalars=(np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),
                  np.int32(p["block_size"]), np.int32(p["num_blocks"]), np.int32(p["max_len"]),
                  np.int64(qa.strides[0]), np.int64(qa.strides[1]), np.int64(o_strides[0]), np.int64(o_strides[1]),
                  np.int64(ka.strides[0]), np.int64(ka.strides[1]), np.int64(ka.strides[2]),
                  np.int64(bta.strides[0]), np.int64(sla.strides[0]), np.float32(p["scale_a"]),
-                 np.float32(p["cap_log2"]), np.int32(p["use_softcap"]), np.int32(p["window_left"])),
+                 np.float32(p["cap_log2"]), np.int32(p["use_softcap"]), np.int32(p["window_left"]), np.int32(pair)),
         merge_kernel=_merge_kernel(qa.dtype, head_dim),
         # sm_90: a programmatic dependent launch (it waits for the attention kernel in-kernel: griddepcontrol)
         merge_cfg=LaunchConfig((max(1, batch * heads),), (merge_threads(splits, head_dim),),
@@ -349,13 +363,14 @@ def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left,
     stream = A.stream_of(qa)
     lse_ptr = la.ptr if la is not None else 0
     part_o = part_l = 0
-    if splits > 1:
+    merge = splits > 1 and not p["pair"]
+    if merge:
         # one workspace: partial outputs, then the partial log-sum-exps (16-byte aligned: head_dim % 64 == 0)
         ws = A.empty(qa, (p["partial_floats"] + batch * heads * splits,), "float32", name="workspace")
         part_o, part_l = ws.ptr, ws.ptr + 4 * p["partial_floats"]
-    args = (oa.ptr, lse_ptr if splits == 1 else 0, part_o, part_l, qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr)
+    args = (oa.ptr, 0 if merge else lse_ptr, part_o, part_l, qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr)
     launch(p["kernel"], p["cfg"], args + p["scalars"], device=qa.device, stream=stream)
-    if splits > 1:
+    if merge:
         launch(p["merge_kernel"], p["merge_cfg"], (oa.ptr, lse_ptr, part_o, part_l) + p["merge_scalars"],
                device=qa.device, stream=stream)
     return result

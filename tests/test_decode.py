@@ -294,7 +294,7 @@ def test_paged_decode_head_dims(dtype_name, head_dim, group):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, num_splits", [(128, 1), (128, 2), (128, 7), (128, 64), (128, 256), (64, 5),
-                                                  (64, 256), (256, 9), (256, 256)])
+                                                  (64, 256), (256, 9), (256, 256), (64, 2), (256, 2)])
 def test_paged_decode_split_paths(head_dim, num_splits):
     torch = _torch()
     run_decode(torch, batch_lens=[1, 999, 17, 4096, 0], heads=8, kv_heads=2, head_dim=head_dim, block_size=16,
@@ -308,22 +308,62 @@ def test_paged_decode_split_paths(head_dim, num_splits):
 def test_paged_decode_softcap_and_window(window_left, softcap, block_size):
     torch = _torch()
     # a large scale makes the logits big enough for the cap to matter
-    for splits in (None, 5):
+    for splits in (None, 5, 2):
         run_decode(torch, batch_lens=[1, 700, 33, 2000], heads=16, kv_heads=4, head_dim=128, block_size=block_size,
                    dtype=torch.float16, softcap=softcap, window_left=window_left, scale=0.5 if softcap else None,
                    num_splits=splits, seed=window_left)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 2])
 @pytest.mark.parametrize("heads, kv_heads", [(32, 2), (12, 1), (40, 5)])
-def test_paged_decode_large_groups(heads, kv_heads):
+def test_paged_decode_large_groups(heads, kv_heads, num_splits):
     torch = _torch()
     run_decode(torch, batch_lens=[5, 300, 64], heads=heads, kv_heads=kv_heads, head_dim=128, block_size=16,
-               dtype=torch.bfloat16, seed=heads)
+               dtype=torch.bfloat16, num_splits=num_splits, seed=heads)
+
+
+def test_pair_merge_only_for_two_splits_on_sm90():
+    assert D.pair_merge((9, 0), 2)
+    assert not D.pair_merge((8, 0), 2) and not D.pair_merge((9, 0), 1) and not D.pair_merge((9, 0), 3)
 
 
 @pytest.mark.gpu
-def test_paged_decode_split_in_cuda_graph():
+def test_paged_decode_pair_merge_launch():
+    """Two splits on sm_90: one cluster per unit, no merge kernel, and the same result as the merge kernel's."""
+    torch = _torch()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need sm_90")
+    k, v, table, lens = make_paged(torch, [700, 1, 2000, 0], 3, 64, 24, torch.float16, seed=3)
+    q = torch.randn(4, 15, 64, device="cuda", dtype=torch.float16)
+    outs = []
+    for pair in (True, False):
+        D.PAIR_MERGE = pair
+        D._DECODE_PLANS.clear()
+        try:
+            out = torch.full_like(q, float("nan"))
+            wrapped = (A.wrap(q, "q"), A.wrap(k, "k_cache"), A.wrap(v, "v_cache"), A.wrap(table, "block_table"),
+                       A.wrap(lens, "seq_lens"), A.wrap(out, "out"))
+            p = D._decode_plan(*wrapped, None, 0.0, -1, 2)
+            assert p["pair"] == pair and p["cfg"].cluster == (2 if pair else 1)
+            _, lse = D._paged_decode(*wrapped, None, 0.0, -1, True, num_splits=2)
+            torch.cuda.synchronize()
+            outs.append((out, lse))
+        finally:
+            D.PAIR_MERGE = True
+            D._DECODE_PLANS.clear()
+    ref, ref_lse = reference_decode(torch, q, k, v, table, lens)
+    for out, lse in outs:
+        torch.testing.assert_close(out.float(), ref, atol=6e-3, rtol=6e-3)
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        torch.testing.assert_close(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [6, 2])
+def test_paged_decode_split_in_cuda_graph(num_splits):
     """A split decode (on sm_90 the merge is a programmatic dependent launch of the attention kernel) captured by
     torch.cuda.graph: replays with new queries match the reference, and an op reading the output right after the
     merge sees all of it."""
@@ -333,7 +373,7 @@ def test_paged_decode_split_in_cuda_graph():
     out = torch.empty_like(q)
     wrapped = (A.wrap(q, "q"), A.wrap(k, "k_cache"), A.wrap(v, "v_cache"), A.wrap(table, "block_table"),
                A.wrap(lens, "seq_lens"), A.wrap(out, "out"))
-    call = lambda: D._paged_decode(*wrapped, None, 0.0, -1, False, num_splits=6)  # noqa: E731
+    call = lambda: D._paged_decode(*wrapped, None, 0.0, -1, False, num_splits=num_splits)  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and plan outside the capture
