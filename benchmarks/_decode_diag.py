@@ -13,6 +13,9 @@ from speedcore._compile import Kernel  # noqa: E402
 from speedcore._launch import launch  # noqa: E402
 
 SHAPES = [(64, 4096, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128)]
+# $DIAG_SHAPES: a subset, as batchxseqlen (e.g. "1x131072"); $DECODE_LAYOUT=ident: pages in order instead of shuffled
+if os.environ.get("DIAG_SHAPES"):
+    SHAPES = [s for s in SHAPES if f"{s[0]}x{s[1]}" in os.environ["DIAG_SHAPES"].split(",")]
 
 
 def pct(x, ps=(0, 10, 50, 90, 100)):
@@ -28,7 +31,8 @@ def paged_problem(torch, batch, seqlen, heads, kvh, hd):
     q = torch.randn(batch, heads, hd, device="cuda", dtype=dt)
     k = torch.randn(batch, kvh, seqlen, hd, device="cuda", dtype=dt)
     v = torch.randn_like(k)
-    perm = torch.randperm(batch * seqlen // 16, device="cuda")
+    n = batch * seqlen // 16
+    perm = torch.arange(n, device="cuda") if os.environ.get("DECODE_LAYOUT") == "ident" else torch.randperm(n, device="cuda")
 
     def paged(x):
         pages = x.view(batch, kvh, seqlen // 16, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, kvh, hd)
