@@ -22,6 +22,20 @@ def pct(x, ps=(0, 10, 50, 90, 100)):
     return " ".join(f"p{p}={np.percentile(x, p):.2f}" for p in ps)
 
 
+def paged_caches(torch, k, v, perm):
+    """k, v (batch, kv_heads, seqlen, hd) as paged caches (num_pages, 16, kv_heads, hd), logical page i of the
+    batch's sequences at physical page perm[i]; returns the caches and the block table."""
+    batch, kvh, seqlen, hd = k.shape
+
+    def paged(x):
+        pages = x.view(batch, kvh, seqlen // 16, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, kvh, hd)
+        out = torch.empty_like(pages)
+        out[perm] = pages
+        return out
+
+    return paged(k), paged(v), perm.view(batch, -1).int()
+
+
 def paged_problem(torch, batch, seqlen, heads, kvh, hd):
     """One decode step's data, bf16: q (batch, heads, hd) and contiguous k, v (batch, kvh, seqlen, hd) for the
     SDPA peers; the same K and V in shuffled 16-token pages for ours.  Returns q, k, v, the paged caches, the
@@ -33,15 +47,7 @@ def paged_problem(torch, batch, seqlen, heads, kvh, hd):
     v = torch.randn_like(k)
     n = batch * seqlen // 16
     perm = torch.arange(n, device="cuda") if os.environ.get("DECODE_LAYOUT") == "ident" else torch.randperm(n, device="cuda")
-
-    def paged(x):
-        pages = x.view(batch, kvh, seqlen // 16, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, kvh, hd)
-        out = torch.empty_like(pages)
-        out[perm] = pages
-        return out
-
-    kc, vc = paged(k), paged(v)
-    table = perm.view(batch, -1).int()
+    kc, vc, table = paged_caches(torch, k, v, perm)
     lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     wr = [A.wrap(x, n) for x, n in ((q, "q"), (kc, "k_cache"), (vc, "v_cache"), (table, "block_table"),

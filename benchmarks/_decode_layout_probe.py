@@ -22,6 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from speedcore import decode as D  # noqa: E402
 from speedcore import _arrays as A  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _decode_diag import paged_caches  # noqa: E402
+
 SHAPES = [(64, 4096, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (256, 1024, 32, 32, 128),
           (16, 8192, 32, 8, 128)]
 LAYOUTS = os.environ.get("LAYOUTS", "rand,sorted,local,ident,contig").split(",")
@@ -80,16 +83,7 @@ def main():
                 kc, vc = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
                 table = torch.arange(batch, dtype=torch.int32, device="cuda").view(batch, 1)
             else:
-                perm = perm_for(torch, layout, batch, n)
-
-                def paged(x):
-                    pages = x.view(batch, kvh, seqlen // 16, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, kvh, hd)
-                    o = torch.empty_like(pages)
-                    o[perm] = pages
-                    return o
-
-                kc, vc = paged(k), paged(v)
-                table = perm.view(batch, -1).int()
+                kc, vc, table = paged_caches(torch, k, v, perm_for(torch, layout, batch, n))
             wr = [A.wrap(x, nm) for x, nm in ((q, "q"), (kc, "k_cache"), (vc, "v_cache"), (table, "block_table"),
                                                (lens, "seq_lens"), (out, "out"))]
             for c in [1] + (CLUSTERS if layout == "rand" else []):
