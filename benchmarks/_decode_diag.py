@@ -131,9 +131,7 @@ def main():
                   flush=True)
         # per-CTA timeline of ours
         p = D._decode_plan(*wr, None, 0.0, -1, None)
-        _, w, s = None, *D.DECODE_CONFIGS[128]
-        kt = Kernel(D.SOURCE, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {D.L2_HINT}, true>",
-                    options=("-DDECODE_TRACE",))
+        kt = Kernel(D.SOURCE, p["kernel"].name, options=("-DDECODE_TRACE",))
         grid = p["cfg"].grid[0]
         trace = torch.zeros(grid * 8, dtype=torch.int64, device="cuda")
         splits = p["splits"]

@@ -85,7 +85,7 @@ __device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
 // sequence then no longer walk the same pages at the same time (the cache interleaves heads within a page).  So
 // was a pool of a split range's last 1/4 or 1/8 of tiles taken one at a time (1/16: within noise), and each warp
 // writing its own split partial was no faster (benchmarks/results/h200-ab-2026-11-30.md, session 17).
-template <typename T, int D, int WARPS, int STAGES, int HINT = 0, bool PAGE16 = false>
+template <typename T, int D, int WARPS, int STAGES, int HINT = 0, bool PAGE16 = false, bool PAIR = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ part_out, float* __restrict__ part_lse,
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     int qgroups, int units, int num_splits, int block_size, int num_blocks, int max_len, long long q_stride_b,
     long long q_stride_h, long long o_stride_b, long long o_stride_h, long long c_stride_block,
     long long c_stride_tok, long long c_stride_head, long long bt_stride, long long sl_stride, float scale_a,
-    float cap_log2, int use_softcap, int window_left, int pair_splits) {
+    float cap_log2, int use_softcap, int window_left) {
   constexpr int CPR = D / 8;            // 16-byte chunks per row
   constexpr int RPI = 32 / CPR > 0 ? 32 / CPR : 1;  // rows one warp-wide cp.async covers
   constexpr int LPR = 32 / RPI;         // lanes per row in one cp.async instruction
@@ -115,11 +115,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   lse_out = nullptr;
 #endif
 
-  // pair_splits (sm_90, num_splits == 2): the two splits of a unit are one thread-block cluster, adjacent in x, and
-  // are merged through distributed shared memory at the end instead of by decode_merge_kernel.
+  // PAIR (sm_90, num_splits == 2): the two splits of a unit are one thread-block cluster, adjacent in x, and are
+  // merged through distributed shared memory at the end instead of by decode_merge_kernel.  A template parameter, so
+  // that the other launches' code is not touched by it.
   int bid = blockIdx.x;
   int unit, split;
-  if (pair_splits) {
+  if constexpr (PAIR) {
     split = bid & 1;
     bid >>= 1;
     unit = bid % units;
@@ -392,7 +393,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
       red_l[warp * 8 + qa + 1] = l1;
     }
   }
-  float* pair_o = red_l + WARPS * 8;                   // [8][D]: this split's normalized output (pair_splits)
+  float* pair_o = red_l + WARPS * 8;                   // [8][D]: this split's normalized output (PAIR)
   float* pair_lse = pair_o + 8 * D;                    // [8]: its log2-sum-exp
   __syncthreads();
   const bool direct = num_splits == 1;
@@ -412,13 +413,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     }
     const bool empty = !(lsum > 0.f);
     o = empty ? 0.f : o * __frcp_rn(lsum);
-    const float lse2 = empty ? dec::neg_inf() : mmax + __log2f(lsum);
-    const float lse = lse2 * 0.6931471805599453f  /* ln 2 */;
     const int h = h0 + qi;
-    if (pair_splits) {
+    if constexpr (PAIR) {
       pair_o[idx] = o;
-      if (d == 0) pair_lse[qi] = lse2;
-    } else if (direct) {
+      if (d == 0) pair_lse[qi] = empty ? dec::neg_inf() : mmax + __log2f(lsum);  // log2 domain
+      continue;
+    }
+    const float lse = empty ? dec::neg_inf() : (mmax + __log2f(lsum)) * 0.6931471805599453f  /* ln 2 */;
+    if (direct) {
       out[(long long)b * o_stride_b + (long long)h * o_stride_h + d] = sc::from_float<T>(o);
       if (lse_out != nullptr && d == 0) lse_out[(long long)b * num_heads + h] = lse;
     } else {
@@ -428,7 +430,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     }
   }
 #if __CUDA_ARCH__ >= 900
-  if (pair_splits) {
+  if constexpr (PAIR) {
     // Each CTA of the pair finalizes half of the outputs from both splits' shared memory (this split's, and its
     // partner's through DSMEM), always combined in split order so that the result does not depend on which CTA
     // computes it.  The release/acquire barrier publishes the partials; the second keeps each CTA's shared
@@ -464,6 +466,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     sc::cluster_arrive_relaxed();
     sc::cluster_wait();
   }
+#else
+  if constexpr (PAIR) __trap();  // clusters need sm_90; the host never picks this variant below it
 #endif
 #ifdef DECODE_TRACE
   __syncthreads();

@@ -97,11 +97,12 @@ def _ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
     return max(1, min(smem_per_sm // (smem + _RESERVED_SMEM_PER_CTA), 2048 // threads, 32))
 
 
-def _attn_kernel(dtype: str, head_dim: int, page16: bool = True) -> Kernel:
-    """``page16``: block_size % TILE_TOKENS == 0, so every tile lies inside one page (no per-row page lookup)."""
+def _attn_kernel(dtype: str, head_dim: int, page16: bool = True, pair: bool = False) -> Kernel:
+    """``page16``: block_size % TILE_TOKENS == 0, so every tile lies inside one page (no per-row page lookup);
+    ``pair``: two splits in one cluster, merged through DSMEM (sm_90, ``pair_merge``)."""
     warps, stages, _ = decode_config(head_dim)
     return Kernel(SOURCE, f"paged_decode_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}, {L2_HINT}, "
-                          f"{'true' if page16 else 'false'}>")
+                          f"{'true' if page16 else 'false'}, {'true' if pair else 'false'}>")
 
 
 def _merge_kernel(dtype: str, head_dim: int) -> Kernel:
@@ -140,8 +141,9 @@ def all_kernels() -> list:
     out = []
     for dtype in A.HALF_DTYPES:
         for d in HEAD_DIMS:
-            out.append(_attn_kernel(dtype, d, True))
-            out.append(_attn_kernel(dtype, d, False))
+            for page16 in (True, False):
+                for pair in (False, True):
+                    out.append(_attn_kernel(dtype, d, page16, pair))
             out.append(_merge_kernel(dtype, d))
     for w in sorted(_WORD_TYPES):
         out.append(_cache_kernel(w))
@@ -329,7 +331,7 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
     pair = pair_merge(dev.cc, splits)
     plan = dict(
         batch=batch, heads=heads, head_dim=head_dim, splits=splits, pair=pair,
-        kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0),
+        kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0, pair),
         cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"],
                          cluster=2 if pair else 1),
         scalars=(np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),
@@ -337,7 +339,7 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
                  np.int64(qa.strides[0]), np.int64(qa.strides[1]), np.int64(o_strides[0]), np.int64(o_strides[1]),
                  np.int64(ka.strides[0]), np.int64(ka.strides[1]), np.int64(ka.strides[2]),
                  np.int64(bta.strides[0]), np.int64(sla.strides[0]), np.float32(p["scale_a"]),
-                 np.float32(p["cap_log2"]), np.int32(p["use_softcap"]), np.int32(p["window_left"]), np.int32(pair)),
+                 np.float32(p["cap_log2"]), np.int32(p["use_softcap"]), np.int32(p["window_left"])),
         merge_kernel=_merge_kernel(qa.dtype, head_dim),
         # sm_90: a programmatic dependent launch (it waits for the attention kernel in-kernel: griddepcontrol)
         merge_cfg=LaunchConfig((max(1, batch * heads),), (merge_threads(splits, head_dim),),
