@@ -134,7 +134,6 @@ def main():
         kt = Kernel(D.SOURCE, p["kernel"].name, options=("-DDECODE_TRACE",))
         grid = p["cfg"].grid[0]
         trace = torch.zeros(grid * 8, dtype=torch.int64, device="cuda")
-        tickets = torch.zeros(p["tickets"], dtype=torch.int32, device="cuda")  # counted in, never merged here
         splits = p["splits"]
         ws = torch.empty(p["partial_floats"] + batch * heads * splits, dtype=torch.float32, device="cuda")
         part_o, part_l = (ws.data_ptr(), ws.data_ptr() + 4 * p["partial_floats"]) if splits > 1 else (0, 0)
@@ -144,8 +143,7 @@ def main():
             b._flush.max()
             torch.cuda._sleep(200_000)
             launch(kt, p["cfg"], (out.data_ptr(), trace.data_ptr(), part_o, part_l, q.data_ptr(), kc.data_ptr(),
-                                  vc.data_ptr(), table.data_ptr(), lens.data_ptr()) + p["scalars"]
-                   + (tickets.data_ptr(),), device=0,
+                                  vc.data_ptr(), table.data_ptr(), lens.data_ptr()) + p["scalars"], device=0,
                    stream=stream)
             torch.cuda.synchronize()
             rows.append(trace.view(grid, 8).cpu().numpy().astype(np.float64))

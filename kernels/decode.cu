@@ -50,11 +50,6 @@ __device__ __forceinline__ float tanh_exp(float x) {
   return 1.f - __fdividef(2.f, t + 1.f);
 }
 
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
   float v;
   asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
@@ -98,7 +93,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     int qgroups, int units, int num_splits, int block_size, int num_blocks, int max_len, long long q_stride_b,
     long long q_stride_h, long long o_stride_b, long long o_stride_h, long long c_stride_block,
     long long c_stride_tok, long long c_stride_head, long long bt_stride, long long sl_stride, float scale_a,
-    float cap_log2, int use_softcap, int window_left, int* __restrict__ tickets) {
+    float cap_log2, int use_softcap, int window_left) {
   constexpr int CPR = D / 8;            // 16-byte chunks per row
   constexpr int RPI = 32 / CPR > 0 ? 32 / CPR : 1;  // rows one warp-wide cp.async covers
   constexpr int LPR = 32 / RPI;         // lanes per row in one cp.async instruction
@@ -434,13 +429,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
       if (d == 0) part_lse[row] = lse;
     }
   }
-  if (!direct && !PAIR) {
-    // Publish the partial: its unit's merge rows start as soon as every split has counted in (release: each
-    // thread's writes are fenced before the CTA's one atomic).
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(tickets + (long long)b * units + unit, 1);
-  }
 #if __CUDA_ARCH__ >= 900
   if constexpr (PAIR) {
     // Each CTA of the pair finalizes half of the outputs from both splits' shared memory (this split's, and its
@@ -493,18 +481,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
 // holding up to BATCH splits in registers; every lane also loads all the split lse values itself (at most 256,
 // 8 per lane) for the max and the total, so no block-wide reduction precedes the sums.  One shared-memory pass
 // sums the warps.  The host picks the warp count (1 to 8) from the number of splits.
-//
-// On sm_90 this kernel is the attention kernel's programmatic dependent: its CTAs are resident once every attention
-// CTA has started, and each waits only for its own unit's splits (tickets[b * units + unit] == num_splits, counted
-// by the attention CTAs), not for the whole grid, so the merges of early units overlap the attention kernel's tail.
-// The unit's last merge row sets its two counters back to zero (tickets[batch * units + ...] counts the rows done).
 template <typename T, int D>
 __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, float* __restrict__ lse_out,
                                                            const float* __restrict__ part_out,
                                                            const float* __restrict__ part_lse, int num_heads,
                                                            int num_splits, long long o_stride_b,
-                                                           long long o_stride_h, int* __restrict__ tickets,
-                                                           int group, int qgroups, int units) {
+                                                           long long o_stride_h) {
   constexpr int V4 = D / 4;                 // float4 columns of a row
   constexpr int LPS = V4 < 32 ? V4 : 32;    // lanes per split row
   constexpr int SPW = 32 / LPS;             // splits a warp reads per step
@@ -519,13 +501,7 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, 
   const int step = nwarps * SPW;
   const int s0 = warp * SPW + sub;
   const float4* src = reinterpret_cast<const float4*>(part_out) + (long long)row * num_splits * V4 + v;
-  const int b = row / num_heads, h = row - b * num_heads;
-  const int kvh = h / group, qg = (h - kvh * group) >> 3;
-  int* ticket = tickets + (long long)b * units + kvh * qgroups + qg;
-  if (threadIdx.x == 0) {
-    while (dec::ld_acquire(ticket) < num_splits) __nanosleep(128);
-  }
-  __syncthreads();  // every thread's loads below come after the acquire
+  sc::grid_dependency_wait();  // the attention kernel's partials (on sm_90 this is its programmatic dependent)
 
   float4 x[BATCH][VPL];
   float xl[BATCH];
@@ -534,14 +510,14 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, 
     const int s = s0 + i * step;
     const bool ok = s < num_splits;
 #pragma unroll
-    for (int k = 0; k < VPL; ++k) x[i][k] = ok ? __ldcg(src + (long long)s * V4 + k * LPS) : make_float4(0.f, 0.f, 0.f, 0.f);
-    xl[i] = ok ? __ldcg(lse + s) : dec::neg_inf();
+    for (int k = 0; k < VPL; ++k) x[i][k] = ok ? src[(long long)s * V4 + k * LPS] : make_float4(0.f, 0.f, 0.f, 0.f);
+    xl[i] = ok ? lse[s] : dec::neg_inf();
   }
   float lv[LSE_PER_LANE];
 #pragma unroll
   for (int i = 0; i < LSE_PER_LANE; ++i) {
     const int s = lane + 32 * i;
-    lv[i] = s < num_splits ? __ldcg(lse + s) : dec::neg_inf();
+    lv[i] = s < num_splits ? lse[s] : dec::neg_inf();
   }
   float mx = lv[0];
 #pragma unroll
@@ -572,8 +548,8 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, 
   for (int s = s0 + BATCH * step; s < num_splits; s += step) {
     float4 xs[VPL];
 #pragma unroll
-    for (int k = 0; k < VPL; ++k) xs[k] = __ldcg(src + (long long)s * V4 + k * LPS);
-    add(empty ? 0.f : __expf(__ldcg(lse + s) - mx), xs);
+    for (int k = 0; k < VPL; ++k) xs[k] = src[(long long)s * V4 + k * LPS];
+    add(empty ? 0.f : __expf(lse[s] - mx), xs);
   }
   if constexpr (SPW == 2) {  // two splits per warp step: fold the upper half-warp into the lower
 #pragma unroll
@@ -590,6 +566,7 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, 
   }
   __syncthreads();
   const float inv = total > 0.f ? __frcp_rn(total) : 0.f;
+  const int b = row / num_heads, h = row - b * num_heads;
   for (int c = threadIdx.x; c < V4; c += blockDim.x) {
     float4 sum = red[0][c];
     for (int w = 1; w < nwarps; ++w) {
@@ -606,15 +583,6 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(T* __restrict__ out, 
     o[3] = sc::from_float<T>(sum.w * inv);
   }
   if (lse_out != nullptr && threadIdx.x == 0) lse_out[row] = total > 0.f ? mx + __logf(total) : dec::neg_inf();
-  if (threadIdx.x == 0) {
-    // Rows of this unit done: the last one resets both counters for the stream's next split launch.
-    int* done = ticket + (long long)(gridDim.x / num_heads) * units;  // gridDim.x = batch x heads
-    const int rows = min(8, group - qg * 8);
-    if (atomicAdd(done, 1) == rows - 1) {
-      *ticket = 0;
-      *done = 0;
-    }
-  }
 }
 
 // ------------------------------------------------------------------------------------------------------------

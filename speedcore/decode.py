@@ -340,13 +340,11 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
                  np.int64(ka.strides[0]), np.int64(ka.strides[1]), np.int64(ka.strides[2]),
                  np.int64(bta.strides[0]), np.int64(sla.strides[0]), np.float32(p["scale_a"]),
                  np.float32(p["cap_log2"]), np.int32(p["use_softcap"]), np.int32(p["window_left"])),
-        tickets=2 * batch * p["units"],  # per unit: splits counted in, merge rows done (decode_merge_kernel)
         merge_kernel=_merge_kernel(qa.dtype, head_dim),
         # sm_90: a programmatic dependent launch (it waits for the attention kernel in-kernel: griddepcontrol)
         merge_cfg=LaunchConfig((max(1, batch * heads),), (merge_threads(splits, head_dim),),
                                overlap=dev.cc >= (9, 0)),
         merge_scalars=(np.int32(heads), np.int32(splits), np.int64(o_strides[0]), np.int64(o_strides[1])),
-        merge_unit_scalars=(np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"])),
         partial_floats=batch * heads * splits * head_dim)
     if key is not None:
         if len(_DECODE_PLANS) >= _MAX_PLANS:
@@ -366,19 +364,16 @@ def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left,
         return result
     stream = A.stream_of(qa)
     lse_ptr = la.ptr if la is not None else 0
-    part_o = part_l = tickets = 0
+    part_o = part_l = 0
     merge = splits > 1 and not p["pair"]
     if merge:
         # one workspace: partial outputs, then the partial log-sum-exps (16-byte aligned: head_dim % 64 == 0)
         ws = A.empty(qa, (p["partial_floats"] + batch * heads * splits,), "float32", name="workspace")
         part_o, part_l = ws.ptr, ws.ptr + 4 * p["partial_floats"]
-        # zeroed counters, shared with the split-K kernels of this stream (each launch leaves them zero)
-        tickets = A.stream_buffer("tickets", qa, stream, p["tickets"], "int32", zeroed=True).ptr
     args = (oa.ptr, 0 if merge else lse_ptr, part_o, part_l, qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr)
-    launch(p["kernel"], p["cfg"], args + p["scalars"] + (tickets,), device=qa.device, stream=stream)
+    launch(p["kernel"], p["cfg"], args + p["scalars"], device=qa.device, stream=stream)
     if merge:
-        launch(p["merge_kernel"], p["merge_cfg"],
-               (oa.ptr, lse_ptr, part_o, part_l) + p["merge_scalars"] + (tickets,) + p["merge_unit_scalars"],
+        launch(p["merge_kernel"], p["merge_cfg"], (oa.ptr, lse_ptr, part_o, part_l) + p["merge_scalars"],
                device=qa.device, stream=stream)
     return result
 
