@@ -51,13 +51,8 @@ SWEEP = {
 }
 
 
-WIDE = dict(D.WIDE_PAIR_CONFIGS)
-
-
-def kernels(name, page16=True, pair=False, wide=False):
+def kernels(name, page16=True, pair=False):
     src, w, s = VARIANTS[name]
-    if wide:
-        w, s = WIDE[128]
     # The old copy may predate the PAGE16 / PAIR template parameters (then it takes the defaults).
     tail = "" if name == "old" and not OLD_PAGE16 else f", {'true' if page16 and name != 'nopg' else 'false'}"
     if name != "old" or OLD_PAIR:
@@ -79,12 +74,10 @@ def use(name):
     _, w, s = VARIANTS[name]
     D.DECODE_CONFIGS[128] = (w, s)
     D.PAIR_MERGE = name != "old" or OLD_PAIR  # two splits merged in-kernel (sm_90 clusters)
-    D.WIDE_PAIR_CONFIGS = {} if name == "old" else dict(WIDE)  # the old copy runs without the wide pair launch
-    D.wide_pair_launch.cache_clear()
     D._decode_plan = _plain_merge_plan if name == "old" and not OLD_PDL else _PLAN
     D.decode_config.cache_clear()
     D.decode_num_splits.cache_clear()
-    D._attn_kernel = lambda dtype, d, page16=True, pair=False, wide=False: kernels(name, page16, pair, wide)[0]
+    D._attn_kernel = lambda dtype, d, page16=True, pair=False: kernels(name, page16, pair)[0]
     D._merge_kernel = lambda dtype, d: kernels(name)[1]
     D._DECODE_PLANS.clear()
 
@@ -127,14 +120,12 @@ def main():
                 if name not in VARIANTS:
                     continue
                 use(name)
-                dp = D._plan_paged_decode(*wr, None, 0.0, -1, sms=132, smem_per_sm=233472, cc=(9, 0))
-                default = dp["num_splits"]
+                default = D._plan_paged_decode(*wr, None, 0.0, -1, sms=132, smem_per_sm=233472)["num_splits"]
                 for ns in splits_list:
                     ns = ns or default
-                    tag = f"{name}/s{ns}{'w' if dp['wide'] and ns == default else ''}{'*' if ns == default else ''}"
+                    tag = f"{name}/s{ns}{'*' if ns == default else ''}"
                     for args, suffix in [(wr, "")] + ([(wr_c, "/contig")] if name in CONTIG else []):
-                        fn = lambda: D._paged_decode(*args, None, 0.0, -1, False,  # noqa: E731
-                                                     num_splits=None if ns == default else ns)
+                        fn = lambda: D._paged_decode(*args, None, 0.0, -1, False, num_splits=ns)  # noqa: E731
                         fn()
                         torch.cuda.synchronize()
                         err = (out.float() - ref).abs().max().item()

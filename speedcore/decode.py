@@ -42,10 +42,6 @@ def decode_config(head_dim: int) -> tuple:
 
 
 DECODE_CONFIGS = {64: (4, 4), 128: (4, 3), 256: (4, 3)}  # head_dim -> (warps, stages)
-# head_dim -> (warps, stages) of one CTA per SM, for launches it lets run as two splits merged in pairs (sm_90) where
-# DECODE_CONFIGS' two CTAs per SM need three splits or more and the merge kernel: (8, 32768, 32/8) 0.999x cuDNN
-# with 6 x 3 in 2 splits against 0.991 with 4 x 3 in 4 (benchmarks/results/h200-ab-2026-11-30.md, session 18).
-WIDE_PAIR_CONFIGS = {128: (6, 3)}
 
 
 def _decode_smem(head_dim: int, warps: int, stages: int) -> int:
@@ -97,34 +93,14 @@ def decode_num_splits(batch: int, units: int, max_len: int, sms: int, ctas_per_s
     return best
 
 
-@lru_cache(maxsize=4096)
-def wide_pair_launch(batch: int, units: int, max_len: int, head_dim: int, sms: int, smem_per_sm: int) -> bool:
-    """Whether WIDE_PAIR_CONFIGS (one CTA per SM) in two paired splits fills the GPU at least as well as
-    DECODE_CONFIGS does with the three or more splits (and the merge kernel) it needs."""
-    warps, _, smem = decode_config(head_dim)
-    per_sm = _ctas_per_sm(smem, warps * 32, smem_per_sm)
-    splits = decode_num_splits(batch, units, max_len, sms, per_sm)
-    w_warps, w_stages = WIDE_PAIR_CONFIGS[head_dim]
-    w_per_sm = _ctas_per_sm(_decode_smem(head_dim, w_warps, w_stages), w_warps * 32, smem_per_sm)
-    if splits <= 2 or decode_num_splits(batch, units, max_len, sms, w_per_sm) != 2:
-        return False
-
-    def fill(ctas, slots):
-        return ctas / (-(-ctas // slots) * slots)
-
-    work = max(1, batch * units)
-    return fill(work * 2, sms * w_per_sm) >= fill(work * splits, sms * per_sm) - 0.005
-
-
 def _ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
     return max(1, min(smem_per_sm // (smem + _RESERVED_SMEM_PER_CTA), 2048 // threads, 32))
 
 
-def _attn_kernel(dtype: str, head_dim: int, page16: bool = True, pair: bool = False, wide: bool = False) -> Kernel:
+def _attn_kernel(dtype: str, head_dim: int, page16: bool = True, pair: bool = False) -> Kernel:
     """``page16``: block_size % TILE_TOKENS == 0, so every tile lies inside one page (no per-row page lookup);
-    ``pair``: two splits in one cluster, merged through DSMEM (sm_90, ``pair_merge``); ``wide``: the
-    WIDE_PAIR_CONFIGS configuration."""
-    warps, stages = WIDE_PAIR_CONFIGS[head_dim] if wide else decode_config(head_dim)[:2]
+    ``pair``: two splits in one cluster, merged through DSMEM (sm_90, ``pair_merge``)."""
+    warps, stages, _ = decode_config(head_dim)
     return Kernel(SOURCE, f"paged_decode_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}, {L2_HINT}, "
                           f"{'true' if page16 else 'false'}, {'true' if pair else 'false'}>")
 
@@ -168,8 +144,6 @@ def all_kernels() -> list:
             for page16 in (True, False):
                 for pair in (False, True):
                     out.append(_attn_kernel(dtype, d, page16, pair))
-                if d in WIDE_PAIR_CONFIGS:
-                    out.append(_attn_kernel(dtype, d, page16, True, True))
             out.append(_merge_kernel(dtype, d))
     for w in sorted(_WORD_TYPES):
         out.append(_cache_kernel(w))
@@ -206,7 +180,7 @@ def _check_float(name: str, value, *, low: float | None = None, allow_none: bool
 
 # -- paged decode attention ---------------------------------------------------------------------------------
 def _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, *, sms: int,
-                       smem_per_sm: int, num_splits=None, cc: tuple = (0, 0)) -> dict:
+                       smem_per_sm: int, num_splits=None) -> dict:
     """Validate the arguments (already wrapped) and choose the launch; raises before anything is launched."""
     A.check_dtype(qa, A.HALF_DTYPES)
     A.check_same_dtype(qa, ka, va, oa)
@@ -263,14 +237,8 @@ def _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_
     qgroups = -(-group // QUERIES_PER_CTA)
     units = kv_heads * qgroups
     warps, stages, smem = decode_config(head_dim)
-    wide = False
     if num_splits is None:
         num_splits = decode_num_splits(batch, units, max_len, sms, _ctas_per_sm(smem, warps * 32, smem_per_sm))
-        if num_splits > 2 and head_dim in WIDE_PAIR_CONFIGS and pair_merge(cc, 2):
-            wide = wide_pair_launch(batch, units, max_len, head_dim, sms, smem_per_sm)
-            if wide:
-                warps, stages = WIDE_PAIR_CONFIGS[head_dim]
-                smem, num_splits = _decode_smem(head_dim, warps, stages), 2
     elif not 1 <= int(num_splits) <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected 1 to {MAX_SPLITS}, got {num_splits}")
     num_splits = int(num_splits)
@@ -281,7 +249,7 @@ def _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_
     else:
         scale_a, cap_log2 = scale * math.log2(math.e), 0.0
     return dict(batch=batch, heads=heads, head_dim=head_dim, kv_heads=kv_heads, group=group, qgroups=qgroups,
-                units=units, num_splits=num_splits, wide=wide, block_size=block_size, num_blocks=num_blocks, max_len=max_len,
+                units=units, num_splits=num_splits, block_size=block_size, num_blocks=num_blocks, max_len=max_len,
                 warps=warps, smem=smem, scale_a=scale_a, cap_log2=cap_log2, use_softcap=cap > 0.0,
                 window_left=window_left)
 
@@ -357,13 +325,13 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
         return plan
     dev = device_info(qa.device)
     p = _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, sms=dev.sms,
-                           smem_per_sm=dev.smem_per_sm, num_splits=num_splits, cc=dev.cc)
+                           smem_per_sm=dev.smem_per_sm, num_splits=num_splits)
     batch, heads, head_dim, splits = p["batch"], p["heads"], p["head_dim"], p["num_splits"]
     o_strides = oa.strides[:2] if oa is not None else (heads * head_dim, head_dim)
     pair = pair_merge(dev.cc, splits)
     plan = dict(
         batch=batch, heads=heads, head_dim=head_dim, splits=splits, pair=pair,
-        kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0, pair, p["wide"]),
+        kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0, pair),
         cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"],
                          cluster=2 if pair else 1),
         scalars=(np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),

@@ -179,9 +179,8 @@ def test_cache_rotary_activation_plans():
 def test_all_kernels_are_distinct():
     ks = D.all_kernels()
     assert len(ks) == len({k.name for k in ks})
-    # 24 attention variants (dtype x head dim x PAGE16 x PAIR) and 4 wide pair ones (head dim 128), the rest small
-    assert len(ks) <= 76
-    assert sum("paged_decode_kernel" in k.name for k in ks) == 28
+    assert len(ks) <= 72  # 24 attention variants (dtype x head dim x PAGE16 x PAIR), the rest small
+    assert sum("paged_decode_kernel" in k.name for k in ks) == 24
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------
@@ -323,39 +322,6 @@ def test_paged_decode_large_groups(heads, kv_heads, num_splits):
     torch = _torch()
     run_decode(torch, batch_lens=[5, 300, 64], heads=heads, kv_heads=kv_heads, head_dim=128, block_size=16,
                dtype=torch.bfloat16, num_splits=num_splits, seed=heads)
-
-
-def test_wide_pair_launch_where_it_saves_the_merge():
-    # (8, 32768, 32/8): 4 splits of 4 x 3 (two CTAs per SM) or 2 paired splits of 6 x 3 (one per SM), both 97% full
-    assert D.wide_pair_launch(8, 8, 32768, 128, 132, 233472)
-    assert not D.wide_pair_launch(16, 8, 8192, 128, 132, 233472)  # 2 splits already
-    assert not D.wide_pair_launch(1, 8, 131072, 128, 132, 233472)  # 33 splits: no pair
-    assert not D.wide_pair_launch(64, 8, 4096, 128, 132, 233472)  # no split
-    args = decode_args(batch=8, heads=32, kv_heads=8, blocks=4096, max_blocks=2048)
-    p = plan(args, cc=(9, 0))
-    assert p["wide"] and (p["warps"], p["num_splits"]) == (6, 2) and p["smem"] <= 233472 - 1024
-    p = plan(args, cc=(8, 0))
-    assert not p["wide"] and (p["warps"], p["num_splits"]) == (4, 4)
-    assert not plan(args, cc=(9, 0), num_splits=4)["wide"]  # an explicit split count keeps the default config
-
-
-@pytest.mark.gpu
-def test_paged_decode_wide_pair_default_dispatch():
-    torch = _torch()
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("thread-block clusters need sm_90")
-    lens = [2100, 5, 1800, 2047, 0, 33, 2048, 1000]
-    for dtype in (torch.bfloat16, torch.float16):
-        for block_size in (16, 24):
-            k, v, table, sl = make_paged(torch, lens, 8, 128, block_size, dtype, seed=block_size)
-            q = torch.randn(len(lens), 32, 128, device="cuda", dtype=dtype)
-            wrapped = (A.wrap(q, "q"), A.wrap(k, "k_cache"), A.wrap(v, "v_cache"), A.wrap(table, "block_table"),
-                       A.wrap(sl, "seq_lens"), None)
-            p = D._decode_plan(*wrapped, None, 0.0, -1, None)
-            assert p["pair"] and p["cfg"].block == (192,), p["cfg"]
-        run_decode(torch, batch_lens=lens, heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=dtype, seed=5)
-        run_decode(torch, batch_lens=lens, heads=32, kv_heads=8, head_dim=128, block_size=24, dtype=dtype,
-                   softcap=30.0, window_left=700, scale=0.5, seed=6)
 
 
 def test_pair_merge_only_for_two_splits_on_sm90():
