@@ -32,8 +32,7 @@ OLD_PDL = "grid_dependency_wait" in OLD_TEXT  # its merge waits in-kernel: launc
 OLD_PAGE16 = "PAGE16" in OLD_TEXT
 OLD_PAIR = "bool PAIR" in OLD_TEXT
 # name -> (source, warps, stages)
-# nopg: PAGE16 off (per-row page lookup); bulk: K/V rows by bulk copies (BULK_LOADS)
-VARIANTS = {"w4s3": ("decode.cu", 4, 3), "nopg": ("decode.cu", 4, 3), "bulk": ("decode.cu", 4, 3)}
+VARIANTS = {"w4s3": ("decode.cu", 4, 3), "nopg": ("decode.cu", 4, 3)}  # nopg: PAGE16 off (per-row page lookup)
 # $DECODE_CONFIGS: more (warps, stages) configurations of the current kernel, e.g. "w3s4,w8s3", run at every shape
 # with the split heuristic's count.
 for _c in filter(None, os.environ.get("DECODE_CONFIGS", "").split(",")):
@@ -52,14 +51,12 @@ SWEEP = {
 }
 
 
-def kernels(name, page16=True, pair=False, bulk=False):
+def kernels(name, page16=True, pair=False):
     src, w, s = VARIANTS[name]
     # The old copy may predate the PAGE16 / PAIR template parameters (then it takes the defaults).
     tail = "" if name == "old" and not OLD_PAGE16 else f", {'true' if page16 and name != 'nopg' else 'false'}"
     if name != "old" or OLD_PAIR:
         tail += f", {'true' if pair else 'false'}"
-    if bulk:
-        tail += ", true"
     return (Kernel(src, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {D.L2_HINT}{tail}>"),
             Kernel(src, "decode_merge_kernel<__nv_bfloat16, 128>"))
 
@@ -77,11 +74,10 @@ def use(name):
     _, w, s = VARIANTS[name]
     D.DECODE_CONFIGS[128] = (w, s)
     D.PAIR_MERGE = name != "old" or OLD_PAIR  # two splits merged in-kernel (sm_90 clusters)
-    D.BULK_LOADS = name == "bulk"  # K/V rows by bulk copies
     D._decode_plan = _plain_merge_plan if name == "old" and not OLD_PDL else _PLAN
     D.decode_config.cache_clear()
     D.decode_num_splits.cache_clear()
-    D._attn_kernel = lambda dtype, d, page16=True, pair=False, bulk=False: kernels(name, page16, pair, bulk)[0]
+    D._attn_kernel = lambda dtype, d, page16=True, pair=False: kernels(name, page16, pair)[0]
     D._merge_kernel = lambda dtype, d: kernels(name)[1]
     D._DECODE_PLANS.clear()
 

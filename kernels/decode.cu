@@ -50,34 +50,6 @@ __device__ __forceinline__ float tanh_exp(float x) {
   return 1.f - __fdividef(2.f, t + 1.f);
 }
 
-// mbarrier and bulk-copy forms on 32-bit shared addresses (the decode kernel keeps its stage addresses as such).
-__device__ __forceinline__ void mbar_init_s(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void fence_mbar_init_s() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx_s(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_s(unsigned bar, unsigned parity) {
-  unsigned done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void fence_proxy_async_s() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_row_s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
 __device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
   float v;
   asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
@@ -113,8 +85,7 @@ __device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
 // sequence then no longer walk the same pages at the same time (the cache interleaves heads within a page).  So
 // was a pool of a split range's last 1/4 or 1/8 of tiles taken one at a time (1/16: within noise), and each warp
 // writing its own split partial was no faster (benchmarks/results/h200-ab-2026-11-30.md, session 17).
-template <typename T, int D, int WARPS, int STAGES, int HINT = 0, bool PAGE16 = false, bool PAIR = false,
-          bool BULK = false>
+template <typename T, int D, int WARPS, int STAGES, int HINT = 0, bool PAGE16 = false, bool PAIR = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ part_out, float* __restrict__ part_lse,
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -216,18 +187,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
 
   const T* kbase = k_cache + (long long)kvh * c_stride_head;
   const T* vbase = v_cache + (long long)kvh * c_stride_head;
-  // BULK (sm_90, PAGE16): each K / V row of a tile is one bulk copy (cp.async.bulk, one lane a row) completing on
-  // the stage's mbarrier, into rows padded by 16 bytes (conflict-free ldmatrix without a swizzle).
-  static_assert(!BULK || PAGE16, "bulk row copies need whole tiles inside a page");
-  constexpr unsigned ROWB = BULK ? D * 2 + 16 : D * 2;  // bytes per shared-memory row
-  constexpr unsigned TILEB = 16 * ROWB;
-  uint4* ring = smem + warp * (STAGES * 2 * TILEB / 16);
-  const unsigned bars = sc::smem_addr(smem + WARPS * STAGES * 2 * TILEB / 16) + warp * STAGES * 8;
-  if constexpr (BULK) {
-    if (lane < STAGES) dec::mbar_init_s(bars + lane * 8, 1);
-    dec::fence_mbar_init_s();
-    __syncwarp();
-  }
+  uint4* ring = smem + warp * (STAGES * 2 * TILE);
   const unsigned long long policy = HINT == 2 ? dec::evict_first_policy() : 0ull;
 
   // A power-of-two block size (vLLM's are) turns the per-tile page index into a shift.
@@ -258,7 +218,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   // Shared addresses: stage j of this warp's ring at ring_s + (j % STAGES) * SLOT (K tile, then V tile), 16-byte
   // chunks XOR-swizzled within 8-row groups.  The swizzle repeats every 8 rows and every 8 chunks, so each address
   // below is a loop-invariant per-lane pattern plus a compile-time offset.
-  constexpr unsigned SLOT = 2 * TILEB;
+  constexpr unsigned SLOT = 2 * TILE * 16;
   const unsigned ring_s = sc::smem_addr(ring);
   constexpr int IP = NI < 8 / RPI ? NI : 8 / RPI;  // cp.async rows repeat their swizzle every IP instructions
   unsigned cp_pat[IP];
@@ -272,17 +232,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     const int rk = (lane & 7) + ((lane >> 3) & 1) * 8, rv = (lane & 7) + (lane >> 4) * 8;
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      if constexpr (BULK) {
-        k_pat[p] = rk * ROWB + (2 * p + (lane >> 4)) * 16;
-        v_pat[p] = TILEB + rv * ROWB + (2 * p + ((lane >> 3) & 1)) * 16;
-      } else {
-        k_pat[p] = (rk * CPR + ((2 * p + (lane >> 4)) ^ (rk & 7))) * 16;
-        v_pat[p] = TILE * 16 + (rv * CPR + ((2 * p + ((lane >> 3) & 1)) ^ (rv & 7))) * 16;
-      }
+      k_pat[p] = (rk * CPR + ((2 * p + (lane >> 4)) ^ (rk & 7))) * 16;
+      v_pat[p] = TILE * 16 + (rv * CPR + ((2 * p + ((lane >> 3) & 1)) ^ (rv & 7))) * 16;
     }
   }
-  // Tile j into the stage at shared address st (BULK: completing on the mbarrier at bar).
-  auto issue = [&](int j, unsigned st, unsigned bar, int page, int slot, bool ok) {
+  // Tile j into the stage at shared address st.
+  auto issue = [&](int j, unsigned st, int page, int slot, bool ok) {
     // min() with num_blocks - 1 keeps a corrupt block table from faulting.
     const long long off =
         ok ? (long long)min((unsigned)page, (unsigned)(num_blocks - 1)) * c_stride_block +
@@ -291,23 +246,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     const int chunk = lane % LPR, tile_tok = (first + j * WARPS) * 16;
     // Aligned: a tile wholly inside [lo, hi) (all but the first and last) needs no per-row predicate.
     const bool whole = aligned && ok && tile_tok >= lo && tile_tok + 16 <= hi;
-    if constexpr (BULK) {
-      // Lanes 0-15: K row lane; 16-31: V row lane - 16.  Rows outside [lo, hi) are zero-filled by the lane.
-      const int r = lane & 15;
-      const bool rok = whole || (ok && tile_tok + r >= lo && tile_tok + r < hi);
-      const unsigned rows = __popc(__ballot_sync(0xffffffffu, rok) & 0xffffu);
-      if (lane == 0) dec::mbar_expect_tx_s(bar, rows * 2 * D * 2);
-      __syncwarp();
-      const unsigned dst = st + (lane >> 4) * TILEB + r * ROWB;
-      if (rok) {
-        dec::fence_proxy_async_s();  // this warp's earlier ldmatrix reads of the stage precede the bulk write
-        dec::bulk_row_s(dst, (lane < 16 ? kbase : vbase) + off + (long long)r * c_stride_tok, D * 2, bar);
-      } else {
-#pragma unroll
-        for (int c = 0; c < CPR; ++c) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst + c * 16), "r"(0));
-      }
-      return;
-    }
     auto copy = [&](bool check) {
 #pragma unroll
       for (int i = 0; i < NI; ++i) {
@@ -339,7 +277,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   for (int j = 0; j < STAGES - 1; ++j) {
     int page, slot;
     const bool ok = fetch_row(true, j, page, slot);
-    if (j < njobs) issue(j, ring_s + j * SLOT, bars + j * 8, page, slot, ok);
+    if (j < njobs) issue(j, ring_s + j * SLOT, page, slot, ok);
     sc::cp_async_commit();
   }
   int pf_page, pf_slot;
@@ -347,22 +285,19 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
 
   // st: tile j's stage; prev: the stage tile j - 1 had, which tile j + STAGES - 1 takes.
   unsigned st = ring_s, prev = ring_s + (STAGES - 1) * SLOT;
-  int stage = 0, prev_stage = STAGES - 1;  // BULK: the stages' mbarrier indices, and the phase tile j completes
-  unsigned phase = 0;
   for (int j = 0; j < njobs; ++j) {
     // Kept in registers: left to itself ptxas recomputes these from the lane index in every iteration.
 #pragma unroll
     for (int p = 0; p < 4; ++p) asm volatile("" : "+r"(k_pat[p]), "+r"(v_pat[p]));
 #pragma unroll
     for (int i = 0; i < IP; ++i) asm volatile("" : "+r"(cp_pat[i]));
-    if constexpr (BULK) dec::mbar_wait_s(bars + stage * 8, phase);
-    else sc::cp_async_wait<STAGES - 2>();
+    sc::cp_async_wait<STAGES - 2>();
     __syncwarp();
 #ifdef DECODE_TRACE
     if (j == 0 && threadIdx.x == 0) trace[1] = gtime();
 #endif
     // Refill the slot consumed in the previous iteration (every lane is past it after __syncwarp).
-    if (j + STAGES - 1 < njobs) issue(j + STAGES - 1, prev, bars + prev_stage * 8, pf_page, pf_slot, pf_ok);
+    if (j + STAGES - 1 < njobs) issue(j + STAGES - 1, prev, pf_page, pf_slot, pf_ok);
     sc::cp_async_commit();
     pf_ok = fetch_row(false, j + STAGES, pf_page, pf_slot);
 
@@ -424,11 +359,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     }
     prev = st;
     st = st + SLOT == ring_s + STAGES * SLOT ? ring_s : st + SLOT;
-    if constexpr (BULK) {
-      prev_stage = stage;
-      stage = stage + 1 == STAGES ? 0 : stage + 1;
-      phase ^= stage == 0;
-    }
   }
   sc::cp_async_wait<0>();
 #ifdef DECODE_TRACE

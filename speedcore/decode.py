@@ -44,16 +44,14 @@ def decode_config(head_dim: int) -> tuple:
 DECODE_CONFIGS = {64: (4, 4), 128: (4, 3), 256: (4, 3)}  # head_dim -> (warps, stages)
 
 
-def _decode_smem(head_dim: int, warps: int, stages: int, bulk: bool = False) -> int:
-    # bulk: rows padded by 16 bytes, and an mbarrier per stage
-    ring = warps * stages * 2 * TILE_TOKENS * (head_dim * 2 + (16 if bulk else 0)) + (warps * stages * 8 if bulk else 0)
+def _decode_smem(head_dim: int, warps: int, stages: int) -> int:
+    ring = warps * stages * 2 * TILE_TOKENS * head_dim * 2
     # the end: every warp's output, max and sum, then the CTA's normalized output and lse (read by a pair partner)
     merge = (warps * QUERIES_PER_CTA * head_dim + warps * 2 * QUERIES_PER_CTA
              + QUERIES_PER_CTA * head_dim + QUERIES_PER_CTA) * 4
     return max(ring, merge)
 
 
-BULK_LOADS = False  # sm_90, block sizes that are multiples of 16: K/V rows by bulk copies (cp.async.bulk)
 PAIR_MERGE = True  # sm_90: two splits as one thread-block cluster, merged through DSMEM (no merge kernel)
 
 
@@ -99,13 +97,12 @@ def _ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
     return max(1, min(smem_per_sm // (smem + _RESERVED_SMEM_PER_CTA), 2048 // threads, 32))
 
 
-def _attn_kernel(dtype: str, head_dim: int, page16: bool = True, pair: bool = False, bulk: bool = False) -> Kernel:
+def _attn_kernel(dtype: str, head_dim: int, page16: bool = True, pair: bool = False) -> Kernel:
     """``page16``: block_size % TILE_TOKENS == 0, so every tile lies inside one page (no per-row page lookup);
     ``pair``: two splits in one cluster, merged through DSMEM (sm_90, ``pair_merge``)."""
     warps, stages, _ = decode_config(head_dim)
     return Kernel(SOURCE, f"paged_decode_kernel<{A.CTYPE[dtype]}, {head_dim}, {warps}, {stages}, {L2_HINT}, "
-                          f"{'true' if page16 else 'false'}, {'true' if pair else 'false'}"
-                          f"{', true' if bulk else ''}>")
+                          f"{'true' if page16 else 'false'}, {'true' if pair else 'false'}>")
 
 
 def _merge_kernel(dtype: str, head_dim: int) -> Kernel:
@@ -183,7 +180,7 @@ def _check_float(name: str, value, *, low: float | None = None, allow_none: bool
 
 # -- paged decode attention ---------------------------------------------------------------------------------
 def _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, *, sms: int,
-                       smem_per_sm: int, num_splits=None, cc: tuple = (0, 0)) -> dict:
+                       smem_per_sm: int, num_splits=None) -> dict:
     """Validate the arguments (already wrapped) and choose the launch; raises before anything is launched."""
     A.check_dtype(qa, A.HALF_DTYPES)
     A.check_same_dtype(qa, ka, va, oa)
@@ -240,9 +237,6 @@ def _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_
     qgroups = -(-group // QUERIES_PER_CTA)
     units = kv_heads * qgroups
     warps, stages, smem = decode_config(head_dim)
-    bulk = BULK_LOADS and block_size % TILE_TOKENS == 0 and tuple(cc) >= (9, 0)
-    if bulk:
-        smem = _decode_smem(head_dim, warps, stages, True)
     if num_splits is None:
         num_splits = decode_num_splits(batch, units, max_len, sms, _ctas_per_sm(smem, warps * 32, smem_per_sm))
     elif not 1 <= int(num_splits) <= MAX_SPLITS:
@@ -255,7 +249,7 @@ def _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_
     else:
         scale_a, cap_log2 = scale * math.log2(math.e), 0.0
     return dict(batch=batch, heads=heads, head_dim=head_dim, kv_heads=kv_heads, group=group, qgroups=qgroups,
-                units=units, num_splits=num_splits, bulk=bulk, block_size=block_size, num_blocks=num_blocks, max_len=max_len,
+                units=units, num_splits=num_splits, block_size=block_size, num_blocks=num_blocks, max_len=max_len,
                 warps=warps, smem=smem, scale_a=scale_a, cap_log2=cap_log2, use_softcap=cap > 0.0,
                 window_left=window_left)
 
@@ -331,13 +325,13 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
         return plan
     dev = device_info(qa.device)
     p = _plan_paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, sms=dev.sms,
-                           smem_per_sm=dev.smem_per_sm, num_splits=num_splits, cc=dev.cc)
+                           smem_per_sm=dev.smem_per_sm, num_splits=num_splits)
     batch, heads, head_dim, splits = p["batch"], p["heads"], p["head_dim"], p["num_splits"]
     o_strides = oa.strides[:2] if oa is not None else (heads * head_dim, head_dim)
     pair = pair_merge(dev.cc, splits)
     plan = dict(
         batch=batch, heads=heads, head_dim=head_dim, splits=splits, pair=pair,
-        kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0, pair, p["bulk"]),
+        kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0, pair),
         cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"],
                          cluster=2 if pair else 1),
         scalars=(np.int32(heads), np.int32(p["group"]), np.int32(p["qgroups"]), np.int32(p["units"]), np.int32(splits),

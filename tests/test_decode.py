@@ -324,33 +324,6 @@ def test_paged_decode_large_groups(heads, kv_heads, num_splits):
                dtype=torch.bfloat16, num_splits=num_splits, seed=heads)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_paged_decode_bulk_loads(head_dim):
-    """K/V rows by bulk copies (sm_90, block sizes that are multiples of 16): ragged lengths, windows that start
-    mid-tile (zero-filled rows), softcap, splits and pairs."""
-    torch = _torch()
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("bulk copies need sm_90")
-    D.BULK_LOADS = True
-    D._DECODE_PLANS.clear()
-    try:
-        for block_size, splits, window, cap in ((16, None, -1, 0.0), (32, 5, 100, 30.0), (256, 2, 5, 0.0),
-                                                (16, 1, 37, 0.0), (48, 7, -1, 30.0)):
-            args = dict(batch_lens=[1, 700, 33, 2000, 0, 16], heads=12, kv_heads=3, head_dim=head_dim,
-                        block_size=block_size, dtype=torch.bfloat16 if block_size % 32 else torch.float16,
-                        num_splits=splits, window_left=window, softcap=cap, scale=0.5 if cap else None, seed=block_size)
-            run_decode(torch, **args)
-        k, v, table, lens = make_paged(torch, [300], 3, head_dim, 16, torch.bfloat16)
-        q = torch.randn(1, 12, head_dim, device="cuda", dtype=torch.bfloat16)
-        p = D._decode_plan(A.wrap(q, "q"), A.wrap(k, "k_cache"), A.wrap(v, "v_cache"), A.wrap(table, "block_table"),
-                           A.wrap(lens, "seq_lens"), None, None, 0.0, -1, None)
-        assert p["kernel"].name.count(",") == 7 and p["kernel"].name.endswith(", true>")  # the BULK variant ran
-    finally:
-        D.BULK_LOADS = False
-        D._DECODE_PLANS.clear()
-
-
 def test_pair_merge_only_for_two_splits_on_sm90():
     assert D.pair_merge((9, 0), 2)
     assert not D.pair_merge((8, 0), 2) and not D.pair_merge((9, 0), 1) and not D.pair_merge((9, 0), 3)
