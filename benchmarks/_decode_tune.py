@@ -32,7 +32,10 @@ OLD_PDL = "grid_dependency_wait" in OLD_TEXT  # its merge waits in-kernel: launc
 OLD_PAGE16 = "PAGE16" in OLD_TEXT
 OLD_PAIR = "bool PAIR" in OLD_TEXT
 # name -> (source, warps, stages)
-VARIANTS = {"w4s3": ("decode.cu", 4, 3), "nopg": ("decode.cu", 4, 3)}  # nopg: PAGE16 off (per-row page lookup)
+# nopg: PAGE16 off (per-row page lookup); hN ($DECODE_HINTS, e.g. "0,1"): the shipped kernel with cp.async L2 hint N
+# instead of L2_HINT (see cp_async_kv)
+VARIANTS = {"w4s3": ("decode.cu", 4, 3), "nopg": ("decode.cu", 4, 3)}
+VARIANTS.update({f"h{h}": ("decode.cu", 4, 3) for h in os.environ.get("DECODE_HINTS", "").split(",") if h})
 # $DECODE_CONFIGS: more (warps, stages) configurations of the current kernel, e.g. "w3s4,w8s3", run at every shape
 # with the split heuristic's count.
 for _c in filter(None, os.environ.get("DECODE_CONFIGS", "").split(",")):
@@ -57,7 +60,8 @@ def kernels(name, page16=True, pair=False):
     tail = "" if name == "old" and not OLD_PAGE16 else f", {'true' if page16 and name != 'nopg' else 'false'}"
     if name != "old" or OLD_PAIR:
         tail += f", {'true' if pair else 'false'}"
-    return (Kernel(src, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {D.L2_HINT}{tail}>"),
+    hint = int(name[1:]) if name[0] == "h" and name[1:].isdigit() else D.L2_HINT
+    return (Kernel(src, f"paged_decode_kernel<__nv_bfloat16, 128, {w}, {s}, {hint}{tail}>"),
             Kernel(src, "decode_merge_kernel<__nv_bfloat16, 128>"))
 
 
