@@ -50,12 +50,6 @@ __device__ __forceinline__ float tanh_exp(float x) {
   return 1.f - __fdividef(2.f, t + 1.f);
 }
 
-__device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
-  return v;
-}
-
 }  // namespace dec
 
 // ------------------------------------------------------------------------------------------------------------
@@ -443,7 +437,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
     const int items = nq * V4, half = (items + 1) >> 1, end = min(items, (split + 1) * half);
     for (int i = split * half + threadIdx.x; i < end; i += WARPS * 32) {
       const int qi = i / V4, c = i - qi * V4;
-      const float la = dec::ld_cluster_f32(o0 + (8 * D + qi) * 4), lb = dec::ld_cluster_f32(o1 + (8 * D + qi) * 4);
+      const float la = sc::ld_cluster_f32(o0 + (8 * D + qi) * 4), lb = sc::ld_cluster_f32(o1 + (8 * D + qi) * 4);
       const float4 xa = sc::ld_cluster_v4(o0 + i * 16), xb = sc::ld_cluster_v4(o1 + i * 16);
       const float m = fmaxf(la, lb);
       float wa = 0.f, wb = 0.f, lse = dec::neg_inf();

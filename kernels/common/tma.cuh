@@ -131,10 +131,15 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 __device__ __forceinline__ void cluster_arrive_release() {
   asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
 }
-// 16 bytes to this CTA's shared memory at `addr` (smem_addr), and 16 bytes from any cluster CTA's at `addr`
+// 16 bytes to this CTA's shared memory at `addr` (smem_addr), and 4 or 16 bytes from any cluster CTA's at `addr`
 // (cluster_map): 32-bit addresses, so that constant offsets from one base register fold into the instruction.
 __device__ __forceinline__ void st_shared_v4(unsigned addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+__device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
 }
 __device__ __forceinline__ float4 ld_cluster_v4(unsigned addr) {
   float4 v;
