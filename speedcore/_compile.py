@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the header stores the CUBIN's SHA-256, checked on every read
 _MAGIC = b"SPEEDCORE-CUBIN\n"
 _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
 _PRAGMA_ONCE_RE = re.compile(r'^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$', re.M)
@@ -296,7 +296,9 @@ def _read_disk(path: Path):
     except Exception:
         return None
     cubin = data[off + 4 + n:]
-    if len(cubin) != meta.get("cubin_bytes"):
+    # A length check alone lets flipped bytes through, and a corrupt CUBIN can load and then kill the process
+    # (CUDA_ERROR_ILLEGAL_INSTRUCTION): a file whose digest does not match is recompiled and rewritten.
+    if len(cubin) != meta.get("cubin_bytes") or hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
         return None
     return meta, cubin
 
@@ -305,7 +307,7 @@ def _write_disk(path: Path, meta: dict, cubin: bytes) -> None:
     """Atomic: a reader sees the old file, no file, or the whole new one; concurrent writers both win."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(meta, cubin_bytes=len(cubin))
+        meta = dict(meta, cubin_bytes=len(cubin), cubin_sha256=hashlib.sha256(cubin).hexdigest())
         blob = json.dumps(meta).encode()
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
         try:

@@ -69,6 +69,16 @@ def test_compile_disk_cache_roundtrip_and_corruption(fake_kernels, tmp_path):
     _compile._mem_cache.clear()
     c3 = _compile.compile_kernel(k, "sm_80")
     assert not c3.from_disk and c3.cubin == c1.cubin
+    # flipped bytes of the same length (the file stays well-formed): the checksum catches them, and the
+    # recompiled CUBIN replaces the file
+    data = bytearray(files[0].read_bytes())
+    data[-40:-8] = bytes(b ^ 0xFF for b in data[-40:-8])
+    files[0].write_bytes(bytes(data))
+    _compile._mem_cache.clear()
+    c5 = _compile.compile_kernel(k, "sm_80")
+    assert not c5.from_disk and c5.cubin == c1.cubin
+    _compile._mem_cache.clear()
+    assert _compile.compile_kernel(k, "sm_80").from_disk  # rewritten whole
     # a changed header misses the cache
     (fake_kernels / "common" / "h.cuh").write_text("#pragma once\n#define SCALE 5.0f\n")
     c4 = _compile.compile_kernel(k, "sm_80")
