@@ -1,6 +1,6 @@
 """Benchmark harness behind ``python -m speedcore bench``.
 
-Each suite (``benchmarks/<op>.py``, shipped in the wheel too) defines ``cases(b)`` returning a list of
+Each suite (``benchmarks/<op>.py``, shipped in the wheel too; the probes in ``benchmarks/probes/`` are not) defines ``cases(b)`` returning a list of
 ``(label, run)``; ``run(b)`` times our kernel and its peers on the same inputs with :meth:`Bench.time_ms` and
 records the comparison with :meth:`Bench.add`.  Times are medians of CUDA-event-timed runs after a warm-up,
 with the L2 cache flushed before every run.  The two ceilings (device-to-device copy bandwidth and cuBLAS
@@ -26,9 +26,11 @@ def benchmarks_dir() -> Path:
 
 
 def suites() -> dict:
+    """{name: path} of the suites: ``benchmarks/*.py`` files that define ``cases(b)`` (read as text, not imported:
+    sass_check.py beside them is a script that runs when imported)."""
     out = {}
     for p in sorted(benchmarks_dir().glob("*.py")):
-        if p.stem.startswith("_"):
+        if p.stem.startswith("_") or "\ndef cases(" not in p.read_text():
             continue
         out[p.stem] = p
     return out

@@ -11,19 +11,19 @@
 and, for each cluster size in $CLUSTERS (e.g. "2,4,8"), the rand layout launched in thread-block clusters of that
 many consecutive CTAs (the KV heads of one sequence run in one GPC at the same time).
 
-python benchmarks/_decode_layout_probe.py [rounds]
+python benchmarks/probes/decode_layout_probe.py [rounds]
 """
 import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from speedcore import decode as D  # noqa: E402
 from speedcore import _arrays as A  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _decode_diag import paged_caches  # noqa: E402
+from decode_diag import paged_caches  # noqa: E402
 
 SHAPES = [(64, 4096, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (256, 1024, 32, 32, 128),
           (16, 8192, 32, 8, 128)]

@@ -1,13 +1,13 @@
 """One launch each of ours (paged, and on a contiguous view) and cuDNN at one decode shape, for ncu:
-ncu --kernel-name regex:'paged_decode|cudnn_generated' --metrics ... python benchmarks/_decode_ncu_probe.py B S H KVH"""
+ncu --kernel-name regex:'paged_decode|cudnn_generated' --metrics ... python benchmarks/probes/decode_ncu_probe.py B S H KVH"""
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from speedcore import decode as D  # noqa: E402
-from _decode_diag import contiguous_args, paged_problem  # noqa: E402
+from decode_diag import contiguous_args, paged_problem  # noqa: E402
 
 
 def main():

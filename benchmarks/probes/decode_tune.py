@@ -1,6 +1,6 @@
 """Tuning sweep for the paged decode kernel (not a bench suite: prints a table).
 
-python benchmarks/_decode_tune.py [rounds]  -- at each shape, torch SDPA's cuDNN backend and our kernel (w4s3: the
+python benchmarks/probes/decode_tune.py [rounds]  -- at each shape, torch SDPA's cuDNN backend and our kernel (w4s3: the
 shipped 4 warps x 3 stages; nopg: the same with PAGE16 off, i.e. a page lookup per row; the (warps, stages)
 configurations named in $DECODE_CONFIGS, e.g. "w3s4,w8s3"), interleaved, in the same process and on the same data
 (ours on a shuffled paged copy).  A variant named ``old`` runs kernels/_decode_old.cu when that file exists (a copy
@@ -16,16 +16,16 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from speedcore import decode as D  # noqa: E402
 from speedcore._compile import Kernel, compile_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _decode_diag import contiguous_args, paged_problem  # noqa: E402
+from decode_diag import contiguous_args, paged_problem  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OLD_PATH = os.path.join(HERE, "..", "kernels", "_decode_old.cu")
+OLD_PATH = os.path.join(HERE, "..", "..", "kernels", "_decode_old.cu")
 OLD = os.path.exists(OLD_PATH)
 OLD_TEXT = open(OLD_PATH).read() if OLD else ""
 OLD_PDL = "grid_dependency_wait" in OLD_TEXT  # its merge waits in-kernel: launched as the current one is

@@ -4,7 +4,7 @@ handing half of NV x 16 bytes per thread (256 threads) to its peer and summing w
 median and p90 over CTAs of the exchange's clock64 cycles, cold (first iteration) and warm, with the probe's own
 shared memory and with 227 KB.
 
-    PYTHONPATH=. python3 benchmarks/_dsmem_probe.py
+    PYTHONPATH=. python3 benchmarks/probes/dsmem_probe.py
 """
 import os
 

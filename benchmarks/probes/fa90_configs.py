@@ -1,13 +1,13 @@
 """Same-process A/B of sm_90 attention tile configurations (BN, stages, NC, pingpong) against cuDNN, for the
 pure table in speedcore/attention.py (_SM90_TILES).  Not a bench suite: not recorded.
 
-    PYTHONPATH=. python3 benchmarks/_fa90_configs.py
+    PYTHONPATH=. python3 benchmarks/probes/fa90_configs.py
 """
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from speedcore import attention as att  # noqa: E402
@@ -39,7 +39,7 @@ def main():
 
     import speedcore
     from speedcore.bench import Bench
-    from _fa90_trace import bench_case
+    from fa90_trace import bench_case
 
     b = Bench(quick=True)
     torch = b.torch

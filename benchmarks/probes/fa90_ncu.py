@@ -1,12 +1,12 @@
 """One launch each of ours and torch SDPA's cuDNN kernel between cudaProfilerStart/Stop, for Nsight Compute:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
-        python3 benchmarks/_fa90_ncu.py
+        python3 benchmarks/probes/fa90_ncu.py
 """
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402

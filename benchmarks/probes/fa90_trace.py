@@ -1,7 +1,7 @@
 """Where the sm_90 attention kernel's time goes, per tile: the kernel compiled with -DFA90_TRACE stamps clock64()
 at each phase of each tile (kernels/attention_sm90.cu); this prints the mean phase durations in microseconds.
 
-    PYTHONPATH=. python3 benchmarks/_fa90_trace.py [--ab=-DSWITCH[,-DOTHER]]... [--cases=d:causal:seqlen,...]
+    PYTHONPATH=. python3 benchmarks/probes/fa90_trace.py [--ab=-DSWITCH[,-DOTHER]]... [--cases=d:causal:seqlen,...]
 
 Each --ab= also times the kernels built with those extra options against the default build, in one process.
 """
@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import speedcore  # noqa: E402
 from speedcore import attention as att  # noqa: E402

@@ -4,8 +4,8 @@ Times cuBLAS, the previous kernels (kernels/gemm_sm90_prev.cu / gemm_prev.cu: co
 versions, made by the caller) and the current ones with the heuristic's and forced configs, interleaved per shape
 so clocks drift alike.  Prints one table (TFLOP/s or TB/s; ratio to cuBLAS in brackets).
 
-    PYTHONPATH=. python3 benchmarks/_gemm_ab.py precompile       # parallel NVRTC into the disk cache first
-    PYTHONPATH=. python3 benchmarks/_gemm_ab.py [hopper] [small] [ampere] [ampere_cfgs] [epilogue] [skinny] [mid]
+    PYTHONPATH=. python3 benchmarks/probes/gemm_ab.py precompile       # parallel NVRTC into the disk cache first
+    PYTHONPATH=. python3 benchmarks/probes/gemm_ab.py [hopper] [small] [ampere] [ampere_cfgs] [epilogue] [skinny] [mid]
 
 The previous kernels (those of 869ced9) are made beside the current ones with
     git show 869ced9:kernels/gemm_sm90.cu | sed 's/gemm_wgmma_kernel(/gemm_wgmma_prev_kernel(/' > kernels/gemm_sm90_prev.cu
@@ -26,7 +26,7 @@ from speedcore import gemm
 from speedcore._compile import Kernel, compile_kernel
 
 SMS = 132
-HAVE_PREV = all(os.path.exists(os.path.join(os.path.dirname(__file__), "..", "kernels", f))
+HAVE_PREV = all(os.path.exists(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", f))
                 for f in ("gemm_sm90_prev.cu", "gemm_prev.cu"))
 CT = "__nv_bfloat16"
 OPT = ("-default-device",)
@@ -246,7 +246,7 @@ def prev_tile_fn(x, w, out, c, kmajor):
     return lambda: launch(kern, cfg, args, device=0, stream=stream)
 
 
-HAVE_PREV_TILE = os.path.exists(os.path.join(os.path.dirname(__file__), "..", "kernels", "gemm_prev.cu"))
+HAVE_PREV_TILE = os.path.exists(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "gemm_prev.cu"))
 
 
 def ampere_section():

@@ -9,7 +9,7 @@ Why: at M = 1 the bulk kernel reads 28672x8192 INT4 at ~2.8 TB/s where the same-
 (Little's law), so deeper rings (or more warps per block) should help the large layers even though they did not
 help 8192^2 when the default was picked.  One line per case with every variant, then the best per case.
 
-    PYTHONPATH=. python3 benchmarks/_quant_m1_sweep.py [M ...]      (default M = 1 16)
+    PYTHONPATH=. python3 benchmarks/probes/quant_m1_sweep.py [M ...]      (default M = 1 16)
 """
 import sys
 import time
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from speedcore import quant as Q
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _quant_stream_probe import b, layer_of, run_as  # noqa: E402  (the same layers and forcing)
+from quant_stream_probe import b, layer_of, run_as  # noqa: E402  (the same layers and forcing)
 
 t0 = time.time()
 MS = [int(a) for a in sys.argv[1:] if a.isdigit()] or [1, 16]

@@ -4,7 +4,7 @@ at M > 16) and cuBLAS (F.linear, same dtype), at M = 17, 32, 64, 128 on 8192x819
 a grid sweep (bf16: P = tiles x {1, 2, 4}, SMs, 2 SMs; "g<P> <us>") against the heuristic's P; one GPTQ row.
 Each variant's output is checked against the current dispatch (relative difference printed when above 1e-2).  One line per case, then the summary table last.
 
-    PYTHONPATH=. python3 benchmarks/_quant_marlin_probe.py
+    PYTHONPATH=. python3 benchmarks/probes/quant_marlin_probe.py
 """
 import time
 

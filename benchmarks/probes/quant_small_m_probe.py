@@ -3,7 +3,7 @@ group 128), each M times gemv_stream_kernel (today's dispatch, and with its spli
 w4_wgmma_kernel forced down to that M, quant_marlin_kernel forced, and cuBLAS (F.linear, same dtype); every output
 checked against the stream kernel's (rel diff; "!!" above 1e-2).
 
-    PYTHONPATH=. python3 benchmarks/_quant_small_m_probe.py [NxK ...]   (default 4096x4096 8192x8192)
+    PYTHONPATH=. python3 benchmarks/probes/quant_small_m_probe.py [NxK ...]   (default 4096x4096 8192x8192)
 
 $MS: the M values (default 9,12,16); $FULL=0: only the stream kernel's split counts and w4_wgmma_kernel.
 """

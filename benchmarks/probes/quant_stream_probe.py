@@ -3,8 +3,7 @@ register pipeline ("prev": -DSC_QUANT_STREAM_UNPIPELINED, the schedule of 4cac39
 scale and the pipeline also at M > 8 ("mt2 xsum": -DSC_QUANT_XSUM_MT2 -DSC_QUANT_PIPELINE_MT2), gemv_stream_kernel and
 gemv_bulk_kernel forced with a few launch shapes, and cuBLAS (F.linear, same dtype).  Every variant's output is
 checked against the shipped one (relative error printed when above 1e-3).  Prints one line per case, a summary
-table last.  The layers and the forcing (``layer_of``, ``run_as``) serve _quant_m1_sweep.py and _quant_m1_ab.py
-too."""
+table last.  The layers and the forcing (``layer_of``, ``run_as``) serve quant_m1_sweep.py too."""
 import time
 
 import torch

@@ -3,7 +3,7 @@ candidate tile shape forced through _W4WGMMA_OVERRIDE (its split count still cho
 cuBLAS F.linear in the same process; AWQ bf16, group 128, L2 flushed, medians.  One line per (layer, M): the ratio
 to cuBLAS of the default and of the best candidate, then every candidate's us.
 
-    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4_msweep.py N:K[:Mmax] ... \\
+    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/probes/quant_w4_msweep.py N:K[:Mmax] ... \\
         [--m 17,64,256] [--cands "mt=192,blk=1,gs=2;mt=256,blk=1,gs=2"]
 """
 import sys

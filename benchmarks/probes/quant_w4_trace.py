@@ -2,7 +2,7 @@
 clock64() at entry, at each ring stage's full / empty wait, at the loop end and in the split-K epilogue; this prints,
 per case, the phases in microseconds (medians over CTAs unless said).
 
-    PYTHONPATH=. python3 benchmarks/_quant_w4_trace.py [N:K:M ...] [--defs "-DNAME=VALUE ..." ...]
+    PYTHONPATH=. python3 benchmarks/probes/quant_w4_trace.py [N:K:M ...] [--defs "-DNAME=VALUE ..." ...]
 
 Each --defs string is one more traced build of every case (extra compiler options, e.g. the
 experiment switches one adds for a measurement); the plain build is always traced first.
@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
 

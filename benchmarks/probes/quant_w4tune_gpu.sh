@@ -4,16 +4,16 @@
 # compiled for sm_90a with the device NVRTC (resources printed; the rest of the quant family for sm_90 beside them,
 # which the tests' "current" comparisons launch), the GPU tests of tests/test_quant_w4wgmma.py || a
 # compute-sanitizer memcheck of the small cases (test_w4wgmma_memcheck_case_small), then
-# `benchmarks/_quant_w4wgmma_probe.py $PROBE_ARGS` (default --tune: each shape against the default, the current
+# `benchmarks/probes/quant_w4wgmma_probe.py $PROBE_ARGS` (default --tune: each shape against the default, the current
 # dispatch and cuBLAS, outputs cross-checked; PROBE_ARGS="32 64 256": w4wgmma against current and cuBLAS at those M)
 # with its table last.  Every step is timeout-wrapped; worst case 50 + 130 + 100 = 280 s.
 #
-#   SPEEDCORE_COMMIT=<hash> bash benchmarks/_quant_w4tune_gpu.sh
+#   SPEEDCORE_COMMIT=<hash> bash benchmarks/probes/quant_w4tune_gpu.sh
 #
 # SKIP_PROBE=1 stops after the tests; T_COMPILE / T_TEST / T_SAN / T_PROBE override the step timeouts (seconds);
 # TUNE_M="64 256" limits the sweep's M values.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR=${SPEEDCORE_CACHE_DIR:-/tmp/scc}
 O=${OUT:-/tmp/out}; mkdir -p $O; t0=$SECONDS
 echo "commit ${SPEEDCORE_COMMIT:-?}; $(python3 -m speedcore info 2>&1 | grep -i nvrtc | head -n 1)"
@@ -39,6 +39,6 @@ wait $p1; cat $O/rc; grep -hE "^(FAILED|ERROR)|passed|failed" $O/pytest.log | cu
 grep -h -A40 "^_____" $O/pytest.log | grep -E "^E " | head -n 16 | cut -c1-240
 wait $p2; echo "memcheck rc=$? $((SECONDS-t0))s"; grep -E "ERROR SUMMARY|passed|failed|Invalid|Error" $O/memcheck.log | head -n 6
 [ -n "${SKIP_PROBE:-}" ] && exit 0
-SPEEDCORE_QUANT_W4WGMMA=1 timeout ${T_PROBE:-100} python3 benchmarks/_quant_w4wgmma_probe.py ${PROBE_ARGS:---tune} ${TUNE_M:-} \
+SPEEDCORE_QUANT_W4WGMMA=1 timeout ${T_PROBE:-100} python3 benchmarks/probes/quant_w4wgmma_probe.py ${PROBE_ARGS:---tune} ${TUNE_M:-} \
   > $O/tune.log 2>&1; echo "tune rc=$? $((SECONDS-t0))s"
 cut -c1-300 $O/tune.log

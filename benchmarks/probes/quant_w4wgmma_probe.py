@@ -6,11 +6,11 @@ dense path (dequantize + cuBLAS) above) and cuBLAS (F.linear with a bf16 weight 
 256 ("s<S> <us>", "mt<MT> <us>"); one fp16 and one GPTQ row.  Each output is checked against the current dispatch
 (rel diff; "!!" above 1e-2).  One line per case, the summary table last.
 
-    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py [M ...]
+    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/probes/quant_w4wgmma_probe.py [M ...]
 
 With M values given: only those, on 8192x8192 and 28672x8192 (bf16) and 8192x8192 (fp16), no sweeps.
 
-    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/_quant_w4wgmma_probe.py --tune [M ...]
+    SPEEDCORE_QUANT_W4WGMMA=1 PYTHONPATH=. python3 benchmarks/probes/quant_w4wgmma_probe.py --tune [M ...]
 
 --tune: the launch-shape sweep instead (AWQ bf16, 8192x8192, 28672x8192, 4096x4096 and 8192x28672, M = 64, 128, 256, 1024, 2048 unless
 given): today's default shape ("def", blk 2) against shapes forced through _W4WGMMA_OVERRIDE: b<BLK>m<MT> (blk = 1:

@@ -4,7 +4,7 @@ per-channel scales) with the SPEEDCORE_QUANT_W8WGMMA switch on while prepacking,
 with a bf16 / fp16 weight of the same shape), bf16 and fp16, at M = 17, 64, 256, 1024, 2048 on 8192x8192 and
 28672x8192 unless M values are given.  Each output is checked against the current path (rel diff; "!!" above 1e-2).
 
-    PYTHONPATH=. python3 benchmarks/_quant_w8wgmma_probe.py [M ...]
+    PYTHONPATH=. python3 benchmarks/probes/quant_w8wgmma_probe.py [M ...]
 """
 import sys
 

@@ -9,7 +9,7 @@
 Every run is preceded by an L2 flush; medians of 20 runs.  Sizes: 34 MB (INT4 8192^2), 117 MB (INT4 28672 x 8192),
 1 GB (the (64, 4096) decode cache).
 
-    PYTHONPATH=. python3 benchmarks/_read_probe.py
+    PYTHONPATH=. python3 benchmarks/probes/read_probe.py
 """
 import statistics
 

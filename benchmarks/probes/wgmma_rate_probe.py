@@ -4,7 +4,7 @@ wgmma.wait_group WAIT after each group, no data movement: the tensor rate w4_wgm
 with A from registers (RS, as they issue it: N = 256 at M = 256, GS = 2, WAIT = 1) against A from shared memory (SS,
 as cuBLAS issues it), and with deeper or shallower queues.  Prints TFLOP/s per variant (132 SMs).
 
-    PYTHONPATH=. python3 benchmarks/_wgmma_rate_probe.py
+    PYTHONPATH=. python3 benchmarks/probes/wgmma_rate_probe.py
 """
 import os
 
@@ -73,7 +73,7 @@ def main():
     import cuda.pathfinder as pf
 
     names = [f"wgmma_rate<{n}, {rs}, {gs}, {w}, {wgs}>" for _, n, rs, gs, w, wgs in VARIANTS]
-    opts = ("-arch=sm_90a", "-std=c++17", f"-I{os.path.join(HERE, '..', 'kernels')}",
+    opts = ("-arch=sm_90a", "-std=c++17", f"-I{os.path.join(HERE, '..', '..', 'kernels')}",
             f"-I{pf.find_nvidia_header_directory('cudart')}")
     mod = cp.RawModule(code=SRC, options=opts, name_expressions=names)
     sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
