@@ -23,6 +23,7 @@ _EXPORTS = {
     "gptq_linear": "quant",
     "int8_linear": "quant",
     "paged_decode_attention": "decode",
+    "paged_prefill_attention": "paged_attention",
     "reshape_and_cache": "decode",
     "rotary_embedding": "decode",
     "silu_and_mul": "decode",

@@ -1,0 +1,339 @@
+"""Attention of many query tokens per sequence over a paged KV cache (kernels/paged_attention.cu): chunked prefill,
+prefix caching and speculative verification, with flash-attn's ``flash_attn_varlen_func(..., block_table=...)``
+argument names and semantics.
+
+q is packed (total_q, heads, head_dim) with int32 ``cu_seqlens_q``; K and V come from vLLM's flash layout caches
+(num_blocks, block_size, heads_kv, head_dim) through an int32 ``block_table`` (batch, max_blocks), and
+``seqused_k[b]`` is the number of cached tokens of sequence b, this step's included.  The query tokens are the
+last ones of their sequence: causal masking is aligned to the bottom-right corner, as in flash-attn.
+
+One kernel today, ``paged_prefill_kernel`` (mma.sync, every GPU from sm_80 on): FlashAttention-2's forward loop
+with the K/V tiles gathered through the block table by cp.async.  The launch heuristic
+(:func:`prefill_config`) is a pure function of the head dim, the block size and the shared memory budget.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from . import _arrays as A
+from ._compile import Kernel
+from ._launch import LaunchConfig, device_info, launch
+
+SOURCE = "paged_attention.cu"
+# Kernel head dims; any multiple of 8 up to 256 runs on the next one up (the columns past the real head dim are
+# zero-filled in shared memory, so a padded head dim costs the compute of the kernel's).
+HEAD_DIMS = (64, 128, 256)
+MAX_HEAD_DIM = 256
+UNBOUNDED = 1 << 29        # an unbounded window side, inside the kernel's int32 index arithmetic
+MAX_TOKENS = 1 << 28       # longest sequence / most query tokens per call (int32 arithmetic with the window terms)
+MAX_ROW_STRIDE = 1 << 23   # q / out / cache token strides (elements): int32 offsets inside a tile
+_LOG2E = 1.4426950408889634
+SMEM_BUDGET = 227 * 1024   # A100 / H100 / H200 opt-in shared memory per block; sm_86 / sm_89 have 99 KB
+_SMEM_BUDGETS = (227 * 1024, 99 * 1024)
+
+# (keys per tile BN, 16-row m-tiles per warp MT, warps, CTAs per SM the registers are capped for, Q k-steps held
+# in registers where Q does not stay in registers, row sums by mma, K/V stages) per kernel head dim: the tiles of
+# kernels/attention.cu's flash_fwd_kernel (measured there on an H200), whose loop this kernel keeps; the paged
+# copies add 0-3 registers (sm_80: 232 / 240 / 239 against 229 / 242 / 238 for d64 / d128 / d256), no spills.
+_TILES = {64: (64, 2, 4, 2, 0, 1, 3), 128: (32, 2, 4, 2, 0, 1, 3), 256: (32, 1, 4, 2, 0, 0, 2)}
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim of the variant that runs ``head_dim`` (the smallest of HEAD_DIMS >= it)."""
+    for d in HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"head_dim {head_dim} is above {MAX_HEAD_DIM}")
+
+
+def block_m(m_tiles: int, warps: int) -> int:
+    """Query rows per CTA."""
+    return 16 * m_tiles * warps
+
+
+def smem_bytes(d: int, bn: int, mt: int, warps: int, stages: int) -> int:
+    """Dynamic shared memory of one CTA: ``stages`` K and V tiles of BN rows (rows padded by 16 bytes against bank
+    conflicts), plus the Q tile where Q does not stay in registers (MT * D > 128)."""
+    pitch = d + 8
+    ring = stages * 2 * bn * pitch * 2
+    return ring + (0 if mt * d <= 128 else block_m(mt, warps) * pitch * 2)
+
+
+@lru_cache(maxsize=None)
+def prefill_config(head_dim: int, block_size: int, smem_budget: int = SMEM_BUDGET) -> tuple:
+    """(kernel head dim D, keys per tile BN, m-tiles per warp MT, warps, CTAs per SM, Q k-steps in registers, row
+    sums by mma, stages, page_tile) of ``paged_prefill_kernel`` for a head dim, a cache block size and a shared
+    memory budget per CTA (bytes).
+
+    Stages, then BN, shrink until the CTA fits ``smem_budget`` (99 KB on sm_86 / sm_89: head dim 256 takes 16-key
+    tiles).  ``page_tile``: block_size % BN == 0, so every K/V tile lies inside one page and is copied as a
+    contiguous one (one block-table entry per tile); otherwise each copied row resolves its own page.
+    """
+    d = kernel_head_dim(head_dim)
+    bn, mt, warps, ctas, q_ks, rowsum_mma, stages = _TILES[d]
+    while smem_bytes(d, bn, mt, warps, stages) > smem_budget and stages > 2:
+        stages -= 1
+    while smem_bytes(d, bn, mt, warps, stages) > smem_budget and bn > 16:
+        bn //= 2
+    if smem_bytes(d, bn, mt, warps, stages) > smem_budget:
+        raise ValueError(f"paged_prefill_attention: head_dim {head_dim} needs "
+                         f"{smem_bytes(d, bn, mt, warps, stages)} bytes of shared memory per block; the device "
+                         f"allows {smem_budget}")
+    return d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, block_size % bn == 0
+
+
+@lru_cache(maxsize=None)
+def _prefill_kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int, q_ks: int, rowsum_mma: bool,
+                    stages: int, page_tile: bool, softcap: bool) -> Kernel:
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return Kernel(SOURCE, f"paged_prefill_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {mt}, {warps}, {ctas}, {b(softcap)}, "
+                          f"{q_ks}, {b(rowsum_mma)}, {stages}, {b(page_tile)}>")
+
+
+def all_kernels() -> list:
+    """Every variant :func:`paged_prefill_attention` launches, on GPUs with 227 KB (A100, H100, H200) or 99 KB
+    (sm_86, sm_89) of shared memory per block (for ``python -m speedcore compile``)."""
+    out = []
+    for dtype in A.HALF_DTYPES:
+        for d in HEAD_DIMS:
+            for smem in _SMEM_BUDGETS:
+                for block_size in (256, 16):  # a tile inside one page, and per-row page lookups
+                    cfg = prefill_config(d, block_size, smem)
+                    for softcap in (False, True):
+                        k = _prefill_kernel(dtype, *cfg, softcap)
+                        if k not in out:
+                            out.append(k)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+def _check_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"{name}: must be >= 0, got {value}")
+    return value
+
+
+def _check_options(causal, softmax_scale, window_size, softcap, head_dim) -> tuple:
+    """(softmax_scale, left, right, softcap) with -1 for an unbounded side; causal sets right = 0."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    softmax_scale = float(softmax_scale)
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale: must be a positive finite float, got {softmax_scale}")
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    for side in (left, right):
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    left, right = int(left), int(right)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: each side must be >= 0, or -1 for unbounded, got {(left, right)}")
+    if left >= UNBOUNDED or right >= UNBOUNDED:
+        left, right = (-1 if left >= UNBOUNDED else left), (-1 if right >= UNBOUNDED else right)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be a finite float >= 0 (0 disables it), got {softcap}")
+    if causal:
+        right = 0
+    return softmax_scale, left, right, softcap
+
+
+def _rows_ok(a) -> bool:
+    """16-byte cp.async / stores of rows: 16-byte aligned base, other strides multiples of 8 elements (>= 0)."""
+    return a.aligned(16) and all(s % 8 == 0 and s >= 0 for sz, s in zip(a.shape[:-1], a.strides[:-1]) if sz > 1)
+
+
+def _check_index(a, name: str, shape: tuple, what: str) -> None:
+    if a.dtype != "int32":
+        raise TypeError(f"{name}: dtype must be int32, got {a.dtype}")
+    if a.ndim != len(shape) or any(want is not None and got != want for got, want in zip(a.shape, shape)):
+        raise ValueError(f"{name}: expected shape {what}, got {a.shape}")
+    if a.shape[-1] > 1 and a.strides[-1] != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous, got strides {a.strides}")
+    if a.ndim == 2 and a.shape[0] > 1 and a.strides[0] < a.shape[1]:
+        raise ValueError(f"{name}: rows must not overlap, got strides {a.strides}")
+
+
+def _plan(qa, ka, va, cqa, sua, bta, oa, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
+          softcap) -> dict:
+    """Validate every argument (wrapped arrays) and compute the launch parameters; raises before any launch."""
+    A.check_dtype(qa, A.HALF_DTYPES, " (paged_prefill_attention computes in float16 or bfloat16)")
+    A.check_same_dtype(qa, ka, va, oa)
+    A.check_same_device(qa, ka, va, cqa, sua, bta, oa)
+    if qa.ndim != 3:
+        raise ValueError(f"q: expected shape (total_q, num_heads, head_dim), got {qa.shape}")
+    total_q, heads, head_dim = qa.shape
+    if not (8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
+        raise ValueError(f"q: head_dim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}")
+    for c in (ka, va):
+        if c.ndim != 4:
+            raise ValueError(f"{c.name}: expected shape (num_blocks, block_size, num_kv_heads, head_dim), got "
+                             f"{c.shape}")
+    num_blocks, block_size, heads_kv, kd = ka.shape
+    if kd != head_dim:
+        raise ValueError(f"k_cache: head_dim {kd} does not match q's {head_dim}")
+    if num_blocks < 1 or block_size < 1 or heads_kv < 1:
+        raise ValueError(f"k_cache: needs at least one block, block slot and KV head, got shape {ka.shape}")
+    if num_blocks * block_size >= 2 ** 31:
+        raise ValueError(f"k_cache: {num_blocks} blocks of {block_size} slots exceed 2**31 slots")
+    A.check_shape(va, ka.shape)
+    if va.strides != ka.strides:
+        raise ValueError(f"v_cache: strides {va.strides} must equal k_cache's {ka.strides}")
+    if heads < 1 or heads % heads_kv:
+        raise ValueError(f"q: num_heads {heads} must be a positive multiple of k_cache's num_kv_heads {heads_kv}")
+    if heads >= 65536:
+        raise ValueError(f"q: at most 65535 heads, got {heads}")
+    for c in (ka, va):
+        if c.strides[3] != 1 or not _rows_ok(c) or c.strides[0] <= 0 or c.strides[1] <= 0 or c.strides[2] <= 0:
+            raise ValueError(f"{c.name}: head_dim must be contiguous, the other strides positive multiples of 8 "
+                             f"elements (16 bytes) and the pointer 16-byte aligned, got strides {c.strides}")
+        if c.strides[1] > MAX_ROW_STRIDE:
+            raise ValueError(f"{c.name}: the stride between tokens ({c.strides[1]} elements) is above "
+                             f"{MAX_ROW_STRIDE}")
+    if qa.strides[2] != 1 and head_dim > 1:
+        raise ValueError(f"q: the last dimension (head_dim) must be contiguous (stride 1), got strides {qa.strides}")
+    if abs(qa.strides[0]) > MAX_ROW_STRIDE and total_q > 1:
+        raise ValueError(f"q: the stride between tokens ({qa.strides[0]} elements) is above {MAX_ROW_STRIDE}")
+    _check_index(cqa, "cu_seqlens_q", (None,), "(batch + 1,)")
+    if cqa.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q: expected shape (batch + 1,), got {cqa.shape}")
+    batch = cqa.shape[0] - 1
+    if batch >= 65536:
+        raise ValueError(f"cu_seqlens_q: at most 65535 sequences per call, got batch {batch}")
+    _check_index(sua, "seqused_k", (batch,), f"({batch},) (one length per sequence of cu_seqlens_q)")
+    _check_index(bta, "block_table", (batch, None), f"({batch}, max_blocks_per_seq)")
+    if bta.shape[1] < 1:
+        raise ValueError(f"block_table: needs at least one column, got shape {bta.shape}")
+    max_seqlen_q = _check_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k)
+    capacity = bta.shape[1] * block_size
+    if max_seqlen_k > capacity:
+        raise ValueError(f"max_seqlen_k: {max_seqlen_k} tokens do not fit the block table's {bta.shape[1]} blocks "
+                         f"of {block_size} tokens ({capacity})")
+    if capacity > MAX_TOKENS:
+        raise ValueError(f"block_table: {bta.shape[1]} blocks of {block_size} tokens exceed {MAX_TOKENS} tokens per "
+                         f"sequence")
+    if max(total_q, max_seqlen_q) > MAX_TOKENS:
+        raise ValueError(f"q: more than {MAX_TOKENS} query tokens are not supported")
+    max_seqlen_q = min(max_seqlen_q, total_q)  # no sequence holds more query rows than q has
+    softmax_scale, left, right, softcap = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
+    if oa is not None:
+        A.check_shape(oa, qa.shape)
+        if not _rows_ok(oa) or (head_dim > 1 and oa.strides[2] != 1):
+            raise ValueError("out: needs a contiguous head_dim, a 16-byte aligned base pointer and strides that are "
+                             f"multiples of 8 elements, got strides {oa.strides}")
+        if abs(oa.strides[0]) > MAX_ROW_STRIDE and total_q > 1:
+            raise ValueError(f"out: the stride between tokens ({oa.strides[0]} elements) is above {MAX_ROW_STRIDE}")
+        # out may be q itself (each CTA reads its rows of q before it writes them), nothing else
+        A.check_no_overlap(oa, qa, ka, va, cqa, sua, bta)
+    return dict(total_q=total_q, heads=heads, heads_kv=heads_kv, head_dim=head_dim, batch=batch,
+                num_blocks=num_blocks, block_size=block_size, capacity=capacity, max_seqlen_q=max_seqlen_q,
+                scale=softmax_scale, left=left, right=right, softcap=softcap)
+
+
+def _contiguous_copy(a):
+    if a.lib == "torch":
+        return A.wrap(a.obj.contiguous(), a.name)
+    import cupy
+
+    with cupy.cuda.Device(a.device):
+        return A.wrap(cupy.ascontiguousarray(a.obj), a.name)
+
+
+# ---------------------------------------------------------------------------------------------- launch
+
+def _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta, config=None):
+    dev = device_info(qa.device)
+    cfg = config or prefill_config(p["head_dim"], p["block_size"], dev.smem_per_block_optin)
+    d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, page_tile = cfg
+    num_m = -(-p["max_seqlen_q"] // block_m(mt, warps))
+    if p["softcap"] > 0:
+        scale_log2, cap_pre, cap_post = 1.0, 2.0 * _LOG2E * p["scale"] / p["softcap"], p["softcap"] * _LOG2E
+    else:
+        scale_log2, cap_pre, cap_post = p["scale"] * _LOG2E, 0.0, 0.0
+    left, right = p["left"], p["right"]
+    # the diagonal of the last query sees the most keys: heavy tiles first balances the tail
+    reverse = 1 if right >= 0 else 0
+    i32, i64 = np.int32, np.int64
+    args = (oa.ptr, lse.ptr if lse is not None else 0, qa.ptr, ka.ptr, va.ptr, cqa.ptr, sua.ptr, bta.ptr,
+            i64(qa.strides[0]), i64(qa.strides[1]), i64(oa.strides[0]), i64(oa.strides[1]),
+            i64(ka.strides[0]), i64(ka.strides[1]), i64(ka.strides[2]), i64(bta.strides[0]),
+            i32(p["total_q"]), i32(p["capacity"]), i32(p["block_size"]), i32(p["num_blocks"]), i32(p["head_dim"]),
+            i32(p["heads"] // p["heads_kv"]), i32(left if left >= 0 else UNBOUNDED),
+            i32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(cap_pre),
+            np.float32(cap_post), i32(reverse))
+    lc = LaunchConfig((num_m, p["heads"], p["batch"]), (32 * warps,), smem_bytes(d, bn, mt, warps, stages))
+    launch(_prefill_kernel(qa.dtype, *cfg, p["softcap"] > 0), lc, args, device=qa.device, stream=A.stream_of(qa))
+
+
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                            *, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
+                            out=None):
+    """Attention of packed query tokens over a paged KV cache, as ``flash_attn.flash_attn_varlen_func(q, k_cache,
+    v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, block_table=block_table, ...)``.
+
+    Sequence b has query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (sq of them) and ``seqused_k[b]`` (sk) cached
+    tokens, this step's included: token t lives in page ``block_table[b, t // block_size]`` at slot
+    ``t % block_size``.  Query i (0 <= i < sq) sees key j iff ``i + sk - sq - left <= j <= i + sk - sq + right`` and
+    ``j < sk`` (flash-attn's bottom-right alignment; a side of -1 is unbounded, ``causal`` sets right = 0).  Scores
+    are ``softmax_scale * q . k`` (or ``softcap * tanh(score / softcap)``), accumulated in float32.  A query that
+    sees no key (sk = 0) gets zeros and lse = -inf.
+
+    Parameters
+    ----------
+    q : (total_q, num_heads, head_dim), float16 or bfloat16, CUDA torch.Tensor or cupy.ndarray; head_dim a
+        multiple of 8 up to 256 (64, 128, 256 run unpadded), contiguous (q is copied if its other strides are not
+        multiples of 8 elements or its pointer not 16-byte aligned).
+    k_cache, v_cache : (num_blocks, block_size, num_kv_heads, head_dim), q's dtype, the same shape and strides;
+        head_dim contiguous, other strides multiples of 8 elements.  Any block size: multiples of the key tile
+        (32 or 64 keys) copy whole tiles from one page, others resolve a page per row.  num_heads a multiple of
+        num_kv_heads (GQA, MQA).
+    cu_seqlens_q : int32 (batch + 1,), contiguous, non-decreasing from 0 (clamped to total_q, never read out of
+        bounds; not read on the host).
+    seqused_k : int32 (batch,), contiguous: 0 <= seqused_k[b] <= block_table.shape[1] * block_size (clamped to that);
+        it should be >= the sequence's query count (the queries are its last tokens).
+    block_table : int32 (batch, max_blocks_per_seq), rows contiguous; entries past a sequence's last page are
+        never read; entries must lie in [0, num_blocks) (others are clamped, never read out of bounds).  Sequences
+        may share pages (a shared prefix).
+    max_seqlen_q : int, at least the longest query sequence (rows past it are not computed).
+    max_seqlen_k : int, at most the block table's capacity (block_table.shape[1] * block_size).
+    causal : bool, default True.
+    softmax_scale : float > 0, default 1 / sqrt(head_dim).
+    window_size : (left, right), ints >= -1; -1 is unbounded.
+    softcap : float >= 0; 0 disables it.
+    return_lse : bool; also return the natural log-sum-exp, float32 (num_heads, total_q).
+    out : optional, shaped like q, same dtype, head_dim contiguous, other strides multiples of 8 elements; may be
+        q itself, must not overlap anything else.
+
+    Returns
+    -------
+    out, or (out, lse); arrays of q's library, computed on its current stream.
+    """
+    qa, ka, va = A.wrap(q, "q"), A.wrap(k_cache, "k_cache"), A.wrap(v_cache, "v_cache")
+    cqa, sua, bta = A.wrap(cu_seqlens_q, "cu_seqlens_q"), A.wrap(seqused_k, "seqused_k"), A.wrap(block_table,
+                                                                                                 "block_table")
+    oa = A.wrap(out, "out", optional=True)
+    p = _plan(qa, ka, va, cqa, sua, bta, oa, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap)
+    if not _rows_ok(qa):
+        qa = _contiguous_copy(qa)
+    if oa is None:
+        oa = A.empty(qa, qa.shape, qa.dtype, "out")
+    lse = A.empty(qa, (p["heads"], p["total_q"]), "float32", "lse") if return_lse else None
+    if p["total_q"] > 0 and p["batch"] > 0 and p["max_seqlen_q"] > 0:
+        _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta)
+    return (oa.obj, lse.obj) if return_lse else oa.obj
