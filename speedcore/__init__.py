@@ -28,6 +28,8 @@ _EXPORTS = {
     "rotary_embedding": "decode",
     "silu_and_mul": "decode",
     "gelu_and_mul": "decode",
+    "LLM": "engine",
+    "SamplingParams": "engine",
 }
 _SUBMODULES = ("quant",)
 
