@@ -7,7 +7,10 @@ CuPy arrays.  Every check raises before anything is launched.
 """
 from __future__ import annotations
 
+import os
 import sys
+
+import numpy as np
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int16": 2,
             "int32": 4, "int64": 8, "bool": 1}
@@ -92,6 +95,16 @@ def _cupy():
     return sys.modules.get("cupy")
 
 
+_TORCH_DTYPE_NAMES: dict = {}  # torch.dtype -> name ("bfloat16"), filled on first use
+
+
+def _torch_dtype_name(dt) -> str:
+    name = _TORCH_DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _TORCH_DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+    return name
+
+
 def wrap(x, name: str, *, optional: bool = False):
     """Describe ``x`` (a CUDA ``torch.Tensor`` or ``cupy.ndarray``); raise a TypeError naming ``name`` otherwise."""
     if x is None:
@@ -100,10 +113,9 @@ def wrap(x, name: str, *, optional: bool = False):
         raise TypeError(f"{name}: expected a CUDA torch.Tensor or cupy.ndarray, got None")
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
-        if x.device.type != "cuda":
+        if not x.is_cuda:
             raise TypeError(f"{name}: expected a CUDA tensor, got a tensor on {x.device}")
-        dtype = str(x.dtype).replace("torch.", "")
-        return Array(x, "torch", x.data_ptr(), x.shape, x.stride(), dtype, x.device.index, name)
+        return Array(x, "torch", x.data_ptr(), x.shape, x.stride(), _torch_dtype_name(x.dtype), x.get_device(), name)
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         dtype = x.dtype.name
@@ -113,6 +125,148 @@ def wrap(x, name: str, *, optional: bool = False):
     kind = f"{type(x).__module__}.{type(x).__qualname__}"
     hint = " (host memory)" if type(x).__module__.startswith("numpy") else ""
     raise TypeError(f"{name}: expected a CUDA torch.Tensor or cupy.ndarray, got {kind}{hint}")
+
+
+# SPEEDCORE_CHECK_INDICES=1: device-side metadata (cu_seqlens, block tables, sequence lengths) is read back and
+# validated before each launch that uses it, raising a ValueError naming the argument.  Off by default: it costs a
+# device-to-host copy and a synchronization per call (and cannot run inside CUDA-graph capture).  Read at import;
+# tests set this attribute.
+CHECK_INDICES = os.environ.get("SPEEDCORE_CHECK_INDICES", "").lower() in ("1", "true", "yes")
+
+
+def to_host(obj) -> np.ndarray:
+    """A CUDA array's values as a NumPy array (synchronizes with the caller's stream)."""
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    return obj.get()
+
+
+# -- the fast path ---------------------------------------------------------------------------------------------
+# A public op validates a call signature once and caches its launch plan under the key that `sig` gives each
+# argument: everything a check reads except the pointer value (library and dtype through the dtype object,
+# shape, strides, device, the pointer's offset from 16-byte alignment).  A cached plan thus stands for checks
+# that passed on exactly this layout; checks of pointer values (outputs overlapping inputs) still run each call.
+_UNSUPPORTED = object()  # the key part of anything that is neither: never cached, so the full check names it
+
+
+def _torch_sig(t):
+    return (t.dtype, t.shape, t.stride(), t.get_device(), t.data_ptr() & 15)
+
+
+def _cupy_sig(a):
+    return (a.dtype, a.shape, a.strides, a.data.device_id, a.data.ptr & 15)
+
+
+def _unsupported_sig(x):
+    return _UNSUPPORTED
+
+
+_SIGS: dict = {type(None): lambda x: None}  # exact type -> its key function
+
+
+def sig(x):
+    """The plan-cache key of one argument (None for None)."""
+    f = _SIGS.get(type(x))
+    if f is None:
+        f = _sig_fn(type(x))
+    return f(x)
+
+
+def _sig_fn(t):
+    torch, cupy = _torch(), _cupy()
+    if torch is not None and issubclass(t, torch.Tensor):
+        # a torch tensor subclass that changes what data_ptr/stride mean (a FakeTensor, a wrapper subclass) is
+        # not cached: the full path handles it
+        f = _torch_sig if t in (torch.Tensor, torch.nn.Parameter) else _unsupported_sig
+    elif cupy is not None and issubclass(t, cupy.ndarray):
+        f = _cupy_sig
+    else:
+        return _unsupported_sig
+    _SIGS[t] = f
+    return f
+
+
+def cacheable(key: tuple) -> bool:
+    """Whether a plan may be stored under ``key`` (no argument of a kind the fast path does not describe)."""
+    return not any(k is _UNSUPPORTED for k in key)
+
+
+def extent(a: "Array") -> int:
+    """Bytes from ``a``'s pointer to one past its last element (0 when empty)."""
+    return _extent(a)
+
+
+class FastLib:
+    """The per-call pieces of one library that a cached plan needs: ``ptr(x)``, ``stream(device)`` (raw
+    cudaStream_t of the caller's current stream) and ``empty(shape, dtype_name, device)``."""
+
+    __slots__ = ("ptr", "stream", "empty", "zeros")
+
+    def __init__(self, ptr, stream, empty, zeros):
+        self.ptr, self.stream, self.empty, self.zeros = ptr, stream, empty, zeros
+
+
+_FAST_LIBS: dict = {}
+
+
+def fast_lib(lib: str) -> FastLib:
+    f = _FAST_LIBS.get(lib)
+    if f is None:
+        f = _FAST_LIBS[lib] = _torch_fast_lib() if lib == "torch" else _cupy_fast_lib()
+    return f
+
+
+def _torch_fast_lib() -> FastLib:
+    import torch
+
+    devices: dict = {}
+
+    def dev(i):
+        d = devices.get(i)
+        if d is None:
+            d = devices[i] = torch.device("cuda", i)
+        return d
+
+    t_empty, t_zeros = torch.empty, torch.zeros
+
+    def empty(shape, dtype, device):
+        return t_empty(shape, dtype=getattr(torch, dtype), device=dev(device))
+
+    def zeros(shape, dtype, device):
+        return t_zeros(shape, dtype=getattr(torch, dtype), device=dev(device))
+
+    return FastLib(torch.Tensor.data_ptr, _torch_stream_ptr, empty, zeros)
+
+
+def _cupy_fast_lib() -> FastLib:
+    import cupy
+
+    get_device = cupy.cuda.runtime.getDevice
+    current_stream = cupy.cuda.get_current_stream
+
+    def ptr(a):
+        return a.data.ptr
+
+    def stream(device):
+        if get_device() == device:
+            return current_stream().ptr
+        with cupy.cuda.Device(device):
+            return current_stream().ptr
+
+    def alloc(fn, shape, dtype, device):
+        if get_device() == device:
+            return fn(shape, dtype=_cupy_dtype(dtype))
+        with cupy.cuda.Device(device):
+            return fn(shape, dtype=_cupy_dtype(dtype))
+
+    def empty(shape, dtype, device):
+        return alloc(cupy.empty, shape, dtype, device)
+
+    def zeros(shape, dtype, device):
+        return alloc(cupy.zeros, shape, dtype, device)
+
+    return FastLib(ptr, stream, empty, zeros)
 
 
 def check_dtype(a: Array, allowed, what: str = "") -> None:
@@ -166,7 +320,7 @@ def empty(ref: Array, shape, dtype: str, name: str = "out", *, zeroed: bool = Fa
     if ref.lib == "torch":
         torch = _torch()
         alloc = torch.zeros if zeroed else torch.empty
-        return wrap(alloc(tuple(shape), dtype=getattr(torch, dtype), device=ref.obj.device), name)
+        return wrap(alloc(tuple(shape), dtype=getattr(torch, dtype), device=torch.device("cuda", ref.device)), name)
     cupy = _cupy()
     alloc = cupy.zeros if zeroed else cupy.empty
     with cupy.cuda.Device(ref.device):
@@ -183,7 +337,7 @@ def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: i
     """A grow-only scratch buffer of at least ``n`` elements, one per (kind, library, device, stream): launches on
     one stream run in order, so they can share it.  ``zeroed`` buffers start as zeros; kernels that use them as
     counters leave them zero when they end."""
-    key = (kind, ref.lib, ref.device, getattr(stream, "ptr", 0))
+    key = (kind, ref.lib, ref.device, stream if type(stream) is int else getattr(stream, "ptr", 0))
     buf = _stream_buffers.get(key)
     if buf is None or buf.numel < n:
         if buf is not None:
@@ -192,6 +346,12 @@ def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: i
         buf = empty(ref, (max(min_n, 1 << max(0, n - 1).bit_length()),), dtype, kind, zeroed=zeroed)
         _stream_buffers[key] = buf
     return buf
+
+
+def scratch_ref(lib: str, device: int) -> Array:
+    """A stand-in for an operand in :func:`stream_buffer` / :func:`split_k_scratch` calls from a cached plan
+    (which must hold no reference to the caller's arrays)."""
+    return Array(None, lib, 0, (), (), "uint8", device, "scratch")
 
 
 def split_k_scratch(ref: Array, stream, partial_bytes: int, tickets: int) -> tuple:
@@ -214,11 +374,16 @@ _ext_streams: dict = {}
 
 
 def _torch_stream_ptr(device: int) -> int:
-    torch = _torch()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton uses: no Stream object per call
-    if raw is not None:
-        return raw(device)
-    return torch.cuda.current_stream(device).cuda_stream
+    global _raw_stream
+    if _raw_stream is None:
+        torch = _torch()
+        # what Triton uses: no Stream object per call
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _raw_stream(device)
+
+
+_raw_stream = None
 
 
 def stream_of(ref: Array):

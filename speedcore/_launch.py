@@ -98,7 +98,7 @@ class LoadedKernel:
     """A variant loaded into one device's context, with the dynamic shared memory limit it was given."""
 
     __slots__ = ("kernel", "device", "module", "func", "compiled", "dyn_smem_limit", "num_regs", "static_smem",
-                 "max_threads", "checked")
+                 "max_threads", "bound")
 
     def __init__(self, kernel: Kernel, device: DeviceInfo):
         from cupy.cuda import driver
@@ -114,7 +114,7 @@ class LoadedKernel:
         self.static_smem = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.func.ptr)
         self.max_threads = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.func.ptr)
         self.dyn_smem_limit = DEFAULT_DYNAMIC_SMEM
-        self.checked: set = set()  # configurations that passed check(): launches repeat a few shapes
+        self.bound: dict = {}  # LaunchConfig -> BoundLaunch: configurations that passed check()
 
     def check(self, cfg: LaunchConfig) -> None:
         """Raise instead of launching a configuration the device cannot run."""
@@ -160,15 +160,17 @@ class LoadedKernel:
             raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUresult {err} ({self.kernel.name})")
         return n.value * cfg.cluster
 
-    def __call__(self, cfg: LaunchConfig, args: tuple, stream) -> None:
-        if cfg not in self.checked:
+    def bind(self, cfg: LaunchConfig) -> "BoundLaunch":
+        """This variant at ``cfg``, checked (and its shared memory limit raised) once."""
+        bl = self.bound.get(cfg)
+        if bl is None:
             self.check(cfg)
-            self.checked.add(cfg)
-        self.allow_smem(cfg.smem)
-        if cfg.cluster == 1 and not cfg.overlap:
-            self.func(cfg.grid, cfg.block, args, cfg.smem, stream)
-        else:
-            _launch_cluster(self.func.ptr, cfg, args, stream)
+            self.allow_smem(cfg.smem)
+            bl = self.bound[cfg] = BoundLaunch(self, cfg)
+        return bl
+
+    def __call__(self, cfg: LaunchConfig, args: tuple, stream) -> None:
+        self.bind(cfg)(getattr(stream, "ptr", stream), args)
 
 
 MAX_CLUSTER = 8  # the portable cluster size
@@ -197,25 +199,6 @@ def _driver():
     return lib
 
 
-_U64 = struct.Struct("<Q")
-_PACK = {np.int32: struct.Struct("<i"), np.int64: struct.Struct("<q"), np.uint32: struct.Struct("<I"),
-         np.uint64: struct.Struct("<Q"), np.float32: struct.Struct("<f")}
-
-
-def _param_bytes(a) -> bytes:
-    """A kernel argument's bytes as CuPy passes them: Python ints as 8 bytes, NumPy scalars and (by value) small
-    NumPy arrays, such as a TMA tensor map, at their own size.  (By exact type: this runs per argument per launch.)"""
-    t = type(a)
-    if t is int:
-        return _U64.pack(a & 0xFFFFFFFFFFFFFFFF)
-    f = _PACK.get(t)
-    if f is not None:
-        return f.pack(a)
-    if t is np.ndarray or (isinstance(a, np.generic) and t is not np.bool_):
-        return a.tobytes()
-    raise TypeError(f"kernel arguments: cannot pass {t.__name__} to a cluster launch (flags as numpy.int32)")
-
-
 @lru_cache(maxsize=256)
 def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
     """A CUlaunchConfig for ``cfg`` on a stream, with its cluster dimension and (cfg.overlap) programmatic stream
@@ -235,25 +218,175 @@ def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
 
 def _launch_cluster(func_ptr: int, cfg: LaunchConfig, args: tuple, stream) -> None:
     """cuLaunchKernelEx with a cluster dimension and (cfg.overlap) programmatic stream serialization (CuPy launches
-    have no launch attributes).  The arguments go in one buffer, each at an 8-byte aligned offset (the driver copies
-    each from its pointer)."""
-    parts = [_param_bytes(a) for a in args]
-    offsets, at = [], 0
-    for p in parts:
-        offsets.append(at)
-        at += -(-len(p) // 8) * 8
-    buf = ctypes.create_string_buffer(b"".join(p.ljust(-(-len(p) // 8) * 8, b"\0") for p in parts), max(at, 1))
-    base = ctypes.addressof(buf)
-    params = (ctypes.c_void_p * max(1, len(parts)))(*[base + o for o in offsets])
-    c, _ = _config_ex(cfg, getattr(stream, "ptr", stream))
-    err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(func_ptr), params, None)
+    have no launch attributes), the arguments packed as for any launch (:func:`arg_layout`)."""
+    stream_ptr = getattr(stream, "ptr", stream)
+    c, _ = _config_ex(cfg, stream_ptr)
+    err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(func_ptr),
+                                     ctypes.c_void_p(arg_layout(_arg_types(args)).pack(args)), None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} (grid {cfg.grid}, cluster {cfg.cluster})")
 
 
+# -- packing kernel arguments -------------------------------------------------------------------------------
+# A launch gives the driver an array of pointers, one per kernel parameter, from which it copies each
+# parameter's bytes.  CuPy builds one Python object per argument per launch (~0.5-1 us each, 10-30 arguments per
+# kernel here); instead each distinct tuple of argument types gets one struct layout, every argument at an
+# 8-byte aligned offset of a per-thread buffer whose pointer array is built once, so a launch is one
+# ``Struct.pack_into`` and one driver call.
+_FORMATS = {int: ("q", 8), np.int32: ("i", 4), np.int64: ("q", 8), np.uint32: ("I", 4), np.uint64: ("Q", 8),
+            np.float32: ("f", 4), bytes: ("128s", 128), np.ndarray: ("128s", 128)}
+
+
+def _arg_types(args: tuple) -> tuple:
+    return tuple(map(type, args))
+
+
+class ArgLayout:
+    """How one tuple of argument types is packed.  Python ints go as 8 bytes (as CuPy passes them: pointers and
+    int64 parameters), NumPy scalars at their own size, 128-byte TMA maps (a NumPy array or bytes) by value.
+    Python floats and bools are refused (their size would be a guess): pass numpy.float32 / numpy.int32.  A fast
+    path that reuses a layout (:meth:`BoundLaunch.fixed`) may pass plain ints and floats where the layout has
+    NumPy scalars: ``pack_into`` stores them at the layout's size."""
+
+    __slots__ = ("struct", "offsets", "size", "maps", "buffers")
+
+    def __init__(self, types: tuple):
+        fmt, offsets, at = ["<"], [], 0
+        for t in types:
+            code, size = _FORMATS[t]
+            align = 64 if size > 8 else 8
+            pad = -at % align
+            if pad:
+                fmt.append(f"{pad}x")
+                at += pad
+            offsets.append(at)
+            fmt.append(code)
+            at += size
+            if size % 8:
+                fmt.append(f"{8 - size % 8}x")
+                at += 8 - size % 8
+        self.struct = struct.Struct("".join(fmt))
+        self.offsets = tuple(offsets)
+        self.size = max(at, 8)
+        self.maps = tuple(i for i, t in enumerate(types) if t is np.ndarray)  # passed as their bytes
+        self.buffers: dict = {}  # thread id -> (buffer, pointer array): launches from two threads never share one
+
+    def _buffers(self) -> tuple:
+        tid = threading.get_ident()
+        b = self.buffers.get(tid)
+        if b is None:
+            buf = ctypes.create_string_buffer(self.size + 64)
+            base = (ctypes.addressof(buf) + 63) & ~63
+            params = (ctypes.c_void_p * max(1, len(self.offsets)))(*[base + o for o in self.offsets])
+            b = self.buffers[tid] = (buf, base - ctypes.addressof(buf), params, ctypes.addressof(params))
+        return b
+
+    def pack(self, args: tuple) -> int:
+        """Write ``args`` into this thread's buffer; returns the address of its kernelParams array (valid until
+        this thread's next launch with this layout: the driver copies the values at the launch)."""
+        if self.maps:
+            args = list(args)
+            for i in self.maps:
+                args[i] = args[i].tobytes()
+        buf, off, _, params_addr = self._buffers()
+        self.struct.pack_into(buf, off, *args)
+        return params_addr
+
+
+_layouts: dict = {}
+
+
+def arg_layout(types: tuple) -> ArgLayout:
+    lay = _layouts.get(types)
+    if lay is None:
+        for t in types:
+            if t not in _FORMATS:
+                raise TypeError(f"kernel arguments: cannot pass {t.__name__} (pointers as int, flags as numpy.int32)")
+        lay = _layouts[types] = ArgLayout(types)
+    return lay
+
+
+_launch_kernel = None  # cupy.cuda.driver.launchKernel: a thin binding of cuLaunchKernel
+_get_device = None
+
+
+def _bind_driver() -> None:
+    global _launch_kernel, _get_device
+    from cupy.cuda import driver, runtime
+
+    _launch_kernel, _get_device = driver.launchKernel, runtime.getDevice
+
+
+class BoundLaunch:
+    """A loaded variant at one checked launch configuration.  ``bl(stream_ptr, args)`` launches it on the stream
+    (a raw ``cudaStream_t``) with the current device switched to the variant's for the call if it differs."""
+
+    __slots__ = ("func_ptr", "cfg", "dims", "device", "ex")
+
+    def __init__(self, lk: LoadedKernel, cfg: LaunchConfig):
+        if _launch_kernel is None:
+            _bind_driver()
+        self.func_ptr = lk.func.ptr
+        self.cfg = cfg
+        grid = tuple(cfg.grid) + (1,) * (3 - len(cfg.grid))
+        block = tuple(cfg.block) + (1,) * (3 - len(cfg.block))
+        self.dims = grid + block + (cfg.smem,)
+        self.device = lk.device.index
+        self.ex = cfg.cluster != 1 or cfg.overlap
+
+    def __call__(self, stream_ptr: int, args: tuple) -> None:
+        self.launch_packed(stream_ptr, arg_layout(tuple(map(type, args))).pack(args))
+
+    def fixed(self, types: tuple) -> "FixedLaunch":
+        """This launch for arguments of exactly ``types`` every call (a fast path's own argument tuple)."""
+        return FixedLaunch(self, arg_layout(tuple(types)))
+
+    def launch_packed(self, stream_ptr: int, params_addr: int) -> None:
+        dev = _get_device()
+        if dev != self.device:
+            from cupy.cuda import runtime
+
+            runtime.setDevice(self.device)
+            try:
+                self._launch(stream_ptr, params_addr)
+            finally:
+                runtime.setDevice(dev)
+        else:
+            self._launch(stream_ptr, params_addr)
+
+    def _launch(self, stream_ptr: int, params_addr: int) -> None:
+        if self.ex:
+            c, _ = _config_ex(self.cfg, stream_ptr)
+            err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(self.func_ptr),
+                                             ctypes.c_void_p(params_addr), None)
+            if err:
+                raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} (grid {self.cfg.grid}, cluster "
+                                   f"{self.cfg.cluster})")
+        else:
+            gx, gy, gz, bx, by, bz, smem = self.dims
+            _launch_kernel(self.func_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_addr, 0)
+
+
+class FixedLaunch:
+    """A :class:`BoundLaunch` with its argument layout resolved once: ``fl(stream_ptr, args)``."""
+
+    __slots__ = ("bound", "pack")
+
+    def __init__(self, bound: BoundLaunch, layout: ArgLayout):
+        self.bound, self.pack = bound, layout.pack
+
+    def __call__(self, stream_ptr: int, args: tuple) -> None:
+        self.bound.launch_packed(stream_ptr, self.pack(args))
+
+
+def bind(kernel: Kernel, cfg: LaunchConfig, device: int) -> BoundLaunch:
+    """The checked launch of ``kernel`` at ``cfg`` on ``device`` (compiling or loading the variant on first use):
+    what a cached launch plan holds."""
+    return get_kernel(kernel, device).bind(cfg)
+
+
 _loaded: dict = {}
 _load_lock = threading.Lock()
-_runtime = None  # cupy.cuda.runtime, imported on the first launch
 
 
 def get_kernel(kernel: Kernel, device_index: int) -> LoadedKernel:
@@ -270,20 +403,14 @@ def get_kernel(kernel: Kernel, device_index: int) -> LoadedKernel:
 
 
 def launch(kernel: Kernel, cfg: LaunchConfig, args: tuple, *, device: int, stream) -> None:
-    """Launch ``kernel`` with ``cfg`` on ``stream`` (a CuPy stream object) of ``device``.
+    """Launch ``kernel`` with ``cfg`` on ``stream`` (a CuPy stream object or a raw stream pointer) of ``device``.
 
     ``args`` are passed as CuPy does: pointers as Python ints (8 bytes), numpy scalars at their own size.
     """
-    global _runtime
-    if _runtime is None:
-        from cupy.cuda import runtime as _runtime
-    runtime = _runtime
-    prev = runtime.getDevice()
-    if prev != device:
-        runtime.setDevice(device)
-        try:
-            get_kernel(kernel, device)(cfg, args, stream)
-        finally:
-            runtime.setDevice(prev)
-    else:
-        get_kernel(kernel, device)(cfg, args, stream)
+    lk = _loaded.get((kernel, device))
+    if lk is None:
+        lk = get_kernel(kernel, device)
+    bl = lk.bound.get(cfg)
+    if bl is None:
+        bl = lk.bind(cfg)
+    bl(getattr(stream, "ptr", stream), args)

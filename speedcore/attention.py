@@ -17,9 +17,10 @@ from functools import lru_cache
 import numpy as np
 
 from . import _arrays as A
-from . import _tma
+from . import _tma, _torch_hook
+from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, device_info, launch
+from ._launch import LaunchConfig, bind, device_info
 
 SOURCE = "attention.cu"
 # The kernel's head dims; any multiple of 8 up to 256 runs on the next one up (zero-padded in shared memory).
@@ -363,14 +364,13 @@ def _tile_counter(ref, stream):
     return A.stream_buffer("attention_tiles", ref, stream, 2, "int32", min_n=2, zeroed=True)
 
 
-def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
+def _launcher_sm90(oa, qa, ka, va, dev, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
                  varlen, nheads, nheads_kv, head_dim, left, right, softcap, scale_log2, softcap_pre, softcap_post,
                  reverse, lse_strides):
     # A persistent grid, one CTA per SM, whose producer prefetches the next tile during the current one's
     # epilogue; tiles are claimed dynamically (a counter per stream), so unequal work (causal, windows, varlen)
     # balances itself.  "Masked" problems get their own tile shapes.
     uniform = not varlen and left < 0 and right < 0
-    stream = A.stream_of(qa)
     short = (max_seqlen_q if varlen else seqlen_k) <= SM90_SHORT
     d, bn, stages, nc, pingpong = flash_attn_sm90_config(head_dim, not uniform, softcap > 0, short)
     bm = 64 * nc
@@ -381,29 +381,42 @@ def _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, *, batch, max_seqlen_q, s
     # (s1024: 0.905 against 0.936).
     grouped = not uniform and not varlen and not short
     group_log2 = sm90_head_group_log2(batch * nheads, seqlen_k * head_dim * 4, grouped)
-    maps = []
+    maps = []  # (dims, strides, box) of q, k, v and out's tensor maps: built per pointer (cached by _tma)
     for a, rows in ((qa, bm), (ka, bn), (va, bn), (oa, 64)):
         dims, strides = _tma_strides(a, varlen)
-        maps.append(_tma.tile_map(a.ptr, a.dtype, dims, strides, (64, rows, 1, 1)))
+        box = (64, rows, 1, 1)
+        _tma.check_nd(a.ptr, a.dtype, dims, strides, box)
+        maps.append((dims, strides, box, _tma.SWIZZLE_128B))
     os_ = (0, oa.strides[0], oa.strides[1]) if varlen else (oa.strides[0], oa.strides[1], oa.strides[2])
     i64, i32 = np.int64, np.int32
-    args = (*maps, oa.ptr, lse.ptr if lse is not None else 0, cu_q.ptr if cu_q is not None else 0,
-            cu_k.ptr if cu_k is not None else 0, *(i64(x) for x in os_ + lse_strides), i32(seqlen_q), i32(seqlen_k),
-            i32(total_q), i32(total_k), i32(head_dim), i32(nheads), i32(nheads // nheads_kv), i32(num_m),
-            i32(num_tiles), i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED),
-            np.float32(scale_log2), np.float32(softcap_pre), np.float32(softcap_post), i32(reverse), i32(group_log2),
-            _tile_counter(qa, stream).ptr)
+    scalars = (*(i64(x) for x in os_ + lse_strides), i32(seqlen_q), i32(seqlen_k),
+               i32(total_q), i32(total_k), i32(head_dim), i32(nheads), i32(nheads // nheads_kv), i32(num_m),
+               i32(num_tiles), i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED),
+               np.float32(scale_log2), np.float32(softcap_pre), np.float32(softcap_post), i32(reverse), i32(group_log2))
     grid = min(num_tiles, dev.sms)
     cfg = LaunchConfig((grid,), (128 * (nc + 1),), smem_bytes_sm90(d, bn, stages, nc))
-    launch(_kernel_sm90(qa.dtype, d, bn, stages, nc, pingpong, softcap > 0), cfg, args, device=qa.device,
-           stream=stream)
+    launch = bind(_kernel_sm90(qa.dtype, d, bn, stages, nc, pingpong, softcap > 0), cfg, qa.device).fixed(
+        (bytes,) * 4 + (int,) * 4 + tuple(map(type, scalars)) + (int,))
+    dtype, (qm, km, vm, om) = qa.dtype, maps
+    tile_map = _tma._tile_map_bytes
+    scratch = A.scratch_ref(qa.lib, qa.device)
+
+    def run(stream_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, cuq_ptr, cuk_ptr):
+        launch(stream_ptr, (tile_map(q_ptr, dtype, *qm), tile_map(k_ptr, dtype, *km), tile_map(v_ptr, dtype, *vm),
+                            tile_map(o_ptr, dtype, *om), o_ptr, lse_ptr, cuq_ptr, cuk_ptr) + scalars
+               + (_tile_counter(scratch, stream_ptr).ptr,))
+
+    return run
 
 
-def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
+def _launcher(oa, qa, ka, va, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_q, total_k,
             varlen, nheads, nheads_kv, head_dim, softmax_scale, left, right, softcap, causal, config=None, path=None):
+    """Validate the launch of one attention call signature and return it, ``run(stream_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr)`` (0 for an absent array), or None where there is
+    nothing to launch."""
     dev = device_info(qa.device)
     if max_seqlen_q == 0 or batch == 0 or nheads == 0:
-        return
+        return None
     path = "sm80" if config is not None else _choose_path(dev, head_dim, softcap, path)
     if (total_k if varlen else seqlen_k) == 0:
         path = "sm80"  # no key at all: zeros and -inf, and no tensor map of an empty K
@@ -421,12 +434,11 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
     reverse = 1 if right >= 0 else 0
     lse_strides = (0, total_q) if varlen else (nheads * seqlen_q, seqlen_q)
     if path == "sm90":
-        _launch_sm90(oa, lse, qa, ka, va, cu_q, cu_k, dev, batch=batch, max_seqlen_q=max_seqlen_q, seqlen_q=seqlen_q,
+        return _launcher_sm90(oa, qa, ka, va, dev, batch=batch, max_seqlen_q=max_seqlen_q, seqlen_q=seqlen_q,
                      seqlen_k=seqlen_k, total_q=total_q, total_k=total_k, varlen=varlen, nheads=nheads,
                      nheads_kv=nheads_kv, head_dim=head_dim, left=left, right=right, softcap=softcap,
                      scale_log2=scale_log2, softcap_pre=softcap_pre, softcap_post=softcap_post, reverse=reverse,
                      lse_strides=lse_strides)
-        return
     if varlen:
         qs = (0, qa.strides[0], qa.strides[1])
         ks = (0, ka.strides[0], ka.strides[1])
@@ -438,16 +450,55 @@ def _launch(oa, lse, qa, ka, va, cu_q, cu_k, *, batch, max_seqlen_q, seqlen_q, s
         vs = (va.strides[0], va.strides[1], va.strides[2])
         os_ = (oa.strides[0], oa.strides[1], oa.strides[2])
     i64 = np.int64
-    args = (oa.ptr, lse.ptr if lse is not None else 0, qa.ptr, ka.ptr, va.ptr,
-            cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0,
-            *(i64(x) for x in qs + ks + vs + os_ + lse_strides),
-            np.int32(seqlen_q), np.int32(seqlen_k), np.int32(total_q), np.int32(total_k), np.int32(head_dim),
-            np.int32(nheads // nheads_kv), np.int32(left if left >= 0 else UNBOUNDED),
-            np.int32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(softcap_pre),
-            np.float32(softcap_post), np.int32(reverse))
+    scalars = (*(i64(x) for x in qs + ks + vs + os_ + lse_strides),
+               np.int32(seqlen_q), np.int32(seqlen_k), np.int32(total_q), np.int32(total_k), np.int32(head_dim),
+               np.int32(nheads // nheads_kv), np.int32(left if left >= 0 else UNBOUNDED),
+               np.int32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(softcap_pre),
+               np.float32(softcap_post), np.int32(reverse))
     cfg = LaunchConfig((num_m, nheads, batch), (32 * warps,), smem_bytes(d, bn, mt, warps, stages))
-    launch(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg, args,
-           device=qa.device, stream=A.stream_of(qa))
+    launch = bind(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg,
+                  qa.device).fixed((int,) * 7 + tuple(map(type, scalars)))
+
+    def run(stream_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, cuq_ptr, cuk_ptr):
+        launch(stream_ptr, (o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, cuq_ptr, cuk_ptr) + scalars)
+
+    return run
+
+
+def _attn_plan(run, qa, ka, va, oa, lse_shape, varlen: bool):
+    """A cached call signature of flash_attn / flash_attn_varlen: per call the pointers, the outputs (or the
+    overlap checks with ``out``: None where one fails, so the full path raises), the stream and the launch."""
+    lib = A.fast_lib(qa.lib)
+    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
+    shape, dtype, device = qa.shape, qa.dtype, qa.device
+    q_ext, k_ext, v_ext = A.extent(qa), A.extent(ka), A.extent(va)
+    o_ext = A.extent(oa) if oa is not None else 0
+    # out may be q itself (same layout: each CTA reads its rows of q before writing them)
+    q_same = oa is not None and oa.strides == qa.strides
+
+    def plan(q, k, v, out, cu_q, cu_k):
+        qp, kp, vp = ptr(q), ptr(k), ptr(v)
+        if out is None:
+            out = empty(shape, dtype, device)
+            op = ptr(out)
+        else:
+            op = ptr(out)
+            if o_ext:
+                if qp < op + o_ext and op < qp + q_ext and not (qp == op and q_same):
+                    return None
+                if (kp < op + o_ext and op < kp + k_ext) or (vp < op + o_ext and op < vp + v_ext):
+                    return None
+        s = stream(device)
+        if lse_shape is None:
+            if run is not None:
+                run(s, op, 0, qp, kp, vp, ptr(cu_q) if varlen else 0, ptr(cu_k) if varlen else 0)
+            return out
+        lse = empty(lse_shape, "float32", device)
+        if run is not None:
+            run(s, op, ptr(lse), qp, kp, vp, ptr(cu_q) if varlen else 0, ptr(cu_k) if varlen else 0)
+        return out, lse
+
+    return plan
 
 
 def _inputs_and_out(qa, ka, va, oa):
@@ -492,6 +543,20 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
     -------
     out, or (out, lse) with ``return_lse``; arrays of the inputs' library, computed on its current stream.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("flash_attn")(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                            window_size=window_size, softcap=softcap, return_lse=return_lse,
+                                            out=out)
+    try:
+        key = (sig(q), sig(k), sig(v), sig(out), causal, softmax_scale, window_size, softcap, return_lse is True,
+               _path)
+        plan = _FAST_ATTN.get(key)
+    except TypeError:  # an unhashable option: the full check names it
+        key = plan = None
+    if plan is not None:
+        result = plan(q, k, v, out, None, None)
+        if result is not None:
+            return result
     qa, ka, va = A.wrap(q, "q"), A.wrap(k, "k"), A.wrap(v, "v")
     oa = A.wrap(out, "out", optional=True)
     head_dim, nheads, nheads_kv = _check_qkv(qa, ka, va, 4, "(batch, seqlen, nheads, head_dim)")
@@ -505,15 +570,34 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
         raise ValueError(f"q, k: sequence lengths above {MAX_SEQLEN} are not supported")
     if batch >= 65536:
         raise ValueError(f"q: at most 65535 sequences per call, got batch {batch}")
-    softmax_scale, left, right, softcap = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
+    softmax_scale_, left, right, softcap_ = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
+    given = (qa, ka, va, oa)
     qa, ka, va, oa = _inputs_and_out(qa, ka, va, oa)
     lse = A.empty(qa, (batch, nheads, seqlen_q), "float32", "lse") if return_lse else None
+    run = None
     if seqlen_q > 0:
-        _launch(oa, lse, qa, ka, va, None, None, batch=batch, max_seqlen_q=seqlen_q, seqlen_q=seqlen_q,
-                seqlen_k=seqlen_k, total_q=0, total_k=0, varlen=False, nheads=nheads, nheads_kv=nheads_kv,
-                head_dim=head_dim, softmax_scale=softmax_scale, left=left, right=right, softcap=softcap,
-                causal=causal, path=_path)
+        run = _launcher(oa, qa, ka, va, batch=batch, max_seqlen_q=seqlen_q, seqlen_q=seqlen_q,
+                        seqlen_k=seqlen_k, total_q=0, total_k=0, varlen=False, nheads=nheads, nheads_kv=nheads_kv,
+                        head_dim=head_dim, softmax_scale=softmax_scale_, left=left, right=right, softcap=softcap_,
+                        causal=causal, path=_path)
+        if run is not None:
+            run(A.stream_of(qa).ptr, oa.ptr, lse.ptr if lse is not None else 0, qa.ptr, ka.ptr, va.ptr, 0, 0)
+    _cache_attn(key, run, given, (qa, ka, va), oa, (batch, nheads, seqlen_q) if return_lse else None, False)
     return (oa.obj, lse.obj) if return_lse else oa.obj
+
+
+# flash_attn / flash_attn_varlen call signatures -> their launch; see _arrays.sig
+_FAST_ATTN: dict = {}
+_MAX_PLANS = 1024
+
+
+def _cache_attn(key, run, given, inputs, oa, lse_shape, varlen: bool) -> None:
+    """Store the plan of a validated call, unless an input had to be copied (the plan would skip the copy)."""
+    if key is None or not A.cacheable(key) or any(a is not b for a, b in zip(given[:3], inputs)):
+        return
+    if len(_FAST_ATTN) >= _MAX_PLANS:
+        _FAST_ATTN.clear()
+    _FAST_ATTN[key] = _attn_plan(run, *inputs, oa if given[3] is not None else None, lse_shape, varlen)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -541,6 +625,22 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     -------
     out (total_q, nheads, head_dim), or (out, lse).
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("flash_attn_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   causal=causal, softmax_scale=softmax_scale,
+                                                   window_size=window_size, softcap=softcap, return_lse=return_lse,
+                                                   out=out)
+    try:
+        key = (sig(q), sig(k), sig(v), sig(out), sig(cu_seqlens_q), sig(cu_seqlens_k), type(max_seqlen_q),
+               max_seqlen_q, type(max_seqlen_k), max_seqlen_k, causal, softmax_scale, window_size, softcap,
+               return_lse is True, _path)
+        plan = _FAST_ATTN.get(key)
+    except TypeError:  # an unhashable option: the full check names it
+        key = plan = None
+    if plan is not None and not A.CHECK_INDICES:
+        result = plan(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+        if result is not None:
+            return result
     qa, ka, va = A.wrap(q, "q"), A.wrap(k, "k"), A.wrap(v, "v")
     cq, ck = A.wrap(cu_seqlens_q, "cu_seqlens_q"), A.wrap(cu_seqlens_k, "cu_seqlens_k")
     oa = A.wrap(out, "out", optional=True)
@@ -568,12 +668,33 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             raise ValueError(f"{name}: must be >= 0, got {val}")
     if max(total_q, total_k, int(max_seqlen_q), int(max_seqlen_k)) > MAX_SEQLEN:
         raise ValueError(f"q, k: more than {MAX_SEQLEN} tokens are not supported")
-    softmax_scale, left, right, softcap = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
+    softmax_scale_, left, right, softcap_ = _check_options(causal, softmax_scale, window_size, softcap, head_dim)
+    if A.CHECK_INDICES:
+        _check_cu_seqlens(cq, total_q, int(max_seqlen_q))
+        _check_cu_seqlens(ck, total_k, None)
+    given = (qa, ka, va, oa)
     qa, ka, va, oa = _inputs_and_out(qa, ka, va, oa)
     lse = A.empty(qa, (nheads, total_q), "float32", "lse") if return_lse else None
+    run = None
     if total_q > 0 and batch > 0 and max_seqlen_q > 0:
-        _launch(oa, lse, qa, ka, va, cq, ck, batch=batch, max_seqlen_q=int(max_seqlen_q), seqlen_q=0, seqlen_k=0,
-                total_q=total_q, total_k=total_k, varlen=True, nheads=nheads, nheads_kv=nheads_kv,
-                head_dim=head_dim, softmax_scale=softmax_scale, left=left, right=right, softcap=softcap,
-                causal=causal, path=_path)
+        run = _launcher(oa, qa, ka, va, batch=batch, max_seqlen_q=int(max_seqlen_q), seqlen_q=0, seqlen_k=0,
+                        total_q=total_q, total_k=total_k, varlen=True, nheads=nheads, nheads_kv=nheads_kv,
+                        head_dim=head_dim, softmax_scale=softmax_scale_, left=left, right=right, softcap=softcap_,
+                        causal=causal, path=_path)
+        if run is not None:
+            run(A.stream_of(qa).ptr, oa.ptr, lse.ptr if lse is not None else 0, qa.ptr, ka.ptr, va.ptr, cq.ptr,
+                ck.ptr)
+    _cache_attn(key, run, given, (qa, ka, va), oa, (nheads, total_q) if return_lse else None, True)
     return (oa.obj, lse.obj) if return_lse else oa.obj
+
+
+def _check_cu_seqlens(c, total: int, max_seqlen) -> None:
+    """SPEEDCORE_CHECK_INDICES=1: cu_seqlens read back (a sync) and checked: starts at 0, non-decreasing, within
+    the tensor's token count, and (queries) no sequence longer than max_seqlen_q."""
+    vals = A.to_host(c.obj).astype(np.int64)
+    lens = np.diff(vals)
+    if vals[0] != 0 or (lens.size and lens.min() < 0) or vals[-1] > total:
+        raise ValueError(f"{c.name}: must start at 0, be non-decreasing and end at most at the {total} tokens of "
+                         f"its tensor, got {vals[:8].tolist()}{'...' if vals.size > 8 else ''} (last {vals[-1]})")
+    if max_seqlen is not None and lens.size and lens.max() > max_seqlen:
+        raise ValueError(f"{c.name}: a sequence of {lens.max()} tokens is longer than max_seqlen_q={max_seqlen}")

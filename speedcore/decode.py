@@ -11,8 +11,10 @@ from functools import lru_cache
 import numpy as np
 
 from . import _arrays as A
+from . import _torch_hook
+from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, device_info, launch
+from ._launch import LaunchConfig, bind, device_info
 
 SOURCE = "decode.cu"
 
@@ -288,6 +290,20 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softma
     -------
     out, or (out, lse) with ``return_lse``; arrays of q's library, computed on the caller's current stream.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("paged_decode_attention")(q, k_cache, v_cache, block_table, seq_lens,
+                                                        softmax_scale=softmax_scale, softcap=softcap,
+                                                        window_left=window_left, out=out, return_lse=return_lse)
+    try:
+        run = _FAST_DECODE.get((sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(seq_lens), sig(out),
+                                type(softmax_scale), softmax_scale, type(softcap), softcap, type(window_left),
+                                window_left, return_lse is True))
+    except TypeError:  # an unhashable argument: the full check names it
+        run = None
+    if run is not None and not A.CHECK_INDICES:
+        result = run(q, k_cache, v_cache, block_table, seq_lens, out)
+        if result is not None:
+            return result
     qa = A.wrap(q, "q")
     ka = A.wrap(k_cache, "k_cache")
     va = A.wrap(v_cache, "v_cache")
@@ -295,6 +311,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softma
     sla = A.wrap(seq_lens, "seq_lens")
     oa = A.wrap(out, "out", optional=True)
     return _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, return_lse)
+
+
+# paged_decode_attention's arguments (signatures and scalars) -> its launch; see _arrays.sig
+_FAST_DECODE: dict = {}
 
 
 _DECODE_PLANS: dict = {}
@@ -355,27 +375,85 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
 
 def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, return_lse, num_splits=None):
     p = _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, num_splits)
-    batch, heads, splits = p["batch"], p["heads"], p["splits"]
-    if oa is None:
-        oa = A.empty(qa, qa.shape, qa.dtype)
-    la = A.empty(qa, (batch, heads), "float32", name="lse") if return_lse else None
-    result = (oa.obj, la.obj) if return_lse else oa.obj
-    if batch == 0:
-        return result
-    stream = A.stream_of(qa)
-    lse_ptr = la.ptr if la is not None else 0
-    part_o = part_l = 0
-    merge = splits > 1 and not p["pair"]
-    if merge:
-        # one workspace: partial outputs, then the partial log-sum-exps (16-byte aligned: head_dim % 64 == 0)
-        ws = A.empty(qa, (p["partial_floats"] + batch * heads * splits,), "float32", name="workspace")
-        part_o, part_l = ws.ptr, ws.ptr + 4 * p["partial_floats"]
-    args = (oa.ptr, 0 if merge else lse_ptr, part_o, part_l, qa.ptr, ka.ptr, va.ptr, bta.ptr, sla.ptr)
-    launch(p["kernel"], p["cfg"], args + p["scalars"], device=qa.device, stream=stream)
-    if merge:
-        launch(p["merge_kernel"], p["merge_cfg"], (oa.ptr, lse_ptr, part_o, part_l) + p["merge_scalars"],
-               device=qa.device, stream=stream)
+    if A.CHECK_INDICES:
+        _check_decode_indices(bta, sla, p)
+    run = _decode_launch(p, qa, ka, va, bta, sla, oa, bool(return_lse))
+    result = run(qa.obj, ka.obj, va.obj, bta.obj, sla.obj, oa.obj if oa is not None else None)
+    if num_splits is None and p["batch"]:
+        key = (sig(qa.obj), sig(ka.obj), sig(va.obj), sig(bta.obj), sig(sla.obj), sig(oa.obj if oa is not None else None),
+               type(softmax_scale), softmax_scale, type(softcap), softcap, type(window_left), window_left,
+               return_lse is True)
+        if A.cacheable(key):
+            if len(_FAST_DECODE) >= _MAX_PLANS:
+                _FAST_DECODE.clear()
+            _FAST_DECODE[key] = run
     return result
+
+
+def _check_decode_indices(bta, sla, p) -> None:
+    """SPEEDCORE_CHECK_INDICES=1: the block ids a launch would read and the sequence lengths, read back (a sync)."""
+    lens = A.to_host(sla.obj).astype(np.int64)
+    if lens.size and (lens.min() < 0 or lens.max() > p["max_len"]):
+        raise ValueError(f"seq_lens: values must lie in [0, {p['max_len']}] (block_table's capacity), got "
+                         f"{lens.min()}..{lens.max()}")
+    table = A.to_host(bta.obj)
+    used = -(-lens // p["block_size"])
+    for b, n in enumerate(used):
+        row = table[b, :n]
+        if row.size and (row.min() < 0 or row.max() >= p["num_blocks"]):
+            raise ValueError(f"block_table: row {b} holds block ids outside [0, {p['num_blocks']}) within its "
+                             f"first {n} entries (seq_lens[{b}] = {lens[b]})")
+
+
+def _decode_launch(p, qa, ka, va, bta, sla, oa, return_lse: bool):
+    """``run(q, k_cache, v_cache, block_table, seq_lens, out)``: one validated call signature's launches; per call
+    the pointers, the outputs (and split workspace) allocated, the overlap check with ``out`` (None where it
+    fails, so the full path raises) and one or two launches."""
+    lib = A.fast_lib(qa.lib)
+    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
+    batch, heads, splits = p["batch"], p["heads"], p["splits"]
+    shape, dtype, device = qa.shape, qa.dtype, qa.device
+    merge = splits > 1 and not p["pair"]
+    ws_floats = p["partial_floats"] + batch * heads * splits
+    part_l_offset = 4 * p["partial_floats"]
+    exts = tuple(A.extent(a) for a in (qa, ka, va, bta, sla))
+    o_ext = A.extent(oa) if oa is not None else 0
+    if batch:
+        attn = bind(p["kernel"], p["cfg"], device).fixed((int,) * 9 + tuple(map(type, p["scalars"])))
+        scalars = p["scalars"]
+        if merge:
+            merge_launch = bind(p["merge_kernel"], p["merge_cfg"], device).fixed(
+                (int,) * 4 + tuple(map(type, p["merge_scalars"])))
+            merge_scalars = p["merge_scalars"]
+
+    def run(q, k_cache, v_cache, block_table, seq_lens, out):
+        ptrs = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(block_table), ptr(seq_lens))
+        if out is None:
+            out = empty(shape, dtype, device)
+            op = ptr(out)
+        else:
+            op = ptr(out)
+            for ip, ie in zip(ptrs, exts):
+                if o_ext and ie and ip < op + o_ext and op < ip + ie:
+                    return None
+        lse = empty((batch, heads), "float32", device) if return_lse else None
+        result = (out, lse) if return_lse else out
+        if not batch:
+            return result
+        lse_ptr = ptr(lse) if return_lse else 0
+        s = stream(device)
+        if merge:
+            # one workspace: partial outputs, then the partial log-sum-exps (16-byte aligned: head_dim % 64 == 0)
+            ws = empty((ws_floats,), "float32", device)
+            part_o = ptr(ws)
+            part_l = part_o + part_l_offset
+            attn(s, (op, 0, part_o, part_l) + ptrs + scalars)
+            merge_launch(s, (op, lse_ptr, part_o, part_l) + merge_scalars)
+        else:
+            attn(s, (op, lse_ptr, 0, 0) + ptrs + scalars)
+        return result
+
+    return run
 
 
 # -- reshape_and_cache ----------------------------------------------------------------------------------------
@@ -432,6 +510,12 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     -------
     None (the caches are updated on the caller's current stream).
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("reshape_and_cache")(k, v, k_cache, v_cache, slot_mapping)
+    key = (sig(k), sig(v), sig(k_cache), sig(v_cache), sig(slot_mapping))
+    run = _FAST_CACHE.get(key)
+    if run is not None and run(k, v, k_cache, v_cache, slot_mapping):
+        return None
     ka = A.wrap(k, "k")
     va = A.wrap(v, "v")
     kca = A.wrap(k_cache, "k_cache")
@@ -441,14 +525,42 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     if p["tokens"] == 0 or p["heads"] * p["words_per_head"] == 0:
         return None
     per_token = p["heads"] * p["words_per_head"]
-    args = (kca.ptr, vca.ptr, ka.ptr, va.ptr, sma.ptr, np.int32(sma.dtype == "int64"), np.int32(p["words_per_head"]),
-            np.int32(p["heads"]), np.int32(p["block_size"]), np.int64(p["num_slots"]),
-            np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]), np.int64(p["v_strides"][0]),
-            np.int64(p["v_strides"][1]), np.int64(p["c_strides"][0]), np.int64(p["c_strides"][1]),
-            np.int64(p["c_strides"][2]))
-    cfg = LaunchConfig((p["tokens"], -(-per_token // 128)), (128,))
-    launch(_cache_kernel(p["word"]), cfg, args, device=ka.device, stream=A.stream_of(ka))
+    scalars = (np.int32(sma.dtype == "int64"), np.int32(p["words_per_head"]), np.int32(p["heads"]),
+               np.int32(p["block_size"]), np.int64(p["num_slots"]), np.int64(p["k_strides"][0]),
+               np.int64(p["k_strides"][1]), np.int64(p["v_strides"][0]), np.int64(p["v_strides"][1]),
+               np.int64(p["c_strides"][0]), np.int64(p["c_strides"][1]), np.int64(p["c_strides"][2]))
+    launch = bind(_cache_kernel(p["word"]), LaunchConfig((p["tokens"], -(-per_token // 128)), (128,)),
+                  ka.device).fixed((int,) * 5 + tuple(map(type, scalars)))
+    launch(A.stream_of(ka).ptr, (kca.ptr, vca.ptr, ka.ptr, va.ptr, sma.ptr) + scalars)
+    if A.cacheable(key):
+        if len(_FAST_CACHE) >= _MAX_PLANS:
+            _FAST_CACHE.clear()
+        _FAST_CACHE[key] = _cache_plan(launch, scalars, ka, va, kca, vca, sma)
     return None
+
+
+_FAST_CACHE: dict = {}  # reshape_and_cache's argument signatures -> its launch
+
+
+def _cache_plan(launch, scalars, ka, va, kca, vca, sma):
+    """Per call: pointers, the caches' overlap checks (False where one fails, so the full path raises), the
+    launch."""
+    lib = A.fast_lib(ka.lib)
+    ptr, stream, device = lib.ptr, lib.stream, ka.device
+    k_ext, v_ext, c_ext, s_ext = A.extent(ka), A.extent(va), A.extent(kca), A.extent(sma)
+
+    def run(k, v, k_cache, v_cache, slot_mapping):
+        kp, vp, kcp, vcp, sp = ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), ptr(slot_mapping)
+        for cp in (kcp, vcp):
+            for ip, ie in ((kp, k_ext), (vp, v_ext), (sp, s_ext)):
+                if ip < cp + c_ext and cp < ip + ie:
+                    return False
+        if kcp < vcp + c_ext and vcp < kcp + c_ext:
+            return False
+        launch(stream(device), (kcp, vcp, kp, vp, sp) + scalars)
+        return True
+
+    return run
 
 
 # -- rotary_embedding -------------------------------------------------------------------------------------------
@@ -526,6 +638,15 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
     -------
     (q, k), the same objects, rotated in place on the caller's current stream.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("rotary_embedding")(positions, q, k, cos_sin_cache, is_neox=is_neox)
+    try:
+        key = (sig(positions), sig(q), sig(k), sig(cos_sin_cache), type(is_neox), is_neox)
+        run = _FAST_ROTARY.get(key)
+    except TypeError:  # an unhashable is_neox: the full check names it
+        key = run = None
+    if run is not None and run(positions, q, k, cos_sin_cache):
+        return q, k
     pa = A.wrap(positions, "positions")
     qa = A.wrap(q, "q")
     ka = A.wrap(k, "k", optional=True)
@@ -533,13 +654,35 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
     p = _plan_rotary(pa, qa, ka, csa, is_neox)
     if p["tokens"] == 0 or p["q_heads"] + p["k_heads"] == 0:
         return q, k
-    args = (qa.ptr, ka.ptr if ka is not None else 0, pa.ptr, np.int32(pa.dtype == "int64"), csa.ptr,
-            np.int64(csa.strides[0]), np.int32(p["rot_dim"]), np.int32(p["max_pos"]), np.int32(p["q_heads"]),
-            np.int32(p["k_heads"]), np.int64(p["q_strides"][0]), np.int64(p["q_strides"][1]),
-            np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]), np.int32(p["tokens"]))
+    scalars = (np.int64(csa.strides[0]), np.int32(p["rot_dim"]), np.int32(p["max_pos"]), np.int32(p["q_heads"]),
+               np.int32(p["k_heads"]), np.int64(p["q_strides"][0]), np.int64(p["q_strides"][1]),
+               np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]), np.int32(p["tokens"]))
     kern = _rotary_kernel(qa.dtype, csa.dtype, bool(is_neox), p["vec"])
-    launch(kern, LaunchConfig((-(-p["tasks"] // 256),), (256,)), args, device=qa.device, stream=A.stream_of(qa))
+    is64 = np.int32(pa.dtype == "int64")
+    launch = bind(kern, LaunchConfig((-(-p["tasks"] // 256),), (256,)), qa.device).fixed(
+        (int, int, int, np.int32, int) + tuple(map(type, scalars)))
+    launch(A.stream_of(qa).ptr, (qa.ptr, ka.ptr if ka is not None else 0, pa.ptr, is64, csa.ptr) + scalars)
+    if key is not None and A.cacheable(key):
+        if len(_FAST_ROTARY) >= _MAX_PLANS:
+            _FAST_ROTARY.clear()
+        _FAST_ROTARY[key] = _rotary_plan(launch, is64, scalars, pa, qa, ka, csa)
     return q, k
+
+
+_FAST_ROTARY: dict = {}  # rotary_embedding's argument signatures -> its launch
+
+
+def _rotary_plan(launch, is64, scalars, pa, qa, ka, csa):
+    """Per call: the pointers and the launch (the full path checks no pointer values here either)."""
+    lib = A.fast_lib(qa.lib)
+    ptr, stream, device = lib.ptr, lib.stream, qa.device
+
+    def run(positions, q, k, cos_sin_cache):
+        launch(stream(device), (ptr(q), ptr(k) if k is not None else 0, ptr(positions), is64, ptr(cos_sin_cache))
+               + scalars)
+        return True
+
+    return run
 
 
 # -- gated activations ------------------------------------------------------------------------------------------
@@ -559,9 +702,16 @@ def _plan_gated(xa, oa) -> dict:
 
 
 def _gated(x, out, act: str):
+    key = (sig(x), sig(out), act)
+    run = _FAST_GATED.get(key)
+    if run is not None:
+        result = run(x, out)
+        if result is not None:
+            return result
     xa = A.wrap(x, "x")
     oa = A.wrap(out, "out", optional=True)
     p = _plan_gated(xa, oa)
+    given = oa is not None
     if oa is None:
         oa = A.empty(xa, p["out_shape"], xa.dtype)
     _, o_stride = oa.rows()
@@ -573,10 +723,40 @@ def _gated(x, out, act: str):
     cols = d // n if vec else d
     if -(-cols // 256) >= 2 ** 16:
         raise ValueError(f"x: d = {d} is too large (at most {(2 ** 16 - 1) * 256 * (n if vec else 1)})")
-    args = (oa.ptr, xa.ptr, np.int32(d), np.int64(p["x_stride"]), np.int64(o_stride))
-    launch(_act_kernel(xa.dtype, act, vec), LaunchConfig((rows, -(-cols // 256)), (256,)), args, device=xa.device,
-           stream=A.stream_of(xa))
+    scalars = (np.int32(d), np.int64(p["x_stride"]), np.int64(o_stride))
+    launch = bind(_act_kernel(xa.dtype, act, vec), LaunchConfig((rows, -(-cols // 256)), (256,)),
+                  xa.device).fixed((int, int, np.int32, np.int64, np.int64))
+    launch(A.stream_of(xa).ptr, (oa.ptr, xa.ptr) + scalars)
+    # a new output's alignment is the allocator's (256 bytes), so it is only cached for out= calls or aligned ones
+    if A.cacheable(key) and (given or oa.aligned(16)):
+        if len(_FAST_GATED) >= _MAX_PLANS:
+            _FAST_GATED.clear()
+        _FAST_GATED[key] = _gated_plan(launch, scalars, xa, oa if given else None, p["out_shape"])
     return oa.obj
+
+
+_FAST_GATED: dict = {}  # (x, out signatures, activation) -> the launch
+
+
+def _gated_plan(launch, scalars, xa, oa, out_shape):
+    lib = A.fast_lib(xa.lib)
+    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
+    dtype, device = xa.dtype, xa.device
+    x_ext, o_ext = A.extent(xa), A.extent(oa) if oa is not None else 0
+
+    def run(x, out):
+        xp = ptr(x)
+        if out is None:
+            out = empty(out_shape, dtype, device)
+            op = ptr(out)
+        else:
+            op = ptr(out)
+            if xp < op + o_ext and op < xp + x_ext:
+                return None
+        launch(stream(device), (op, xp) + scalars)
+        return out
+
+    return run
 
 
 def silu_and_mul(x, *, out=None):
@@ -592,6 +772,8 @@ def silu_and_mul(x, *, out=None):
     -------
     out (computed in float32, rounded once), an array of x's library on the caller's current stream.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("silu_and_mul")(x, out=out)
     return _gated(x, out, "silu")
 
 
@@ -600,4 +782,6 @@ def gelu_and_mul(x, *, out=None):
 
     Parameters and result as :func:`silu_and_mul`.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("gelu_and_mul")(x, out=out)
     return _gated(x, out, "gelu")

@@ -21,8 +21,10 @@ from functools import lru_cache
 import numpy as np
 
 from . import _arrays as A
+from . import _torch_hook
+from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, device_info, launch
+from ._launch import LaunchConfig, bind, device_info
 
 SOURCE = "gemm.cu"
 SOURCE_SM90 = "gemm_sm90.cu"
@@ -290,6 +292,8 @@ def _check_rows_operand(x: A.Array, what: str) -> tuple:
 
 def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, b_kmajor: bool, bias,
           activation, oa: A.Array, ldo: int, path: str | None):
+    """Validate one GEMM and return its launch, ``run(stream_ptr, a_ptr, b_ptr, bias_ptr, out_ptr)``, which
+    depends on the operands' layouts only (None when M = 0: nothing to launch)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of None, 'silu', 'gelu', 'gelu_tanh', 'relu', got "
                          f"{activation!r}")
@@ -306,7 +310,7 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
     if path is not None and path not in PATHS:
         raise ValueError(f"_path: expected one of {PATHS}, got {path!r}")
     if m == 0:
-        return
+        return None
     dev = device_info(aa.device)
     if path is None:
         path = gemm_path(m, n, k, aa.dtype, dev.cc, b_kmajor)
@@ -317,31 +321,44 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
         raise ValueError(f"the mma.sync path needs row strides below {_AMPERE_MAX_LD} elements, got lda={lda}, "
                          f"ldb={ldb}")
     act = _ACT_ARG[activation]
-    bias_ptr = bias.ptr if bias is not None else 0
-    stream = A.stream_of(aa)
     cfg, kernel, lcfg, sizes = _plan(path, aa.dtype, m, n, k, b_kmajor, dev.sms, dev.smem_per_sm,
                                      dev.smem_per_block_optin)
-    if path == "hopper":
-        from . import _tma
+    bl = bind(kernel, lcfg, aa.device)
+    if path != "hopper":
+        fl = bl.fixed((int, int, int, int) + tuple(map(type, sizes)) + (np.int64, np.int64, np.int64, np.int32,
+                                                                        np.int32))
+        tail = sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act, _GROUP_ARG)
 
-        tmap_a = _tma.tile_map_2d(aa.ptr, aa.dtype, rows=m, cols=k, row_stride=lda, box_rows=cfg.bm, box_cols=64)
-        if b_kmajor:
-            tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=n, cols=k, row_stride=ldb, box_rows=cfg.bn, box_cols=64)
-        else:
-            tmap_b = _tma.tile_map_2d(ba.ptr, ba.dtype, rows=k, cols=n, row_stride=ldb, box_rows=64, box_cols=64)
-        box = cfg.store_box_cols
-        tmap_out = _tma.tile_map_2d(oa.ptr, oa.dtype, rows=m, cols=n, row_stride=ldo, box_rows=64, box_cols=box,
-                                    swizzle=_STORE_SWIZZLE[box])
-        splits, tiles = sizes[3:]
+        def run(stream_ptr, a_ptr, b_ptr, bias_ptr, o_ptr):
+            fl(stream_ptr, (o_ptr, a_ptr, b_ptr, bias_ptr) + tail)
+
+        return run
+    from . import _tma
+
+    dtype = aa.dtype
+    # the TMA maps of one call, as _tma.tile_map_2d builds them (cached by pointer: decode loops reuse buffers)
+    a_map = ((k, m), (lda,), (64, cfg.bm), _tma.SWIZZLE_128B)
+    b_map = ((k, n), (ldb,), (64, cfg.bn), _tma.SWIZZLE_128B) if b_kmajor else ((n, k), (ldb,), (64, 64),
+                                                                               _tma.SWIZZLE_128B)
+    box = cfg.store_box_cols
+    o_map = ((n, m), (ldo,), (box, 64), _STORE_SWIZZLE[box])
+    for ptr_, (dims, strides, boxd, _) in ((aa.ptr, a_map), (ba.ptr, b_map), (oa.ptr, o_map)):
+        _tma.check_nd(ptr_, dtype, dims, strides, boxd)
+    splits, tiles = sizes[3:]
+    scratch = A.scratch_ref(aa.lib, aa.device)
+    fl = bl.fixed((bytes, bytes, bytes, int, np.int32, np.int32, np.int32, np.int32, np.int32, int, int, np.int32))
+    mid = sizes[:3] + (act, _GROUP_ARG)
+    last = np.int32(splits)
+    tile_map = _tma._tile_map_bytes
+
+    def run(stream_ptr, a_ptr, b_ptr, bias_ptr, o_ptr):
         ws_ptr = tickets_ptr = 0
         if splits > 1:
-            ws_ptr, tickets_ptr = A.split_k_scratch(aa, stream, splits * m * n * 4, tiles)
-        args = (tmap_a, tmap_b, tmap_out, bias_ptr) + sizes[:3] + (act, _GROUP_ARG, ws_ptr, tickets_ptr,
-                                                                   np.int32(splits))
-    else:
-        args = (oa.ptr, aa.ptr, ba.ptr, bias_ptr) + sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act,
-                                                            _GROUP_ARG)
-    launch(kernel, lcfg, args, device=aa.device, stream=stream)
+            ws_ptr, tickets_ptr = A.split_k_scratch(scratch, stream_ptr, splits * m * n * 4, tiles)
+        fl(stream_ptr, (tile_map(a_ptr, dtype, *a_map), tile_map(b_ptr, dtype, *b_map), tile_map(o_ptr, dtype, *o_map),
+                        bias_ptr) + mid + (ws_ptr, tickets_ptr, last))
+
+    return run
 
 
 _ACT_ARG = {name: np.int32(code) for name, code in ACTIVATIONS.items()}
@@ -400,6 +417,8 @@ def matmul(a, b, *, out=None, _path=None):
     -------
     (M, N) array in the input dtype, of the input's library, on the caller's current stream.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("matmul")(a, b, out=out)
     aa = A.wrap(a, "a")
     ba = A.wrap(b, "b")
     A.check_dtype(aa, A.HALF_DTYPES)
@@ -424,7 +443,9 @@ def matmul(a, b, *, out=None, _path=None):
     if n > 1 and oa.strides[1] != 1:
         raise ValueError(f"out: the last dimension must be contiguous, got strides {oa.strides}")
     lda = aa.strides[0] if m > 1 else k
-    _gemm(aa, m, k, lda, ba, n, ldb, b_kmajor, None, None, oa, ldo, _path)
+    run = _gemm(aa, m, k, lda, ba, n, ldb, b_kmajor, None, None, oa, ldo, _path)
+    if run is not None:
+        run(A.stream_of(aa).ptr, aa.ptr, ba.ptr, 0, oa.ptr)
     return oa.obj
 
 
@@ -447,6 +468,25 @@ def linear(x, weight, bias=None, *, activation=None, out=None, _path=None):
     (..., N) array in the input dtype, of the input's library, on the caller's current stream.  Inputs must
     be 16-byte aligned.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("linear")(x, weight, bias, activation=activation, out=out)
+    try:
+        plan = _LINEAR_PLANS.get((sig(x), sig(weight), sig(bias), sig(out), activation, _path))
+    except TypeError:  # an unhashable activation: the full check names it
+        plan = None
+    if plan is not None:
+        result = plan(x, weight, bias, out)
+        if result is not None:
+            return result
+    return _linear_checked(x, weight, bias, activation, out, _path)
+
+
+# (x, weight, bias, out signatures, activation, _path) -> the validated launch; see _arrays.sig
+_LINEAR_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+def _linear_checked(x, weight, bias, activation, out, _path):
     xa = A.wrap(x, "x")
     wa = A.wrap(weight, "weight")
     ba = A.wrap(bias, "bias", optional=True)
@@ -475,5 +515,40 @@ def linear(x, weight, bias=None, *, activation=None, out=None, _path=None):
     _, ldo = oa.rows()
     if m == 1:
         ldo = n
-    _gemm(xa, m, k, lda, wa, n, ldw, True, ba, activation, oa, ldo, _path)
+    run = _gemm(xa, m, k, lda, wa, n, ldw, True, ba, activation, oa, ldo, _path)
+    if run is None:
+        return oa.obj  # M = 0: not cached, nothing to launch
+    run(A.stream_of(xa).ptr, xa.ptr, wa.ptr, ba.ptr if ba is not None else 0, oa.ptr)
+    key = (sig(x), sig(weight), sig(bias), sig(out), activation, _path)
+    if A.cacheable(key):
+        if len(_LINEAR_PLANS) >= _MAX_PLANS:
+            _LINEAR_PLANS.clear()
+        _LINEAR_PLANS[key] = _linear_plan(run, xa, wa, ba, oa if out is not None else None)
     return oa.obj
+
+
+def _linear_plan(run, xa, wa, ba, oa):
+    """Per call: pointers, the output allocation (or, with ``out``, its overlap check: None where it fails, so
+    the full path raises), the stream and the launch."""
+    lib = A.fast_lib(xa.lib)
+    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
+    out_shape, dtype, device = tuple(xa.shape[:-1]) + (wa.shape[0],), xa.dtype, xa.device
+    exts = (A.extent(xa), A.extent(wa), A.extent(ba) if ba is not None else 0)
+    o_ext = A.extent(oa) if oa is not None else 0
+
+    def plan(x, weight, bias, out):
+        xp, wp = ptr(x), ptr(weight)
+        bp = ptr(bias) if bias is not None else 0
+        if out is None:
+            out = empty(out_shape, dtype, device)
+            op = ptr(out)
+        else:
+            op = ptr(out)
+            if o_ext:
+                for ip, ie in ((xp, exts[0]), (wp, exts[1]), (bp, exts[2])):
+                    if ie and ip < op + o_ext and op < ip + ie:
+                        return None
+        run(stream(device), xp, wp, bp, op)
+        return out
+
+    return plan

@@ -213,26 +213,37 @@ def test_spill_allowance_is_only_for_the_documented_variants():
     assert all(allowances[k] == (32, 64) for k in allowed)
 
 
-def test_cluster_launch_packs_arguments_as_cupy_does():
-    """A cluster launch (cuLaunchKernelEx) passes each argument's bytes as CuPy's launch would: Python ints as 8
-    bytes, NumPy scalars at their own size, a small NumPy array (a TMA map) by value; flags must be explicit."""
+def test_launch_packs_arguments_as_cupy_does():
+    """Every launch passes each argument's bytes as CuPy's launch would: Python ints as 8 bytes, NumPy scalars at
+    their own size, a small NumPy array (a TMA map) by value; flags and floats must be explicit NumPy scalars."""
     import ctypes
 
     import numpy as np
 
     from speedcore import _launch
 
-    assert _launch._param_bytes(0x1234) == (0x1234).to_bytes(8, "little")
-    assert _launch._param_bytes(-1) == b"\xff" * 8
-    assert _launch._param_bytes(np.int32(-2)) == np.int32(-2).tobytes() and len(_launch._param_bytes(np.int32(7))) == 4
-    assert _launch._param_bytes(np.int64(5)) == np.int64(5).tobytes()
+    def packed(*args):
+        lay = _launch.arg_layout(_launch._arg_types(args))
+        ptrs = ctypes.cast(lay.pack(args), ctypes.POINTER(ctypes.c_void_p))
+        sizes = [{np.int32: 4, np.uint32: 4, np.float32: 4, np.ndarray: 128}.get(type(a), 8) for a in args]
+        assert all(ptrs[i] % 8 == 0 for i in range(len(args)))
+        return [ctypes.string_at(ptrs[i], n) for i, n in enumerate(sizes)]
+
+    assert packed(0x1234) == [(0x1234).to_bytes(8, "little")]
+    assert packed(-1) == [b"\xff" * 8]
+    assert packed(np.int32(-2), np.int64(5)) == [np.int32(-2).tobytes(), np.int64(5).tobytes()]
     m = np.zeros(1, dtype=[("words", np.uint64, 16)])
     m["words"][0] = np.arange(16, dtype=np.uint64)
-    assert _launch._param_bytes(m) == m.tobytes() and len(_launch._param_bytes(m)) == 128
-    with pytest.raises(TypeError):
-        _launch._param_bytes(True)
-    with pytest.raises(TypeError):
-        _launch._param_bytes(1.5)
+    assert packed(np.int32(3), m, 7) == [np.int32(3).tobytes(), m.tobytes(), (7).to_bytes(8, "little")]
+    # a reused layout (a fast path's) stores plain Python numbers at the layout's sizes
+    lay = _launch.arg_layout((int, np.int32, np.float32))
+    ptrs = ctypes.cast(lay.pack((5, 6, 2.5)), ctypes.POINTER(ctypes.c_void_p))
+    assert [ctypes.string_at(ptrs[i], n) for i, n in enumerate((8, 4, 4))] == [
+        (5).to_bytes(8, "little"), np.int32(6).tobytes(), np.float32(2.5).tobytes()]
+    with pytest.raises(TypeError, match="bool"):
+        packed(True)
+    with pytest.raises(TypeError, match="float"):
+        packed(1.5)
     # cuda.h's layouts: CUlaunchAttribute is 72 bytes (value at 8), CUlaunchConfig 56 (stream at 32)
     assert ctypes.sizeof(_launch._LaunchAttribute) == 72 and _launch._LaunchAttribute.value.offset == 8
     assert ctypes.sizeof(_launch._LaunchConfigEx) == 56 and _launch._LaunchConfigEx.stream.offset == 32
@@ -272,5 +283,6 @@ def test_cluster_launch_passes_each_argument_at_its_pointer(monkeypatch):
                             type("S", (), {"ptr": 0x77})())
     assert seen["func"] == 0x1000
     assert seen["cfg"] == ([8, 1, 1], [384, 1, 1], 4096, 0x77, [4, 1, 1])
-    assert seen["args"] == [_launch._param_bytes(a) for a in args]
+    assert seen["args"] == [m.tobytes(), (0xDEADBEEF12).to_bytes(8, "little"), np.int32(-7).tobytes(),
+                            np.int64(1 << 40).tobytes(), np.float32(1.5).tobytes()]
     assert seen["args"][1] == (0xDEADBEEF12).to_bytes(8, "little") and seen["args"][2] == np.int32(-7).tobytes()

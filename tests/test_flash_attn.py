@@ -142,8 +142,9 @@ def test_sm90_kernel_serves_the_default_path(monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 attention kernel needs an H100/H200")
     launches = []
-    real = fa._launch_sm90
-    monkeypatch.setattr(fa, "_launch_sm90", lambda *a, **kw: (launches.append(kw["head_dim"]), real(*a, **kw)))
+    real = fa._launcher_sm90
+    monkeypatch.setattr(fa, "_launcher_sm90", lambda *a, **kw: (launches.append(kw["head_dim"]), real(*a, **kw))[1])
+    fa._FAST_ATTN.clear()  # calls cached by an earlier test would not reach the launcher
     for d in (64, 96, 128, 192, 256):
         _run("bfloat16", 1, 300, 300, 2, 1, d, causal=True, seed=d)
     _varlen_case("float16", 128, False, [100, 0, 300], [120, 5, 300], seed=3)

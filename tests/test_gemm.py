@@ -522,10 +522,27 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
     from speedcore import _launch, _tma
 
     calls = []
-    monkeypatch.setattr(gemm, "launch", lambda kernel, cfg, args, device, stream: calls.append((kernel, cfg, args)))
+
+    class Bound:  # what _launch.bind returns: .fixed(types) gives the launch of exactly those argument types
+        def __init__(self, kernel, cfg):
+            self.kernel, self.cfg = kernel, cfg
+
+        def fixed(self, types):
+            types = tuple(types)
+
+            def run(stream_ptr, args):
+                assert len(args) == len(types)
+                calls.append((self.kernel, self.cfg, args, types))
+            return run
+
+    monkeypatch.setattr(gemm, "bind", lambda kernel, cfg, device: Bound(kernel, cfg))
+
+    def gemm_call(*a):
+        run = gemm._gemm(*a)
+        run(0, a[0].ptr, a[4].ptr, a[8].ptr if a[8] is not None else 0, a[10].ptr)
+        return calls[-1]
     monkeypatch.setattr(gemm, "device_info", lambda i: _launch.DeviceInfo(0, "H200", (9, 0), 132, 1024, 49152,
                                                                           232448, 233472, 60 << 20))
-    monkeypatch.setattr(A, "stream_of", lambda ref: None)
     monkeypatch.setattr(_tma, "_tile_map_bytes", lambda *a: bytes(128))
     scratch = []
     monkeypatch.setattr(A, "stream_buffer", lambda kind, ref, stream, n, dtype, **kw: scratch.append(
@@ -540,31 +557,27 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
     o = arr("out", (m, n), (n, 1), 3 << 20)
     bias = arr("bias", (n,), (1,), 4 << 20)
     for path in gemm.PATHS:
-        gemm._gemm(a, m, k, k, w, n, k, True, bias, "gelu", o, n, path)
-        kernel, cfg, args = calls[-1]
+        kernel, cfg, args, types = gemm_call(a, m, k, k, w, n, k, True, bias, "gelu", o, n, path)
         if path == "hopper":
             assert kernel.hopper and kernel.source == "gemm_sm90.cu"
-            assert [type(v) for v in args[:2]] == [np.ndarray, np.ndarray] and args[0].dtype.itemsize == 128
-            assert type(args[2]) is np.ndarray and args[2].dtype.itemsize == 128 and args[3] == 4 << 20
-            rest = args[4:]
-            assert [type(v) for v in rest] == [np.int32] * 5 + [int, int, np.int32]
-            assert [int(v) for v in rest] == [m, n, k, 2, gemm.GROUP_M, 0, 0, 1]  # no split: no scratch
+            assert types[:3] == (bytes,) * 3 and all(len(v) == 128 for v in args[:3]) and args[3] == 4 << 20
+            assert types[3:] == (int,) + (np.int32,) * 5 + (int, int, np.int32)
+            assert [int(v) for v in args[4:]] == [m, n, k, 2, gemm.GROUP_M, 0, 0, 1]  # no split: no scratch
         else:
             assert not kernel.hopper and kernel.source == "gemm.cu"
             assert args[:4] == (3 << 20, 1 << 20, 2 << 20, 4 << 20)
-            rest = args[4:]
-            assert [type(v) for v in rest] == [np.int32] * 3 + [np.int64] * 3 + [np.int32, np.int32]
-            assert [int(v) for v in rest] == [m, n, k, k, k, n, 2, gemm.GROUP_M]
-    gemm._gemm(a, m, k, k, arr("b", (k, n), (n, 1), 5 << 20), n, n, False, None, None, o, n, None)
-    kernel, cfg, args = calls[-1]
+            assert types == (int,) * 4 + (np.int32,) * 3 + (np.int64,) * 3 + (np.int32, np.int32)
+            assert [int(v) for v in args[4:]] == [m, n, k, k, k, n, 2, gemm.GROUP_M]
+    kernel, cfg, args, types = gemm_call(a, m, k, k, arr("b", (k, n), (n, 1), 5 << 20), n, n, False, None, None, o,
+                                         n, None)
     assert kernel.hopper and kernel.name.endswith("false>") and args[3] == 0
     assert [int(v) for v in args[4:]] == [m, n, k, 0, gemm.GROUP_M, 0, 0, 1]
     assert not scratch
     # split-K (decode-sized M on few tiles): fp32 partials in bytes in the shared "workspace", tickets per tile
     m2, n2, k2 = 40, 512, 4096
-    gemm._gemm(arr("x", (m2, k2), (k2, 1), 1 << 20), m2, k2, k2, arr("weight", (n2, k2), (k2, 1), 2 << 20), n2, k2,
-               True, None, None, arr("out", (m2, n2), (n2, 1), 3 << 20), n2, "hopper")
-    kernel, cfg, args = calls[-1]
+    kernel, cfg, args, types = gemm_call(arr("x", (m2, k2), (k2, 1), 1 << 20), m2, k2, k2,
+                                         arr("weight", (n2, k2), (k2, 1), 2 << 20), n2, k2, True, None, None,
+                                         arr("out", (m2, n2), (n2, 1), 3 << 20), n2, "hopper")
     assert [int(v) for v in args[4:]] == [m2, n2, k2, 0, gemm.GROUP_M, 0x7000, 0x8000, 16]
     assert scratch == [("workspace", 16 * m2 * n2 * 4, "uint8", {"min_n": 1 << 20}),
                        ("tickets", 8, "int32", {"zeroed": True})]

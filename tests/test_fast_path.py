@@ -1,0 +1,151 @@
+"""The cached launch plans (one per call signature): a repeated call takes the plan, and gives the same results
+as the first (checked) call on fresh data; what a plan cannot know (pointer values) is still checked."""
+import numpy as np
+import pytest
+
+from speedcore import _arrays as A
+
+
+def test_signature_keys_without_a_gpu():
+    """Unsupported kinds of argument are never cached; None keys as None; a plain tensor keys everything the
+    checks read (dtype, shape, strides, device, alignment offset) but not the pointer."""
+    assert A.sig(None) is None
+    assert not A.cacheable((A.sig(np.zeros(3)), None))
+    assert not A.cacheable((A.sig([1, 2]),))
+    assert A.cacheable((None, 1e-6, "silu"))
+    torch = pytest.importorskip("torch")
+    a, b = torch.zeros(4, 8), torch.zeros(4, 8)
+    assert A.sig(a) == A.sig(b) and A.sig(a) != A.sig(a.t()) and A.sig(a) != A.sig(a.half())
+    assert A.sig(a) != A.sig(a.view(-1)[1:].view(-1)[:31])  # another shape and alignment offset
+    assert A.sig(torch.nn.Parameter(a)) == A.sig(a)
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch
+
+
+def _close(torch, got, ref, tol=2e-2):
+    got, ref = got.float(), ref.float()
+    assert torch.isfinite(got).all()
+    err = (got - ref).norm() / ref.norm().clamp_min(1e-6)
+    assert err < tol, float(err)
+
+
+@pytest.mark.gpu
+def test_repeated_calls_take_the_plan_and_stay_correct():
+    torch = _torch()
+    import speedcore
+    from speedcore import decode, gemm, norm
+
+    F = torch.nn.functional
+    bf = torch.bfloat16
+    for call in range(3):  # the first call validates and caches; the next two run the plan on fresh data
+        x, r, w = (torch.randn(*s, device="cuda", dtype=bf) for s in ((5, 4096), (5, 4096), (4096,)))
+        y = speedcore.rms_norm(x, w, 1e-5)
+        _close(torch, y, F.rms_norm(x.float(), (4096,), w.float(), 1e-5))
+        y, h = speedcore.rms_norm(x, w, 1e-5, residual=r)
+        _close(torch, h, x + r)
+        _close(torch, y, F.rms_norm((x + r).float(), (4096,), w.float(), 1e-5))
+        wl = torch.randn(1024, 4096, device="cuda", dtype=bf) / 64
+        _close(torch, speedcore.linear(x, wl), x.float() @ wl.float().t())
+        g = torch.randn(3, 2 * 1000, device="cuda", dtype=bf)
+        _close(torch, speedcore.silu_and_mul(g), F.silu(g[:, :1000].float()) * g[:, 1000:].float())
+        out = torch.full((5, 1024), float("nan"), device="cuda", dtype=bf)
+        assert speedcore.linear(x, wl, out=out) is out
+        _close(torch, out, x.float() @ wl.float().t())
+    assert norm._PLANS and gemm._LINEAR_PLANS and decode._FAST_GATED
+
+
+@pytest.mark.gpu
+def test_plans_still_check_pointer_overlap():
+    """A plan knows the layouts, not the pointers: an ``out`` that overlaps an input raises on every call."""
+    torch = _torch()
+    import speedcore
+
+    bf = torch.bfloat16
+    x = torch.randn(4, 256, device="cuda", dtype=bf)
+    w = torch.randn(256, device="cuda", dtype=bf)
+    buf = torch.empty(8, 256, device="cuda", dtype=bf)
+    speedcore.rms_norm(x, w, out=buf[:4])  # cached for this layout
+    with pytest.raises(ValueError, match="overlaps"):
+        speedcore.rms_norm(x, buf[4, :], out=buf[4:])  # weight inside out
+    big = torch.randn(2, 512, device="cuda", dtype=bf)
+    wl = torch.randn(256, 512, device="cuda", dtype=bf)
+    o = torch.empty(2, 256, device="cuda", dtype=bf)
+    speedcore.linear(big, wl, out=o)
+    with pytest.raises(ValueError, match="overlaps"):
+        speedcore.linear(big, wl, out=big.view(-1)[:512].view(2, 256))
+    g = torch.randn(2, 512, device="cuda", dtype=bf)
+    speedcore.silu_and_mul(g, out=torch.empty(2, 256, device="cuda", dtype=bf))
+    with pytest.raises(ValueError, match="overlaps"):
+        speedcore.silu_and_mul(g, out=g[:, :256])
+
+
+@pytest.mark.gpu
+def test_attention_plans_on_fresh_data():
+    torch = _torch()
+    import speedcore
+
+    bf = torch.bfloat16
+    for _ in range(3):
+        q = torch.randn(2, 7, 8, 64, device="cuda", dtype=bf)
+        k = torch.randn(2, 33, 2, 64, device="cuda", dtype=bf)
+        v = torch.randn(2, 33, 2, 64, device="cuda", dtype=bf)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(), enable_gqa=True)
+        _close(torch, speedcore.flash_attn(q, k, v), ref.transpose(1, 2))
+        o, lse = speedcore.flash_attn(q, k, v, return_lse=True)
+        _close(torch, o, ref.transpose(1, 2))
+        assert lse.shape == (2, 8, 7)
+
+
+@pytest.mark.gpu
+def test_check_indices_names_the_bad_metadata(monkeypatch):
+    torch = _torch()
+    import speedcore
+
+    bf = torch.bfloat16
+    monkeypatch.setattr(A, "CHECK_INDICES", True)
+    kc = torch.randn(4, 16, 2, 64, device="cuda", dtype=bf)
+    q = torch.randn(2, 4, 64, device="cuda", dtype=bf)
+    table = torch.tensor([[0, 1], [2, 3]], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([20, 32], device="cuda", dtype=torch.int32)
+    speedcore.paged_decode_attention(q, kc, kc, table, lens)  # valid
+    with pytest.raises(ValueError, match="block_table"):
+        speedcore.paged_decode_attention(q, kc, kc, torch.tensor([[0, 9], [2, 3]], device="cuda",
+                                                                 dtype=torch.int32), lens)
+    with pytest.raises(ValueError, match="seq_lens"):
+        speedcore.paged_decode_attention(q, kc, kc, table, torch.tensor([20, 33], device="cuda", dtype=torch.int32))
+    qv = torch.randn(10, 4, 64, device="cuda", dtype=bf)
+    kv = torch.randn(12, 2, 64, device="cuda", dtype=bf)
+    cu_q = torch.tensor([0, 4, 10], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], device="cuda", dtype=torch.int32)
+    speedcore.flash_attn_varlen(qv, kv, kv, cu_q, cu_k, 6, 7)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        speedcore.flash_attn_varlen(qv, kv, kv, cu_q, torch.tensor([0, 5, 13], device="cuda", dtype=torch.int32), 6, 8)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        speedcore.flash_attn_varlen(qv, kv, kv, torch.tensor([0, 6, 5], device="cuda", dtype=torch.int32), cu_k, 6, 7)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        speedcore.flash_attn_varlen(qv, kv, kv, cu_q, cu_k, 5, 7)
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_take_plans_too():
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        pytest.skip("needs a CUDA GPU")
+    import speedcore
+
+    for _ in range(3):
+        x = cp.random.standard_normal((3, 512)).astype(cp.float16)
+        w = cp.random.standard_normal(512).astype(cp.float16)
+        y = speedcore.rms_norm(x, w)
+        xf = x.astype(cp.float32)
+        ref = xf / cp.sqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * w.astype(cp.float32)
+        assert isinstance(y, cp.ndarray)
+        assert float(cp.abs(y.astype(cp.float32) - ref).max()) < 2e-2 * float(cp.abs(ref).max())
