@@ -1,0 +1,1 @@
+"""Model definitions on speedcore's ops (one Llama-family file with per-family switches)."""

@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3) on speedcore's ops and CuPy.
+
+Per-family switches: Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, Mistral's sliding window (per layer),
+Llama 3's rope scaling (in the cos/sin table), tied embeddings.  q/k/v and gate/up are fused at load (one GEMM
+each); weights stay in the checkpoint's layout otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from ..checkpoint import Checkpoint, to_dtype_bits
+from ..config import ModelConfig
+
+
+def compute_dtype(name: str):
+    """The array dtype for "bfloat16" / "float16" (ml_dtypes' bfloat16 is what speedcore's CuPy path reads)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    if name == "float16":
+        return np.float16
+    raise ValueError(f"dtype: expected bfloat16 or float16, got {name!r}")
+
+
+@dataclass
+class LayerWeights:
+    in_norm: object
+    post_norm: object
+    qkv: object  # (q_size + 2 kv_size, hidden)
+    qkv_bias: Optional[object]
+    o: object
+    q_norm: Optional[object]
+    k_norm: Optional[object]
+    gate_up: object  # (2 intermediate, hidden)
+    down: object
+
+
+@dataclass
+class ForwardContext:
+    """One step's GPU inputs (views of the step buffer) and the runner's attention."""
+    input_ids: object
+    positions: object
+    slot_mapping: object
+    logits_idx: Optional[object]  # rows whose logits are needed; None: every row
+    attend: Callable  # attend(layer, q, k, v, out): out (T, H, D) <- attention of this step's tokens
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        import cupy
+
+        self.cfg = cfg
+        self.dtype_name = dtype
+        self.dtype = compute_dtype(dtype)
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        qkv_rows = cfg.q_size + 2 * cfg.kv_size
+        empty = lambda *shape: cupy.empty(shape, dtype=self.dtype)  # noqa: E731
+        self.embed = empty(cfg.vocab_size, h)
+        self.norm = empty(h)
+        # GEMM sizes must be multiples of 8: a vocabulary that is not gets zero rows (sliced off the logits)
+        self.vocab_padded = -(-cfg.vocab_size // 8) * 8
+        self.lm_head = self.embed if cfg.tie_word_embeddings and self.vocab_padded == cfg.vocab_size else None
+        if self.lm_head is None:
+            self.lm_head = cupy.zeros((self.vocab_padded, h), dtype=self.dtype)
+        self.layers: List[LayerWeights] = [LayerWeights(
+            in_norm=empty(h), post_norm=empty(h), qkv=empty(qkv_rows, h),
+            qkv_bias=empty(qkv_rows) if cfg.qkv_bias else None, o=empty(h, cfg.q_size),
+            q_norm=empty(cfg.head_dim) if cfg.qk_norm else None, k_norm=empty(cfg.head_dim) if cfg.qk_norm else None,
+            gate_up=empty(2 * i, h), down=empty(h, i)) for _ in range(cfg.num_layers)]
+
+    # -- weights ------------------------------------------------------------------------------------------------
+    def destination(self, name: str):
+        """(array, first row, last row) that checkpoint tensor ``name`` fills; None for a tensor the model skips."""
+        cfg = self.cfg
+        if name == "model.embed_tokens.weight":
+            return self.embed, 0, cfg.vocab_size
+        if name == "model.norm.weight":
+            return self.norm, 0, cfg.hidden_size
+        if name == "lm_head.weight":
+            return self.lm_head, 0, cfg.vocab_size
+        if not name.startswith("model.layers."):
+            return None
+        idx, rest = name[len("model.layers."):].split(".", 1)
+        L = self.layers[int(idx)]
+        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        table = {
+            "input_layernorm.weight": (L.in_norm, 0, cfg.hidden_size),
+            "post_attention_layernorm.weight": (L.post_norm, 0, cfg.hidden_size),
+            "self_attn.q_proj.weight": (L.qkv, 0, q), "self_attn.k_proj.weight": (L.qkv, q, q + kv),
+            "self_attn.v_proj.weight": (L.qkv, q + kv, q + 2 * kv),
+            "self_attn.o_proj.weight": (L.o, 0, cfg.hidden_size),
+            "self_attn.q_norm.weight": (L.q_norm, 0, cfg.head_dim),
+            "self_attn.k_norm.weight": (L.k_norm, 0, cfg.head_dim),
+            "mlp.gate_proj.weight": (L.gate_up, 0, i), "mlp.up_proj.weight": (L.gate_up, i, 2 * i),
+            "mlp.down_proj.weight": (L.down, 0, cfg.hidden_size)}
+        if cfg.qkv_bias:
+            table.update({"self_attn.q_proj.bias": (L.qkv_bias, 0, q), "self_attn.k_proj.bias": (L.qkv_bias, q, q + kv),
+                          "self_attn.v_proj.bias": (L.qkv_bias, q + kv, q + 2 * kv)})
+        d = table.get(rest)
+        return d if d is not None and d[0] is not None else None
+
+    def load(self, ck: Checkpoint, progress=None) -> None:
+        """Stream the checkpoint to the GPU shard by shard, one tensor at a time on the host."""
+        import cupy
+
+        names = [n for n in self.cfg.weight_shapes()]
+        for _, group in ck.by_file(names).items():
+            for name in group:
+                dst, a, b = self.destination(name)
+                host = to_dtype_bits(ck.read(name), ck.tensors[name].dtype, self.dtype_name)
+                dst.view(np.uint16)[a:b].set(np.ascontiguousarray(host).view(np.uint16))
+                if progress is not None:
+                    progress(name)
+        self._tie()
+        cupy.cuda.get_current_stream().synchronize()
+
+    def _tie(self) -> None:
+        if self.cfg.tie_word_embeddings and self.lm_head is not self.embed:
+            self.lm_head.view(np.uint16)[:self.cfg.vocab_size] = self.embed.view(np.uint16)
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights (normal, std 0.02; norms 1), generated on the GPU: the bench presets."""
+        import cupy
+
+        rng = cupy.random.default_rng(seed)
+        for name in self.cfg.weight_shapes():
+            dst, a, b = self.destination(name)
+            part = dst.view(np.uint16)[a:b]  # copies as bit patterns
+            if name.endswith("norm.weight"):
+                part.fill(0x3F80 if self.dtype_name == "bfloat16" else 0x3C00)  # 1.0
+                continue
+            rows = max(1, (1 << 26) // max(1, int(np.prod(part.shape[1:]))))  # 256 MB of float32 at a time
+            for r in range(0, part.shape[0], rows):
+                chunk = part[r:r + rows]
+                chunk[...] = (rng.standard_normal(chunk.shape, dtype=cupy.float32) * std).astype(self.dtype).view(
+                    np.uint16)
+        self._tie()
+
+    def nbytes(self) -> int:
+        arrays = [self.embed, self.norm] + ([self.lm_head] if self.lm_head is not self.embed else [])
+        for L in self.layers:
+            arrays += [x for x in vars(L).values() if x is not None]
+        return sum(int(x.nbytes) for x in arrays)
+
+    # -- forward ------------------------------------------------------------------------------------------------
+    def forward(self, ctx: ForwardContext, cos_sin):
+        """Logits (rows of ``ctx.logits_idx``, vocab) in the compute dtype, for this step's tokens."""
+        import cupy
+
+        import speedcore as sc
+
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        T = ctx.input_ids.shape[0]
+        x = self.embed.view(np.uint16)[ctx.input_ids].view(self.dtype)  # (T, hidden)
+        residual = None
+        for li, L in enumerate(self.layers):
+            if residual is None:
+                y, residual = sc.rms_norm(x, L.in_norm, eps), x
+            else:
+                y, residual = sc.rms_norm(x, L.in_norm, eps, residual=residual)
+            qkv = sc.linear(y, L.qkv, L.qkv_bias)
+            q = qkv[:, :q_size].reshape(T, H, D)
+            k = qkv[:, q_size:q_size + kv_size].reshape(T, Hkv, D)
+            v = qkv[:, q_size + kv_size:].reshape(T, Hkv, D)
+            if L.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
+                q = sc.rms_norm(cupy.ascontiguousarray(q), L.q_norm, eps)
+                k = sc.rms_norm(cupy.ascontiguousarray(k), L.k_norm, eps)
+            sc.rotary_embedding(ctx.positions, q, k, cos_sin, is_neox=True)
+            attn = cupy.empty((T, H, D), dtype=self.dtype)
+            ctx.attend(li, q, k, v, attn)
+            o = sc.linear(attn.reshape(T, q_size), L.o)
+            y, residual = sc.rms_norm(o, L.post_norm, eps, residual=residual)
+            x = sc.linear(sc.silu_and_mul(sc.linear(y, L.gate_up)), L.down)
+        y, _ = sc.rms_norm(x, self.norm, eps, residual=residual)
+        if ctx.logits_idx is not None:
+            y = y.view(np.uint16)[ctx.logits_idx].view(self.dtype)
+        logits = sc.linear(y, self.lm_head)
+        return logits if self.vocab_padded == cfg.vocab_size else logits[:, :cfg.vocab_size]

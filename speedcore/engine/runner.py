@@ -1,0 +1,247 @@
+"""Model runner: the KV cache (sized by a profiling step), one forward per step, CUDA-graph decode, attention.
+
+All GPU work runs on one non-blocking CuPy stream.  CUDA graphs: decode-only steps are captured once per
+batch-size bucket into static input buffers; ops allocate their outputs (and split-KV workspaces) inside the
+capture, so capture allocates from a private memory pool that nothing outside the graphs uses (blocks freed
+inside one capture are reused by the next capture only: graphs replay one at a time on one stream), and the
+logits each graph writes stay allocated with it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .config import ModelConfig
+from .models.llama import ForwardContext, LlamaModel
+from .scheduler import ScheduledBatch, StepBatch, build_step
+from .sequence import Sequence
+
+
+def graph_buckets(max_num_seqs: int) -> List[int]:
+    """Decode batch sizes with a CUDA graph: 1, 2, 4, 8, then steps of 8 to 64 and of 16 above."""
+    b = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, max_num_seqs + 16, 16))
+    out = sorted({x for x in b if x < max_num_seqs} | {max_num_seqs})
+    return out
+
+
+class _Step:
+    """GPU views of a step buffer by name."""
+
+    def __init__(self, dev, offsets):
+        self.dev, self.offsets = dev, offsets
+
+    def __getitem__(self, name):
+        start, shape = self.offsets[name]
+        return self.dev[start:start + int(np.prod(shape))].reshape(shape)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, stream, log=print):
+        import cupy
+
+        self.cp = cupy
+        self.model = model
+        self.cfg: ModelConfig = model.cfg
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.stream = stream
+        self.log = log
+        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        with stream:
+            self.cos_sin = cupy.asarray(self.cfg.cos_sin_cache(max_model_len))
+            self._meta = cupy.empty(0, np.int32)
+        self.table_width = -(-max_model_len // block_size)
+        self.kv = None
+        self.k_caches: List = []
+        self.v_caches: List = []
+        self.num_blocks = 0
+        self.graphs: Dict[int, tuple] = {}
+        self.graph_pool = None
+        self.graph_input = None
+        self.timings: Dict[str, float] = {}
+
+    # -- KV cache -----------------------------------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        c = self.cfg
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * np.dtype(self.model.dtype).itemsize
+
+    def _set_cache(self, num_blocks: int) -> None:
+        c = self.cfg
+        self.kv = None
+        with self.stream:
+            self.kv = self.cp.empty((c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
+                                    dtype=self.model.dtype)
+        self.k_caches = [self.kv[i, 0] for i in range(c.num_layers)]
+        self.v_caches = [self.kv[i, 1] for i in range(c.num_layers)]
+        self.num_blocks = num_blocks
+
+    def profile_and_allocate(self, gpu_memory_utilization: float, num_blocks: Optional[int] = None) -> int:
+        """Run the largest step (max_num_batched_tokens tokens over up to max_num_seqs sequences, then sampling)
+        on a 1-block dummy cache, so that the memory pool holds its peak; the KV cache gets what is left below
+        ``gpu_memory_utilization`` of the device, less room for the graphs."""
+        cp = self.cp
+        t0 = time.perf_counter()
+        self._set_cache(1)
+        n_seqs = max(1, min(self.max_num_seqs, self.max_num_batched_tokens))
+        tokens = self.max_num_batched_tokens
+        lens = [tokens // n_seqs + (1 if i < tokens % n_seqs else 0) for i in range(n_seqs)]
+        lens = [min(max(1, n), self.max_model_len) for n in lens]
+        seqs = []
+        far = 1 << 20  # slots past the dummy cache: reshape_and_cache skips them
+        for i, n in enumerate(lens):
+            s = Sequence([i % self.cfg.vocab_size] * n, _PROFILE_PARAMS)
+            s.block_table = [far] * (-(-n // self.block_size))
+            seqs.append(s)
+        from .sampler import sample
+
+        with self.stream:
+            logits = self.run(ScheduledBatch(seqs, lens, 0))
+            sample(logits, [_PROFILE_PARAMS] * len(seqs), [0] * len(seqs), [0] * len(seqs))
+            del logits
+        self.stream.synchronize()
+        free, total = cp.cuda.runtime.memGetInfo()
+        self.kv = None
+        self.k_caches = self.v_caches = []
+        graph_reserve = 0 if num_blocks is not None else 256 << 20
+        budget = free - (1.0 - gpu_memory_utilization) * total - graph_reserve
+        if num_blocks is None:
+            num_blocks = int(budget // self.block_bytes())
+        if num_blocks < 1:
+            raise MemoryError(
+                f"no memory left for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after the "
+                f"weights and a {self.max_num_batched_tokens}-token warm-up step; raise gpu_memory_utilization "
+                f"({gpu_memory_utilization}) or lower max_num_batched_tokens / max_num_seqs")
+        self._set_cache(num_blocks)
+        self.timings["profile_s"] = time.perf_counter() - t0
+        return num_blocks
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def _upload(self, host: np.ndarray):
+        if self._meta.size < host.size:
+            self._meta = self.cp.empty(max(host.size, 2 * self._meta.size, 4096), np.int32)
+        dev = self._meta[:host.size]
+        dev.set(host)
+        return dev
+
+    def run(self, batch: ScheduledBatch, *, logits_all: bool = False):
+        """Float32 logits (rows, vocab) of one scheduled step: one row per sequence that reaches its end (or
+        every token with ``logits_all``)."""
+        seqs, n, nd = batch.seqs, batch.num_tokens, batch.num_decode
+        if self.graphs and nd == len(seqs) and nd <= self.max_graph_batch and not logits_all:
+            return self._replay(batch)
+        st = build_step(seqs, n, nd, self.block_size, logits_all=logits_all)
+        with self.stream:
+            g = _Step(self._upload(st.host), st.offsets)
+            logits = self._forward(g, st.num_decode, st, logits_idx=g["logits_idx"])
+            return logits.astype(np.float32)
+
+    def _forward(self, g, num_decode: int, st: Optional[StepBatch], logits_idx):
+        import speedcore as sc
+
+        block_tables, seq_lens, slots = g["block_tables"], g["seq_lens"], g["slot_mapping"]
+        if st is not None and st.num_prefill:
+            pre = dict(cu_q=g["cu_seqlens_q"], cu_k=g["cu_seqlens_k"], max_q=st.max_q, max_k=st.max_k,
+                       gather=g["gather_slots"] if st.has_cached else None)
+        else:
+            pre = None
+
+        def attend(layer, q, k, v, out):
+            kc, vc = self.k_caches[layer], self.v_caches[layer]
+            sc.reshape_and_cache(k, v, kc, vc, slots)
+            wl = self.cfg.window_left[layer]
+            if num_decode:
+                sc.paged_decode_attention(q[:num_decode], kc, vc, block_tables, seq_lens, softmax_scale=self.scale,
+                                          window_left=wl, out=out[:num_decode])
+            if pre is not None:
+                self.prefill_attention(q[num_decode:], k[num_decode:], v[num_decode:], kc, vc, pre, wl,
+                                       out[num_decode:])
+
+        ctx = ForwardContext(g["input_ids"], g["positions"], slots, logits_idx, attend)
+        return self.model.forward(ctx, self.cos_sin)
+
+    def prefill_attention(self, q, k, v, k_cache, v_cache, pre: dict, window_left: int, out):
+        """Causal attention of prefill chunks (packed, cu_seqlens) over their sequences' cached and new tokens.
+
+        Stopgap until the paged prefill kernel lands: chunks that continue cached tokens (a prefix-cache hit, a
+        later chunk) gather their sequences' whole K/V from the pages (the new tokens are already written there)
+        into contiguous buffers and run flash_attn_varlen over them; causal masks align bottom-right, so each
+        chunk's queries see exactly their own prefix.
+        """
+        import speedcore as sc
+
+        window = (window_left, 0) if window_left >= 0 else (-1, -1)
+        if pre["gather"] is None:
+            return sc.flash_attn_varlen(q, k, v, pre["cu_q"], pre["cu_q"], pre["max_q"], pre["max_q"], causal=True,
+                                        softmax_scale=self.scale, window_size=window, out=out)
+        H_kv, D = k_cache.shape[2:]
+        kg = k_cache.view(np.uint16).reshape(-1, H_kv, D)[pre["gather"]].view(k_cache.dtype)
+        vg = v_cache.view(np.uint16).reshape(-1, H_kv, D)[pre["gather"]].view(v_cache.dtype)
+        return sc.flash_attn_varlen(q, kg, vg, pre["cu_q"], pre["cu_k"], pre["max_q"], pre["max_k"], causal=True,
+                                    softmax_scale=self.scale, window_size=window, out=out)
+
+    # -- CUDA graphs --------------------------------------------------------------------------------------------
+    @property
+    def max_graph_batch(self) -> int:
+        return max(self.graphs) if self.graphs else 0
+
+    def capture_graphs(self) -> float:
+        cp = self.cp
+        t0 = time.perf_counter()
+        buckets = graph_buckets(self.max_num_seqs)
+        mb, W = buckets[-1], self.table_width
+        with self.stream:
+            self.graph_input = cp.zeros(4 * mb + mb * W, np.int32)
+            self.graph_input[2 * mb:3 * mb] = -1  # slot -1: the warm-up runs write nothing to the cache
+        self.graph_pool = cp.cuda.MemoryPool()
+        gi = self.graph_input
+        with cp.cuda.using_allocator(self.graph_pool.malloc), self.stream:
+            for bs in reversed(buckets):  # largest first: the smaller ones reuse its freed blocks
+                offsets = {"input_ids": (0, (bs,)), "positions": (mb, (bs,)), "slot_mapping": (2 * mb, (bs,)),
+                           "seq_lens": (3 * mb, (bs,)), "block_tables": (4 * mb, (bs, W))}
+                g = _Step(gi, offsets)
+                self._forward(g, bs, None, None)  # warm-up: compiles and plans every launch outside the capture
+                self.stream.synchronize()
+                self.stream.begin_capture()
+                try:
+                    logits = self._forward(g, bs, None, None)
+                finally:
+                    graph = self.stream.end_capture()
+                self.graphs[bs] = (graph, logits)
+        self.stream.synchronize()
+        self._buckets = sorted(self.graphs)
+        dt = time.perf_counter() - t0
+        self.timings["capture_s"] = dt
+        return dt
+
+    def _replay(self, batch: ScheduledBatch):
+        B = batch.num_decode
+        bs = next(b for b in self._buckets if b >= B)
+        mb = self._buckets[-1]
+        st = build_step(batch.seqs, batch.num_tokens, B, self.block_size, graph_batch=mb,
+                        table_width=self.table_width)
+        n = 4 * mb + bs * self.table_width  # the block tables of rows past this bucket are not read
+        self.graph_input[:n].set(st.host[:n], stream=self.stream)
+        graph, logits = self.graphs[bs]
+        graph.launch(self.stream)
+        with self.stream:
+            return logits[:B].astype(np.float32)
+
+    def close(self) -> None:
+        self.graphs = {}
+        self.graph_input = self.kv = self.cos_sin = self._meta = None
+        self.k_caches = self.v_caches = []
+        if self.graph_pool is not None:
+            self.graph_pool.free_all_blocks()
+        self.graph_pool = None
+
+
+from .sampling_params import SamplingParams  # noqa: E402
+
+# the profiling step samples with every filter on, so that the sort buffers count in the peak
+_PROFILE_PARAMS = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, max_tokens=1)
