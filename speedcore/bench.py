@@ -1,7 +1,7 @@
 """Benchmark harness behind ``python -m speedcore bench``.
 
-Each suite (``benchmarks/<op>.py``, shipped in the wheel too; the probes in ``benchmarks/probes/`` are not) defines ``cases(b)`` returning a list of
-``(label, run)``; ``run(b)`` times our kernel and its peers on the same inputs with :meth:`Bench.time_ms` and
+Each suite (``benchmarks/<op>.py``, shipped in the wheel too; the probes in ``benchmarks/probes/`` are not)
+defines ``cases(b)`` returning a list of ``(label, run)``; ``run(b)`` times our kernel and its peers on the same inputs with :meth:`Bench.time_ms` and
 records the comparison with :meth:`Bench.add`.  Times are medians of CUDA-event-timed runs after a warm-up,
 with the L2 cache flushed before every run.  The two ceilings (device-to-device copy bandwidth and cuBLAS
 bf16 matmul rate) are measured in the same process.
@@ -182,19 +182,9 @@ def table(records: list) -> str:
     return "\n".join(lines)
 
 
-def markdown(records: list) -> str:
-    head = "| op | case | unit | ours | peer | peer value | ratio (>1: ours faster) | of ceiling | date | commit |"
-    out = [head, "|" + "---|" * 10]
-    for r in records:
-        out.append(f"| {r['op']} | {r['case']} | {r['unit']} | {_fmt(r['ours'])} | {r['peer']} | "
-                   f"{_fmt(r['peer_value'])} | {_fmt(r['ratio'])} | {_fmt(r['ceiling_fraction'], 2)} | "
-                   f"{r['date']} | {r['commit']} |")
-    return "\n".join(out) + "\n"
-
-
 def save(records: list, path: Path) -> None:
     """Merge into the JSON list at ``path`` (a record replaces the older one of the same op, case and peer),
-    and write the markdown table beside it."""
+    and write the results page beside it (:func:`speedcore.report.write`)."""
     path = Path(path)
     old = []
     if path.exists():
@@ -208,10 +198,9 @@ def save(records: list, path: Path) -> None:
     merged.sort(key=lambda r: (r["op"] != "ceiling", r["op"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=1) + "\n")
-    gpu = merged[0].get("gpu", "") if merged else ""
-    path.with_suffix(".md").write_text(f"# Benchmark results: {gpu}\n\nWritten by `python -m speedcore bench "
-                                       f"--json {path.name}`; ratio = ours / peer, measured in the same run.\n\n"
-                                       + markdown(merged))
+    from . import report
+
+    report.write(path, records=merged)  # the same page `--report` writes
 
 
 def run(ops: list, quick: bool = False, json_path: str | None = None, device: int = 0) -> list:

@@ -106,9 +106,29 @@ def _compile(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.report or args.plot:
+        return _bench_report(args)
+    if args.results or args.out:
+        raise SystemExit("speedcore bench: --results and --out go with --report (or --plot)")
     from . import bench
 
     bench.run(args.ops, quick=args.quick, json_path=args.json, device=args.device)
+    return 0
+
+
+def _bench_report(args) -> int:
+    """Regenerate the results pages (and charts) from recorded JSON: no GPU, no torch, no suite runs."""
+    from . import report
+
+    if args.ops or args.json or args.quick:
+        raise SystemExit("speedcore bench --report: regenerates pages from recorded JSON and runs no suites; "
+                         "drop the suite names, --json and --quick (or run the suites first, without --report)")
+    try:
+        for path in report.find_results(args.results):
+            for written in report.write(path, args.out, with_plots=args.plot):
+                print(written)
+    except report.ReportError as e:
+        raise SystemExit(f"speedcore bench: {e}") from None
     return 0
 
 
@@ -124,8 +144,16 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="time our kernels against their peers on this GPU")
     b.add_argument("ops", nargs="*", help="suites to run (default: all)")
     b.add_argument("--quick", action="store_true", help="smaller ceilings, fewer repetitions")
-    b.add_argument("--json", help="merge the records into this JSON file (and a .md table beside it)")
+    b.add_argument("--json", help="merge the records into this JSON file (and write its results page beside it)")
     b.add_argument("--device", type=int, default=0)
+    b.add_argument("--report", action="store_true",
+                   help="regenerate the results page(s) from the recorded JSON instead of running (no GPU needed)")
+    b.add_argument("--plot", action="store_true",
+                   help="with --report (implied): also write PNG charts (needs matplotlib: pip install speedcore[plot])")
+    b.add_argument("--results", action="append", metavar="PATH",
+                   help="results JSON for --report: a file, directory or glob, repeatable "
+                        "(default: benchmarks/results/*.json)")
+    b.add_argument("--out", metavar="DIR", help="where --report writes (default: beside each JSON file)")
     args = p.parse_args(argv)
     return {"info": _info, "compile": _compile, "bench": _bench}[args.cmd](args)
 
