@@ -173,15 +173,40 @@ class LLM:
         except BaseException:
             self.close()
             raise
-        self.block_manager = BlockManager(nb, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
-        self.num_gpu_blocks = nb
+        self._init_state(nb, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
         self.timings["startup_s"] = time.perf_counter() - t_start
         self.log(f"speedcore.LLM: {cfg.architecture} {self.model.nbytes() / 1e9:.2f} GB {dtype}, KV cache {nb} blocks "
                  f"of {block_size} ({nb * self.runner.block_bytes() / 2**30:.2f} GiB), graphs "
                  f"{sorted(self.runner.graphs) if self.runner.graphs else 'off'}; load {self.timings['load_s']:.2f}s, "
                  f"profile {self.timings['profile_s']:.2f}s, capture {self.timings['capture_s']:.2f}s")
+
+    def _init_state(self, num_blocks, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens):
+        from .sampler import sample
+
+        self._sample = sample
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.num_gpu_blocks = num_blocks
+
+    @classmethod
+    def _with_runner(cls, cfg: ModelConfig, runner, *, array_module, tokenizer=None, num_blocks=64, block_size=4,
+                     max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=True,
+                     seed=0, sample=None):
+        """An engine around a given runner (``run(batch) -> logits``) and array module: the CPU tests' fake."""
+        import contextlib
+
+        self = cls.__new__(cls)
+        self._closed, self.log, self.config, self.tokenizer = False, (lambda *a: None), cfg, tokenizer
+        self.max_model_len, self.seed, self._rng, self._next_id = max_model_len, seed, np.random.default_rng(seed), 0
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        self._cp, self.runner, self.device, self.stream = array_module, runner, contextlib.nullcontext(), \
+            contextlib.nullcontext()
+        self.timings = {}
+        self._init_state(num_blocks, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
+        if sample is not None:
+            self._sample = sample
+        return self
 
     # -- lifetime -----------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -336,9 +361,7 @@ class LLM:
                     cols += banned
             if rows:
                 logits[cp.asarray(np.array(rows)), cp.asarray(np.array(cols))] = -np.inf
-            from .sampler import sample
-
-            res = sample(logits, [r.params for r in reqs], [r.seq.seed for r in reqs],
+            res = self._sample(logits, [r.params for r in reqs], [r.seq.seed for r in reqs],
                          [r.seq.num_output_tokens for r in reqs])
         now = time.perf_counter()
         for r_i, r in enumerate(reqs):
