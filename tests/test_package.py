@@ -20,7 +20,7 @@ def test_import_touches_no_gpu_library_and_is_fast():
 
 def test_wheel_ships_package_kernels_and_suites_only(tmp_path):
     """The wheel holds speedcore/, the kernels as speedcore/_kernels and the bench suites as speedcore/_benchmarks:
-    no probe scripts, results, check scripts or tests.  Built without build isolation (no download; ~3 s)."""
+    no probe scripts, results, check scripts or tests.  Built without build isolation (nothing downloaded)."""
     pytest.importorskip("hatchling", reason="the build backend (hatchling) is not installed: pip install hatchling")
     from speedcore import bench
 
