@@ -154,8 +154,11 @@ def main(argv=None) -> int:
                    help="results JSON for --report: a file, directory or glob, repeatable "
                         "(default: benchmarks/results/*.json)")
     b.add_argument("--out", metavar="DIR", help="where --report writes (default: beside each JSON file)")
+    from .engine.cli import add_parsers  # generate, bench-engine (speedcore/engine/cli.py)
+
+    handlers = {"info": _info, "compile": _compile, "bench": _bench, **add_parsers(sub)}
     args = p.parse_args(argv)
-    return {"info": _info, "compile": _compile, "bench": _bench}[args.cmd](args)
+    return handlers[args.cmd](args)
 
 
 if __name__ == "__main__":

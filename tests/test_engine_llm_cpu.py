@@ -126,3 +126,17 @@ def test_stop_strings_and_stream(tmp_path):
         mine = [d for d in deltas if d.index == i]
         assert "".join(d.text for d in mine) == "hello 😀 world fox" and mine[-1].finished
         assert all("\ufffd" not in d.text for d in mine)
+
+
+def test_cli_parsers_and_roofline():
+    from speedcore.cli import main  # noqa: F401  (the hook imports)
+    from speedcore.engine.cli import roofline
+    from speedcore.engine.config import preset_config
+
+    cfg = preset_config("llama-3-8b")
+    w = cfg.num_params() * 2
+    r = roofline(cfg, w, 2, [1], [256], 1)  # batch-1 decode: 256 steps, each reading the weights
+    assert r["min_steps"] == 256 and r["memory_s"] == pytest.approx(256 * w / 4.3e12, rel=0.01)
+    assert r["roofline_s"] == r["memory_s"] > r["compute_s"]
+    with pytest.raises(SystemExit):
+        main(["bench-engine", "--preset", "tiny", "--model", "x"])  # mutually exclusive

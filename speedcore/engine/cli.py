@@ -1,0 +1,169 @@
+"""``python -m speedcore generate`` and ``python -m speedcore bench-engine``."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+COPY_BYTES_PER_S = 4.3e12  # H200 device copy rate (README: 4.21-4.27 TB/s measured)
+GEMM_FLOPS_PER_S = 790e12  # H200 bf16 dense GEMM rate used for the roofline
+
+
+def add_parsers(sub) -> dict:
+    """Add the engine subcommands to ``sub`` (argparse subparsers); returns {name: handler}."""
+    g = sub.add_parser("generate", help="generate text with speedcore.LLM from a Hugging Face model directory")
+    g.add_argument("prompt", nargs="+", help="one or more prompts")
+    g.add_argument("--model", required=True, help="model directory (config.json, safetensors, tokenizer.json)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="render each prompt as a user turn with the chat template")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true")
+    b = sub.add_parser("bench-engine", help="offline throughput / latency of speedcore.LLM (random token ids)")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model directory (default: --preset)")
+    src.add_argument("--preset", default=None, help="random-weight model built on the GPU: llama-3-8b (default), "
+                                                    "llama-3.2-1b, tiny")
+    b.add_argument("--num-prompts", type=int, default=256)
+    b.add_argument("--input-len", default="100:1024", help="A:B (uniform) or N")
+    b.add_argument("--output-len", default="256", help="A:B (uniform) or N")
+    b.add_argument("--batch", type=int, default=256, help="max_num_seqs (1: latency mode)")
+    b.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    b.add_argument("--max-model-len", type=int, default=None, help="default: longest input + output")
+    b.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--enforce-eager", action="store_true")
+    b.add_argument("--no-prefix-caching", action="store_true")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", help="write the results to this JSON file")
+    return {"generate": generate_main, "bench-engine": bench_main}
+
+
+def _range(s: str) -> tuple:
+    a, _, b = str(s).partition(":")
+    lo, hi = int(a), int(b or a)
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"bad length range {s!r}: expected A:B with 1 <= A <= B")
+    return lo, hi
+
+
+def generate_main(args) -> int:
+    from . import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        seed=args.seed)
+    with LLM(args.model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+             log=lambda m: print(m, file=sys.stderr)) as llm:
+        if args.chat:
+            prompts = []
+            for p in args.prompt:
+                text = llm.tokenizer.apply_chat_template([dict(role="user", content=p)])
+                prompts.append(dict(prompt=text, prompt_token_ids=llm.tokenizer.encode(text, add_special_tokens=False)))
+        else:
+            prompts = list(args.prompt)
+        if len(prompts) == 1:
+            for d in llm.generate_stream(prompts, sp):
+                print(d.text, end="", flush=True)
+                if d.finished and d.output.error:
+                    print(f"error: {d.output.error}", file=sys.stderr)
+                    return 1
+            print()
+        else:
+            for o in llm.generate(prompts, sp):
+                print(f"--- {o.prompt!r}\n{o.outputs[0].text if o.error is None else 'error: ' + o.error}")
+    return 0
+
+
+def _pct(xs, qs=(50, 90, 99)) -> dict:
+    if not len(xs):
+        return {f"p{q}": None for q in qs}
+    return {f"p{q}": float(np.percentile(xs, q)) for q in qs}
+
+
+def roofline(cfg, weight_bytes: int, itemsize: int, in_lens, out_lens, batch: int) -> dict:
+    """Lower bounds for the workload: weights read once per step (the fewest steps: each wave of ``batch``
+    requests needs its longest output's steps), KV read by every decode token and written once, at the copy
+    rate; GEMM and attention FLOPs at the GEMM rate.  The bound is the larger of the two."""
+    in_lens, out_lens = np.asarray(in_lens, np.float64), np.asarray(out_lens, np.float64)
+    n = len(in_lens)
+    waves = [out_lens[i:i + batch].max() for i in range(0, n, batch)]
+    steps = float(sum(waves))
+    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    total_tok = float((in_lens + out_lens).sum())
+    # decode token t of a request reads in + t cached tokens
+    kv_read = float((out_lens * in_lens + out_lens * (out_lens - 1) / 2).sum()) * kv_tok
+    bytes_ = steps * weight_bytes + kv_read + total_tok * kv_tok
+    layer_params = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    ctx_sum = float((in_lens * (in_lens + 1) / 2 + out_lens * in_lens + out_lens * (out_lens + 1) / 2).sum())
+    flops = 2 * layer_params * total_tok + 2 * cfg.vocab_size * cfg.hidden_size * float(out_lens.sum()) + \
+        4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx_sum
+    t_mem, t_flop = bytes_ / COPY_BYTES_PER_S, flops / GEMM_FLOPS_PER_S
+    return dict(bytes=bytes_, flops=flops, memory_s=t_mem, compute_s=t_flop, roofline_s=max(t_mem, t_flop),
+                min_steps=steps)
+
+
+def bench_main(args) -> int:
+    from . import LLM, SamplingParams
+
+    model = args.model or f"preset:{args.preset or 'llama-3-8b'}"
+    in_lo, in_hi = _range(args.input_len)
+    out_lo, out_hi = _range(args.output_len)
+    rng = np.random.default_rng(args.seed)
+    n = args.num_prompts
+    in_lens = rng.integers(in_lo, in_hi + 1, n)
+    out_lens = rng.integers(out_lo, out_hi + 1, n)
+    max_len = args.max_model_len or int(in_hi + out_hi)
+    t0 = time.perf_counter()
+    llm = LLM(model, max_model_len=max_len, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, skip_tokenizer_init=True,
+              log=lambda m: print(m, file=sys.stderr))
+    startup = time.perf_counter() - t0
+    try:
+        V = llm.config.vocab_size
+        prompts = [rng.integers(0, V, int(L)).tolist() for L in in_lens]
+        params = [SamplingParams(max_tokens=int(o), ignore_eos=True, temperature=args.temperature) for o in out_lens]
+        # a short warm-up request compiles whatever the start-up did not (sampling kernels, prefill shapes)
+        llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - t1
+        bad = [o.error for o in outs if o.error]
+        if bad:
+            print(f"{len(bad)} requests failed, e.g.: {bad[0]}", file=sys.stderr)
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        n_in = int(in_lens.sum())
+        ttft = [o.metrics.first_token_time - t1 for o in outs if o.metrics.first_token_time]
+        itl = np.concatenate([np.diff(o.metrics.token_times) for o in outs if len(o.metrics.token_times) > 1] or
+                             [np.zeros(0)])
+        itemsize = 2
+        roof = roofline(llm.config, llm.model.nbytes(), itemsize, in_lens, out_lens, args.batch)
+        res = dict(op="engine", model=model, num_prompts=n, input_len=args.input_len, output_len=args.output_len,
+                   batch=args.batch, max_model_len=llm.max_model_len, enforce_eager=args.enforce_eager,
+                   elapsed_s=elapsed, input_tokens=n_in, output_tokens=n_out, output_tok_per_s=n_out / elapsed,
+                   total_tok_per_s=(n_in + n_out) / elapsed, ttft_s=_pct(ttft), itl_s=_pct(itl),
+                   startup_s=dict(total=startup, **llm.timings), kv_blocks=llm.num_gpu_blocks,
+                   preemptions=llm.scheduler.num_preemptions, roofline=roof,
+                   roofline_fraction=roof["roofline_s"] / elapsed)
+    finally:
+        llm.close()
+    ms = lambda d: " ".join(f"{k} {v * 1e3:.1f}" if v is not None else f"{k} -" for k, v in d.items())  # noqa: E731
+    print(f"{model}: {n} prompts, {n_in} input + {n_out} output tokens in {elapsed:.2f} s")
+    print(f"throughput: {res['output_tok_per_s']:.0f} output tok/s ({res['total_tok_per_s']:.0f} total tok/s)")
+    print(f"TTFT ms: {ms(res['ttft_s'])}; inter-token latency ms: {ms(res['itl_s'])}")
+    st = res["startup_s"]
+    print(f"start-up: {st['total']:.2f} s (load {st.get('load_s', 0):.2f}, profile {st.get('profile_s', 0):.2f}, "
+          f"graph capture {st.get('capture_s', 0):.2f}); KV blocks {res['kv_blocks']}, preemptions {res['preemptions']}")
+    print(f"roofline: {roof['roofline_s']:.2f} s (memory {roof['memory_s']:.2f} s: {roof['bytes'] / 1e12:.2f} TB at "
+          f"{COPY_BYTES_PER_S / 1e12:.1f} TB/s; compute {roof['compute_s']:.2f} s: {roof['flops'] / 1e15:.2f} PFLOP at "
+          f"{GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s): measured is {elapsed / roof['roofline_s']:.2f}x the bound")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
