@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 # public function name -> callable with the public function's signature that calls torch.ops.speedcore.*.
-# Filled by the plugin module below when it is imported.
+# Filled by the plugin, speedcore.integrations.torch_ops, when it is imported.
 OPS: dict = {}
 
 
@@ -61,13 +61,12 @@ class _CompilerShim:
 def op(name: str):
     """The callable that replaces public function ``name`` while tracing (same positional and keyword
     arguments); it calls ``torch.ops.speedcore.*``, picking the ``*_out`` op when ``out=`` is given."""
+    # The plugin imports torch, which this module must not do at import, so it is imported here; its import
+    # registers the ops and fills OPS.  An import statement, not importlib.import_module: dynamo runs IMPORT_NAME
+    # at trace time but graph-breaks on importlib.  Imported before OPS is read, every time (op() runs only while
+    # tracing): dynamo guards on what it reads, and an OPS read before the import filled it fails its own guard.
+    import speedcore.integrations.torch_ops  # noqa: F401
     fn = OPS.get(name)
     if fn is None:
-        # Imported here, on first use: the plugin imports torch, which this module must not do at import.  Its
-        # import registers the ops and fills OPS.  An import statement, not importlib.import_module: dynamo runs
-        # IMPORT_NAME at trace time but graph-breaks on importlib.
-        import speedcore.integrations.torch_ops  # noqa: F401
-        fn = OPS.get(name)
-        if fn is None:
-            raise NotImplementedError(f"speedcore.{name} has no torch.ops.speedcore op to trace into")
+        raise NotImplementedError(f"speedcore.{name} has no torch.ops.speedcore op to trace into")
     return fn
