@@ -341,6 +341,10 @@ class BoundLaunch:
         """This launch for arguments of exactly ``types`` every call (a fast path's own argument tuple)."""
         return FixedLaunch(self, arg_layout(tuple(types)))
 
+    def prepacked(self, variable_types: tuple, constants: tuple) -> "PrepackedLaunch":
+        """This launch with ``constants`` as its trailing arguments on every call (see :class:`PrepackedLaunch`)."""
+        return PrepackedLaunch(self, variable_types, constants)
+
     def launch_packed(self, stream_ptr: int, params_addr: int) -> None:
         dev = _get_device()
         if dev != self.device:
@@ -377,6 +381,37 @@ class FixedLaunch:
 
     def __call__(self, stream_ptr: int, args: tuple) -> None:
         self.bound.launch_packed(stream_ptr, self.pack(args))
+
+
+class PrepackedLaunch:
+    """A :class:`BoundLaunch` whose trailing arguments are fixed: they are packed once into this launch's own
+    per-thread buffer, and a call packs only the leading ones (the pointers): ``pl(stream_ptr, *pointers)``."""
+
+    __slots__ = ("bound", "layout", "prefix", "constants", "buffers")
+
+    def __init__(self, bound: BoundLaunch, variable_types: tuple, constants: tuple):
+        self.bound = bound
+        self.layout = ArgLayout(tuple(variable_types) + tuple(map(type, constants)))
+        self.prefix = ArgLayout(tuple(variable_types)).struct.pack_into  # same offsets: laid out in order
+        self.constants = constants
+        self.buffers: dict = {}
+
+    def _buffers(self) -> tuple:
+        lay = self.layout
+        buf = ctypes.create_string_buffer(lay.size + 64)
+        off = (-ctypes.addressof(buf)) % 64
+        base = ctypes.addressof(buf) + off
+        params = (ctypes.c_void_p * max(1, len(lay.offsets)))(*[base + o for o in lay.offsets])
+        nvar = len(lay.offsets) - len(self.constants)
+        lay.struct.pack_into(buf, off, *((0,) * nvar + tuple(c.tobytes() if type(c) is np.ndarray else c
+                                                             for c in self.constants)))
+        b = self.buffers[threading.get_ident()] = (buf, off, ctypes.addressof(params), params)
+        return b
+
+    def __call__(self, stream_ptr: int, *pointers) -> None:
+        b = self.buffers.get(threading.get_ident()) or self._buffers()
+        self.prefix(b[0], b[1], *pointers)
+        self.bound.launch_packed(stream_ptr, b[2])
 
 
 def bind(kernel: Kernel, cfg: LaunchConfig, device: int) -> BoundLaunch:

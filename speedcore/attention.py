@@ -456,13 +456,8 @@ def _launcher(oa, qa, ka, va, *, batch, max_seqlen_q, seqlen_q, seqlen_k, total_
                np.int32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(softcap_pre),
                np.float32(softcap_post), np.int32(reverse))
     cfg = LaunchConfig((num_m, nheads, batch), (32 * warps,), smem_bytes(d, bn, mt, warps, stages))
-    launch = bind(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg,
-                  qa.device).fixed((int,) * 7 + tuple(map(type, scalars)))
-
-    def run(stream_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, cuq_ptr, cuk_ptr):
-        launch(stream_ptr, (o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, cuq_ptr, cuk_ptr) + scalars)
-
-    return run
+    return bind(_kernel(qa.dtype, d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, softcap > 0), cfg,
+                qa.device).prepacked((int,) * 7, scalars)
 
 
 def _attn_plan(run, qa, ka, va, oa, lse_shape, varlen: bool):

@@ -350,7 +350,8 @@ def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, 
     o_strides = oa.strides[:2] if oa is not None else (heads * head_dim, head_dim)
     pair = pair_merge(dev.cc, splits)
     plan = dict(
-        batch=batch, heads=heads, head_dim=head_dim, splits=splits, pair=pair,
+        batch=batch, heads=heads, head_dim=head_dim, splits=splits, pair=pair, max_len=p["max_len"],
+        block_size=p["block_size"], num_blocks=p["num_blocks"],
         kernel=_attn_kernel(qa.dtype, head_dim, p["block_size"] % TILE_TOKENS == 0, pair),
         cfg=LaunchConfig((max(1, batch * splits * p["units"]),), (p["warps"] * 32,), p["smem"],
                          cluster=2 if pair else 1),
@@ -410,7 +411,7 @@ def _decode_launch(p, qa, ka, va, bta, sla, oa, return_lse: bool):
     the pointers, the outputs (and split workspace) allocated, the overlap check with ``out`` (None where it
     fails, so the full path raises) and one or two launches."""
     lib = A.fast_lib(qa.lib)
-    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
+    ptr, stream, empty, empty_like = lib.ptr, lib.stream, lib.empty, lib.empty_like
     batch, heads, splits = p["batch"], p["heads"], p["splits"]
     shape, dtype, device = qa.shape, qa.dtype, qa.device
     merge = splits > 1 and not p["pair"]
@@ -419,17 +420,15 @@ def _decode_launch(p, qa, ka, va, bta, sla, oa, return_lse: bool):
     exts = tuple(A.extent(a) for a in (qa, ka, va, bta, sla))
     o_ext = A.extent(oa) if oa is not None else 0
     if batch:
-        attn = bind(p["kernel"], p["cfg"], device).fixed((int,) * 9 + tuple(map(type, p["scalars"])))
-        scalars = p["scalars"]
+        attn = bind(p["kernel"], p["cfg"], device).prepacked((int,) * 9, p["scalars"])
         if merge:
-            merge_launch = bind(p["merge_kernel"], p["merge_cfg"], device).fixed(
-                (int,) * 4 + tuple(map(type, p["merge_scalars"])))
-            merge_scalars = p["merge_scalars"]
+            merge_launch = bind(p["merge_kernel"], p["merge_cfg"], device).prepacked((int,) * 4,
+                                                                                    p["merge_scalars"])
 
     def run(q, k_cache, v_cache, block_table, seq_lens, out):
         ptrs = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(block_table), ptr(seq_lens))
         if out is None:
-            out = empty(shape, dtype, device)
+            out = empty_like(q)
             op = ptr(out)
         else:
             op = ptr(out)
@@ -447,10 +446,10 @@ def _decode_launch(p, qa, ka, va, bta, sla, oa, return_lse: bool):
             ws = empty((ws_floats,), "float32", device)
             part_o = ptr(ws)
             part_l = part_o + part_l_offset
-            attn(s, (op, 0, part_o, part_l) + ptrs + scalars)
-            merge_launch(s, (op, lse_ptr, part_o, part_l) + merge_scalars)
+            attn(s, op, 0, part_o, part_l, *ptrs)
+            merge_launch(s, op, lse_ptr, part_o, part_l)
         else:
-            attn(s, (op, lse_ptr, 0, 0) + ptrs + scalars)
+            attn(s, op, lse_ptr, 0, 0, *ptrs)
         return result
 
     return run
@@ -530,8 +529,8 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
                np.int64(p["k_strides"][1]), np.int64(p["v_strides"][0]), np.int64(p["v_strides"][1]),
                np.int64(p["c_strides"][0]), np.int64(p["c_strides"][1]), np.int64(p["c_strides"][2]))
     launch = bind(_cache_kernel(p["word"]), LaunchConfig((p["tokens"], -(-per_token // 128)), (128,)),
-                  ka.device).fixed((int,) * 5 + tuple(map(type, scalars)))
-    launch(A.stream_of(ka).ptr, (kca.ptr, vca.ptr, ka.ptr, va.ptr, sma.ptr) + scalars)
+                  ka.device).prepacked((int,) * 5, scalars)
+    launch(A.stream_of(ka).ptr, kca.ptr, vca.ptr, ka.ptr, va.ptr, sma.ptr)
     if A.cacheable(key):
         if len(_FAST_CACHE) >= _MAX_PLANS:
             _FAST_CACHE.clear()
@@ -557,7 +556,7 @@ def _cache_plan(launch, scalars, ka, va, kca, vca, sma):
                     return False
         if kcp < vcp + c_ext and vcp < kcp + c_ext:
             return False
-        launch(stream(device), (kcp, vcp, kp, vp, sp) + scalars)
+        launch(stream(device), kcp, vcp, kp, vp, sp)
         return True
 
     return run
@@ -725,35 +724,35 @@ def _gated(x, out, act: str):
         raise ValueError(f"x: d = {d} is too large (at most {(2 ** 16 - 1) * 256 * (n if vec else 1)})")
     scalars = (np.int32(d), np.int64(p["x_stride"]), np.int64(o_stride))
     launch = bind(_act_kernel(xa.dtype, act, vec), LaunchConfig((rows, -(-cols // 256)), (256,)),
-                  xa.device).fixed((int, int, np.int32, np.int64, np.int64))
-    launch(A.stream_of(xa).ptr, (oa.ptr, xa.ptr) + scalars)
+                  xa.device).prepacked((int, int), scalars)
+    launch(A.stream_of(xa).ptr, oa.ptr, xa.ptr)
     # a new output's alignment is the allocator's (256 bytes), so it is only cached for out= calls or aligned ones
     if A.cacheable(key) and (given or oa.aligned(16)):
         if len(_FAST_GATED) >= _MAX_PLANS:
             _FAST_GATED.clear()
-        _FAST_GATED[key] = _gated_plan(launch, scalars, xa, oa if given else None, p["out_shape"])
+        _FAST_GATED[key] = _gated_plan(launch, xa, oa if given else None, p["out_shape"])
     return oa.obj
 
 
 _FAST_GATED: dict = {}  # (x, out signatures, activation) -> the launch
 
 
-def _gated_plan(launch, scalars, xa, oa, out_shape):
+def _gated_plan(launch, xa, oa, out_shape):
     lib = A.fast_lib(xa.lib)
-    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
-    dtype, device = xa.dtype, xa.device
+    ptr, stream, new_empty = lib.ptr, lib.stream, lib.new_empty
+    device = xa.device
     x_ext, o_ext = A.extent(xa), A.extent(oa) if oa is not None else 0
 
     def run(x, out):
         xp = ptr(x)
         if out is None:
-            out = empty(out_shape, dtype, device)
+            out = new_empty(x, out_shape)
             op = ptr(out)
         else:
             op = ptr(out)
             if xp < op + o_ext and op < xp + x_ext:
                 return None
-        launch(stream(device), (op, xp) + scalars)
+        launch(stream(device), op, xp)
         return out
 
     return run

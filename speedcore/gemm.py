@@ -325,12 +325,11 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
                                      dev.smem_per_block_optin)
     bl = bind(kernel, lcfg, aa.device)
     if path != "hopper":
-        fl = bl.fixed((int, int, int, int) + tuple(map(type, sizes)) + (np.int64, np.int64, np.int64, np.int32,
-                                                                        np.int32))
-        tail = sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act, _GROUP_ARG)
+        pl = bl.prepacked((int, int, int, int), sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act,
+                                                         _GROUP_ARG))
 
         def run(stream_ptr, a_ptr, b_ptr, bias_ptr, o_ptr):
-            fl(stream_ptr, (o_ptr, a_ptr, b_ptr, bias_ptr) + tail)
+            pl(stream_ptr, o_ptr, a_ptr, b_ptr, bias_ptr)
 
         return run
     from . import _tma
@@ -471,7 +470,8 @@ def linear(x, weight, bias=None, *, activation=None, out=None, _path=None):
     if _torch_hook.compiling():
         return _torch_hook.op("linear")(x, weight, bias, activation=activation, out=out)
     try:
-        plan = _LINEAR_PLANS.get((sig(x), sig(weight), sig(bias), sig(out), activation, _path))
+        plan = _LINEAR_PLANS.get((sig(x), sig(weight), None if bias is None else sig(bias),
+                                  None if out is None else sig(out), activation, _path))
     except TypeError:  # an unhashable activation: the full check names it
         plan = None
     if plan is not None:
@@ -531,8 +531,8 @@ def _linear_plan(run, xa, wa, ba, oa):
     """Per call: pointers, the output allocation (or, with ``out``, its overlap check: None where it fails, so
     the full path raises), the stream and the launch."""
     lib = A.fast_lib(xa.lib)
-    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
-    out_shape, dtype, device = tuple(xa.shape[:-1]) + (wa.shape[0],), xa.dtype, xa.device
+    ptr, stream, new_empty = lib.ptr, lib.stream, lib.new_empty
+    out_shape, device = tuple(xa.shape[:-1]) + (wa.shape[0],), xa.device
     exts = (A.extent(xa), A.extent(wa), A.extent(ba) if ba is not None else 0)
     o_ext = A.extent(oa) if oa is not None else 0
 
@@ -540,7 +540,7 @@ def _linear_plan(run, xa, wa, ba, oa):
         xp, wp = ptr(x), ptr(weight)
         bp = ptr(bias) if bias is not None else 0
         if out is None:
-            out = empty(out_shape, dtype, device)
+            out = new_empty(x, out_shape)
             op = ptr(out)
         else:
             op = ptr(out)

@@ -82,7 +82,8 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None):
     if _torch_hook.compiling():
         return _torch_hook.op("rms_norm")(x, weight, eps, residual=residual, out=out)
     try:
-        plan = _PLANS.get((sig(x), sig(weight), sig(residual), sig(out), eps))
+        plan = _PLANS.get((sig(x), sig(weight), None if residual is None else sig(residual),
+                           None if out is None else sig(out), eps))
     except TypeError:  # an unhashable eps: the full check names it
         plan = None
     if plan is not None:
@@ -151,16 +152,16 @@ def _rms_norm_checked(x, weight, eps, residual, out):
     if A.cacheable(key):
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = _plan(xa, wa, ra, oa if out is not None else None, bl.fixed(map(type, args)), args[5:])
+        _PLANS[key] = _plan(xa, wa, ra, oa if out is not None else None, bl.prepacked((int,) * 5, args[5:]))
     return result
 
 
-def _plan(xa, wa, ra, oa, launch, scalars):
+def _plan(xa, wa, ra, oa, launch):
     """The launch of one validated call signature: per call only pointers, the output allocation, the stream and
     (with ``out``) the overlap check; returns None where that check fails, so the full path raises."""
     lib = A.fast_lib(xa.lib)
-    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
-    shape, dtype, device = xa.shape, xa.dtype, xa.device
+    ptr, stream, empty_like = lib.ptr, lib.stream, lib.empty_like
+    device = xa.device
     w_ext = A.extent(wa)
     r_ext = A.extent(ra) if ra is not None else 0
     o_ext = A.extent(oa) if oa is not None else 0
@@ -169,7 +170,7 @@ def _plan(xa, wa, ra, oa, launch, scalars):
 
     def run(x, weight, residual, out):
         if out is None:
-            o = empty(shape, dtype, device)
+            o = empty_like(x)
             op = ptr(o)
         else:
             o, op = out, ptr(out)
@@ -181,10 +182,10 @@ def _plan(xa, wa, ra, oa, launch, scalars):
                 if rp < op + o_ext and op < rp + r_ext and not (rp == op and r_inplace_ok):
                     return None
         if residual is None:
-            launch(stream(device), (op, 0, ptr(x), 0, ptr(weight)) + scalars)
+            launch(stream(device), op, 0, ptr(x), 0, ptr(weight))
             return o
-        h = empty(shape, dtype, device)
-        launch(stream(device), (op, ptr(h), ptr(x), ptr(residual), ptr(weight)) + scalars)
+        h = empty_like(x)
+        launch(stream(device), op, ptr(h), ptr(x), ptr(residual), ptr(weight))
         return o, h
 
     return run

@@ -535,6 +535,14 @@ def test_launch_arguments_without_a_gpu(monkeypatch):
                 calls.append((self.kernel, self.cfg, args, types))
             return run
 
+        def prepacked(self, variable_types, constants):
+            types = tuple(variable_types) + tuple(map(type, constants))
+
+            def run(stream_ptr, *pointers):
+                assert len(pointers) == len(variable_types)
+                calls.append((self.kernel, self.cfg, pointers + tuple(constants), types))
+            return run
+
     monkeypatch.setattr(gemm, "bind", lambda kernel, cfg, device: Bound(kernel, cfg))
 
     def gemm_call(*a):

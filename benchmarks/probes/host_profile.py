@@ -6,7 +6,7 @@ import torch
 
 import speedcore
 from speedcore import _arrays as A
-from speedcore import _launch
+from speedcore import _launch, norm
 
 
 def us(fn, n=2000):
@@ -41,7 +41,29 @@ rows = [
     ("compiling()", lambda: speedcore._torch_hook.compiling()),
     ("cupy getDevice", lambda: _launch._get_device()),
 ]
-plan = next(iter(speedcore.norm._PLANS.values()))
+speedcore.rms_norm(x, w)
+plan = next(iter(norm._PLANS.values()))
 rows.append(("rms_norm plan only", lambda: plan(x, w, None, None)))
+rows.append(("torch.empty_like(x)", lambda: torch.empty_like(x)))
+fl = next(iter(next(iter(_launch._loaded.values())).bound.values()))
+lay = _launch.arg_layout((int,) * 5 + (type(1),) * 0)
+args = (x.data_ptr(), 0, x.data_ptr(), 0, w.data_ptr())
+rows.append(("pack 5 ints", lambda: lay.pack(args)))
+import cupy
+from cupy.cuda import driver
+k = next(iter(_launch._loaded.values()))
+func = k.func.ptr
+import numpy as np
+full = (x.data_ptr(), 0, x.data_ptr(), 0, w.data_ptr(), np.int32(4096), np.int64(4096), np.int64(0), np.int64(4096),
+        np.int64(0), np.float32(1e-6))
+lay2 = _launch.arg_layout(tuple(map(type, full)))
+pp = lay2.pack(full)
+rows.append(("pack 11 args", lambda: lay2.pack(full)))
+out = torch.empty_like(x)
+full2 = (out.data_ptr(),) + full[1:]
+pp2 = lay2.pack(full2)
+rows.append(("driver.launchKernel only", lambda: driver.launchKernel(func, 1, 1, 1, 128, 1, 1, 0, 0, pp2, 0)))
+bl = k.bind(_launch.LaunchConfig((1,), (128,)))
+rows.append(("BoundLaunch.launch_packed", lambda: bl.launch_packed(0, pp2)))
 for name, fn in rows:
     print(f"{name:34s} {us(fn):8.2f} us")
