@@ -296,7 +296,6 @@ def _saved(tmp_path, family, **over):
     """A random model saved in float32 (the reference loads from it: casting a model would round RoPE's
     inv_freq)."""
     m = _model(family, **over)
-    m.config.torch_dtype = torch.float32
     path = tmp_path / family
     m.save_pretrained(path)
     return path
@@ -336,24 +335,32 @@ def test_logits_vs_float32_gpu(tmp_path, family):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", GPU_FAMILIES)
 def test_generate_eager_and_compiled_gpu(tmp_path, family):
+    """Greedy tokens: DynamicCache eager == StaticCache eager == StaticCache with transformers' compiled decode
+    (fullgraph, CUDA graphs), on a left-padded batch and on one prompt; for Llama also with the whole forward
+    compiled by hand (prefill and decode graphs)."""
+    from transformers import CompileConfig
+
     path = _saved(tmp_path, family)
     ours = st.apply(_load(path, "speedcore", torch.bfloat16))
     ids, mask = _ragged(batch=3, length=21)
     ids, mask = ids.cuda(), mask.cuda()
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, min_new_tokens=12)
-    dynamic = ours.generate(ids, attention_mask=mask, **kw)
-    static = ours.generate(ids, attention_mask=mask, cache_implementation="static", **kw)
-    assert torch.equal(static, dynamic)
-    plain = ids[:1]
-    eager_plain = ours.generate(plain, cache_implementation="static", **kw)
-    ours.forward = torch.compile(ours.forward, fullgraph=True)
-    try:
-        got = ours.generate(plain, cache_implementation="static", **kw)
-        got_padded = ours.generate(ids, attention_mask=mask, cache_implementation="static", **kw)
-    finally:
-        del ours.forward
-    assert torch.equal(got, eager_plain)
-    assert torch.equal(got_padded, static)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    static = dict(cache_implementation="static")
+    for prompt, m in ((ids, mask), (ids[:1], None)):
+        dynamic = ours.generate(prompt, attention_mask=m, disable_compile=True, **kw)
+        eager_static = ours.generate(prompt, attention_mask=m, disable_compile=True, **static, **kw)
+        assert torch.equal(eager_static, dynamic)
+        compiled = ours.generate(prompt, attention_mask=m, compile_config=CompileConfig(fullgraph=True), **static,
+                                 **kw)
+        assert torch.equal(compiled, eager_static)
+    if family == "llama":
+        torch._dynamo.reset()
+        ours.forward = torch.compile(ours.forward, fullgraph=True)
+        try:
+            got = ours.generate(ids, attention_mask=mask, disable_compile=True, **static, **kw)
+        finally:
+            del ours.forward
+        assert torch.equal(got, ours.generate(ids, attention_mask=mask, disable_compile=True, **static, **kw))
 
 
 @pytest.mark.gpu
