@@ -7,9 +7,14 @@ q is packed (total_q, heads, head_dim) with int32 ``cu_seqlens_q``; K and V come
 ``seqused_k[b]`` is the number of cached tokens of sequence b, this step's included.  The query tokens are the
 last ones of their sequence: causal masking is aligned to the bottom-right corner, as in flash-attn.
 
-One kernel today, ``paged_prefill_kernel`` (mma.sync, every GPU from sm_80 on): FlashAttention-2's forward loop
-with the K/V tiles gathered through the block table by cp.async.  The launch heuristic
-(:func:`prefill_config`) is a pure function of the head dim, the block size and the shared memory budget.
+Two kernels (mma.sync, every GPU from sm_80 on), picked by :func:`kernel_choice` from max_seqlen_q and the head dim:
+- ``paged_prefill_kernel``: FlashAttention-2's forward loop with the K/V tiles gathered through the block table by
+  cp.async (chunked prefill, prefix caching: many query tokens per sequence).  Launch heuristic
+  :func:`prefill_config`, a pure function of the head dim, the block size and the shared memory budget.
+- ``paged_verify_kernel`` (at most VERIFY_MAX_Q query tokens per sequence: speculative verification, decode):
+  decode-style split-KV, one CTA per (sequence, KV head, group of up to 32 (query token, query head) columns,
+  split) that reads each K/V page once for all of them, plus ``paged_verify_merge_kernel`` where the KV range is
+  split.  Launch heuristic :func:`verify_config` and :func:`verify_num_splits`.
 """
 from __future__ import annotations
 
@@ -93,6 +98,102 @@ def _prefill_kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int,
                           f"{q_ks}, {b(rowsum_mma)}, {stages}, {b(page_tile)}>")
 
 
+# -- speculative verification: paged_verify_kernel -------------------------------------------------------------
+VERIFY_MAX_Q = 16          # query tokens per sequence up to which paged_verify_kernel runs
+VERIFY_HEAD_DIMS = (64, 128, 256)  # it reads whole rows (no zero-padded head dims)
+VERIFY_TILE = 16           # keys per tile (the mma M dimension)
+# (warps, stages) of the per-warp cp.async rings per head dim: paged_decode_kernel's, measured on the H200 for the
+# same streaming loop (kernels/decode.cu, speedcore/decode.py's decode_config)
+_VERIFY_RING = {64: (4, 4), 128: (4, 3), 256: (4, 3)}
+VERIFY_MAX_SPLITS = 256
+VERIFY_MIN_TILES_PER_SPLIT = 32  # 512 keys: below this a split's fixed costs (Q load, partials, merge) dominate
+VERIFY_SPLIT_PENALTY = 0.01      # cost of splitting, as a fraction of the kernel time (partials + merge pass)
+_REGS_PER_SM = 65536
+_RESERVED_SMEM_PER_CTA = 1024
+
+
+@lru_cache(maxsize=4096)
+def kernel_choice(max_seqlen_q: int, head_dim: int) -> str:
+    """"verify" (paged_verify_kernel) for 1 to VERIFY_MAX_Q query tokens per sequence at head dims 64 / 128 / 256,
+    "prefill" (paged_prefill_kernel) otherwise: with a few query tokens the prefill kernel's 16-row m-tiles would be
+    mostly empty, and each (query tile, query head) CTA would read its KV head's pages again."""
+    return "verify" if 1 <= max_seqlen_q <= VERIFY_MAX_Q and head_dim in VERIFY_HEAD_DIMS else "prefill"
+
+
+def verify_n_tiles(head_dim: int, columns: int) -> int:
+    """8-column n-tiles per CTA for ``columns`` = max_seqlen_q x GQA group (query token, query head) pairs: 1, 2 or
+    4 (32 columns; 2 at head dim 256, where 4 would spill: the O^T accumulators alone are 4 x head_dim / 4
+    registers per lane).  More columns than that take more CTAs per KV head (which read its pages again, mostly
+    from L2)."""
+    if columns <= 8:
+        return 1
+    return 2 if columns <= 16 or head_dim == 256 else 4
+
+
+def verify_smem_bytes(d: int, warps: int, stages: int, nt: int) -> int:
+    """Q^T (8 nt rows of d + 8 elements) and every warp's ring of ``stages`` 16-key K and V tiles, or the cross-warp
+    merge (each warp's fp32 O^T, max and sum per column) that reuses them at the end: the larger."""
+    ring = 8 * nt * (d + 8) * 2 + warps * stages * 2 * VERIFY_TILE * d * 2
+    merge = (warps * 8 * nt * d + 2 * warps * 8 * nt) * 4
+    return max(ring, merge)
+
+
+@lru_cache(maxsize=4096)
+def verify_config(head_dim: int, columns: int, smem_budget: int = SMEM_BUDGET) -> tuple:
+    """(warps, stages, n-tiles, dynamic shared memory bytes) of paged_verify_kernel; stages (to 2), then warps (to 1)
+    shrink until the CTA fits ``smem_budget`` (99 KB on sm_86 / sm_89: head dim 256 runs 2 warps x 2 stages)."""
+    warps, stages = _VERIFY_RING[head_dim]
+    nt = verify_n_tiles(head_dim, columns)
+    while verify_smem_bytes(head_dim, warps, stages, nt) > smem_budget and stages > 2:
+        stages -= 1
+    while verify_smem_bytes(head_dim, warps, stages, nt) > smem_budget and warps > 1:
+        warps //= 2
+    smem = verify_smem_bytes(head_dim, warps, stages, nt)
+    if smem > smem_budget:
+        raise ValueError(f"paged_prefill_attention: head_dim {head_dim} needs {smem} bytes of shared memory per "
+                         f"block; the device allows {smem_budget}")
+    return warps, stages, nt, smem
+
+
+def verify_ctas_per_sm(smem: int, threads: int, smem_per_sm: int) -> int:
+    """Resident CTAs per SM: shared memory, and the registers at the launch bounds' 255 per thread."""
+    return max(1, min(smem_per_sm // (smem + _RESERVED_SMEM_PER_CTA), _REGS_PER_SM // (256 * threads),
+                      2048 // threads))
+
+
+@lru_cache(maxsize=4096)
+def verify_num_splits(work: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
+    """CTAs sharing one (sequence, KV head, column group) along the keys (flash-decoding), as
+    ``decode.decode_num_splits``: from two full waves of resident CTAs on, none; below that the split count whose
+    ``work * splits`` CTAs fill their last wave best, a split costing VERIFY_SPLIT_PENALTY, ties to fewer splits, no
+    split shorter than VERIFY_MIN_TILES_PER_SPLIT tiles of the longest possible sequence (``max_len``, the block
+    table's capacity: no device-to-host sync)."""
+    slots = max(1, sms * ctas_per_sm)
+    work = max(1, work)
+    if work >= 2 * slots:
+        return 1
+    tiles = -(-max(1, max_len) // VERIFY_TILE)
+    top = max(1, min(VERIFY_MAX_SPLITS, tiles // VERIFY_MIN_TILES_PER_SPLIT, max(4, -(-2 * slots // work))))
+    best, best_score = 1, -1.0
+    for s in range(1, top + 1):
+        ctas = work * s
+        score = ctas / (-(-ctas // slots) * slots) - (VERIFY_SPLIT_PENALTY if s > 1 else 0.0)
+        if score > best_score + 1e-9:
+            best, best_score = s, score
+    return best
+
+
+@lru_cache(maxsize=None)
+def _verify_kernel(dtype: str, d: int, warps: int, stages: int, nt: int, page16: bool) -> Kernel:
+    return Kernel(SOURCE, f"paged_verify_kernel<{A.CTYPE[dtype]}, {d}, {warps}, {stages}, {nt}, "
+                          f"{'true' if page16 else 'false'}>")
+
+
+@lru_cache(maxsize=None)
+def _verify_merge_kernel(dtype: str, d: int) -> Kernel:
+    return Kernel(SOURCE, f"paged_verify_merge_kernel<{A.CTYPE[dtype]}, {d}>")
+
+
 def all_kernels() -> list:
     """Every variant :func:`paged_prefill_attention` launches, on GPUs with 227 KB (A100, H100, H200) or 99 KB
     (sm_86, sm_89) of shared memory per block (for ``python -m speedcore compile``)."""
@@ -103,10 +204,15 @@ def all_kernels() -> list:
                 for block_size in (256, 16):  # a tile inside one page, and per-row page lookups
                     cfg = prefill_config(d, block_size, smem)
                     for softcap in (False, True):
-                        k = _prefill_kernel(dtype, *cfg, softcap)
-                        if k not in out:
-                            out.append(k)
-    return out
+                        out.append(_prefill_kernel(dtype, *cfg, softcap))
+        for d in VERIFY_HEAD_DIMS:
+            for smem in _SMEM_BUDGETS:
+                for columns in (8, 16, 32):
+                    warps, stages, nt, _ = verify_config(d, columns, smem)
+                    for page16 in (True, False):
+                        out.append(_verify_kernel(dtype, d, warps, stages, nt, page16))
+            out.append(_verify_merge_kernel(dtype, d))
+    return list(dict.fromkeys(out))
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -281,9 +387,52 @@ def _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta, config=None):
     launch(_prefill_kernel(qa.dtype, *cfg, p["softcap"] > 0), lc, args, device=qa.device, stream=A.stream_of(qa))
 
 
+def _launch_verify(p, oa, lse, qa, ka, va, cqa, sua, bta, num_splits=None):
+    dev = device_info(qa.device)
+    d, heads, heads_kv, batch, total_q = p["head_dim"], p["heads"], p["heads_kv"], p["batch"], p["total_q"]
+    group = heads // heads_kv
+    columns = p["max_seqlen_q"] * group
+    warps, stages, nt, smem = verify_config(d, columns, dev.smem_per_block_optin)
+    qgroups = -(-columns // (8 * nt))
+    units = heads_kv * qgroups
+    if num_splits is None:
+        num_splits = verify_num_splits(batch * units, p["capacity"], dev.sms,
+                                       verify_ctas_per_sm(smem, 32 * warps, dev.smem_per_sm))
+    if batch * units * num_splits >= 2 ** 31:
+        raise ValueError("q: batch x heads x splits is too large for one launch")
+    if p["softcap"] > 0:
+        scale_a, cap_log2 = p["scale"] / p["softcap"], p["softcap"] * _LOG2E
+    else:
+        scale_a, cap_log2 = p["scale"] * _LOG2E, 0.0
+    left, right = p["left"], p["right"]
+    stream = A.stream_of(qa)
+    part_o = part_l = 0
+    if num_splits > 1:
+        # one workspace: the fp32 partial outputs, then the partial log2-sum-exps (16-byte aligned: d % 64 == 0)
+        partial = total_q * heads * num_splits
+        ws = A.empty(qa, (partial * d + partial,), "float32", "workspace")
+        part_o, part_l = ws.ptr, ws.ptr + 4 * partial * d
+    i32, i64 = np.int32, np.int64
+    direct_lse = lse.ptr if lse is not None and num_splits == 1 else 0
+    args = (oa.ptr, direct_lse, part_o, part_l, qa.ptr, ka.ptr, va.ptr, cqa.ptr, sua.ptr, bta.ptr,
+            i32(total_q), i32(heads), i32(group), i32(qgroups), i32(units), i32(num_splits), i32(p["block_size"]),
+            i32(p["num_blocks"]), i32(p["capacity"]), i64(qa.strides[0]), i64(qa.strides[1]), i64(oa.strides[0]),
+            i64(oa.strides[1]), i64(ka.strides[0]), i64(ka.strides[1]), i64(ka.strides[2]), i64(bta.strides[0]),
+            np.float32(scale_a), np.float32(cap_log2), i32(p["softcap"] > 0), i32(left if left >= 0 else UNBOUNDED),
+            i32(right if right >= 0 else UNBOUNDED))
+    kernel = _verify_kernel(qa.dtype, d, warps, stages, nt, p["block_size"] % VERIFY_TILE == 0)
+    launch(kernel, LaunchConfig((batch * units * num_splits,), (32 * warps,), smem), args, device=qa.device,
+           stream=stream)
+    if num_splits > 1:
+        margs = (oa.ptr, lse.ptr if lse is not None else 0, part_o, part_l, cqa.ptr, i32(batch), i32(total_q),
+                 i32(heads), i32(num_splits), i64(oa.strides[0]), i64(oa.strides[1]))
+        launch(_verify_merge_kernel(qa.dtype, d), LaunchConfig((total_q, -(-heads // 4)), (128,)), margs,
+               device=qa.device, stream=stream)
+
+
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                             *, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                            out=None):
+                            out=None, _kernel=None, _num_splits=None):
     """Attention of packed query tokens over a paged KV cache, as ``flash_attn.flash_attn_varlen_func(q, k_cache,
     v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, block_table=block_table, ...)``.
 
@@ -334,6 +483,17 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
     if oa is None:
         oa = A.empty(qa, qa.shape, qa.dtype, "out")
     lse = A.empty(qa, (p["heads"], p["total_q"]), "float32", "lse") if return_lse else None
+    choice = kernel_choice(p["max_seqlen_q"], p["head_dim"])
+    if _kernel is not None:  # tests: one input through either kernel
+        if _kernel not in ("prefill", "verify") or (_kernel == "verify" and p["head_dim"] not in VERIFY_HEAD_DIMS):
+            raise ValueError(f"_kernel: expected 'prefill', or 'verify' at head dims {VERIFY_HEAD_DIMS}, got "
+                             f"{_kernel!r}")
+        choice = _kernel
+    if _num_splits is not None and not (isinstance(_num_splits, int) and 1 <= _num_splits <= VERIFY_MAX_SPLITS):
+        raise ValueError(f"_num_splits: expected 1 to {VERIFY_MAX_SPLITS}, got {_num_splits!r}")
     if p["total_q"] > 0 and p["batch"] > 0 and p["max_seqlen_q"] > 0:
-        _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta)
+        if choice == "verify":
+            _launch_verify(p, oa, lse, qa, ka, va, cqa, sua, bta, _num_splits)
+        else:
+            _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta)
     return (oa.obj, lse.obj) if return_lse else oa.obj

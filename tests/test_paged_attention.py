@@ -49,6 +49,45 @@ def test_config_page_tile_and_budget():
         P.prefill_config(256, 16, 40 * 1024)
 
 
+def test_kernel_choice():
+    assert P.kernel_choice(1, 128) == "verify" and P.kernel_choice(16, 64) == "verify"
+    assert P.kernel_choice(4, 256) == "verify"
+    assert P.kernel_choice(17, 128) == "prefill" and P.kernel_choice(512, 128) == "prefill"
+    assert P.kernel_choice(4, 96) == "prefill"  # padded head dims: the prefill kernel zero-fills the columns
+    assert P.kernel_choice(0, 128) == "prefill"
+
+
+@pytest.mark.parametrize("d", P.VERIFY_HEAD_DIMS)
+@pytest.mark.parametrize("smem", [227 * 1024, 99 * 1024])
+def test_verify_config_fits_and_is_listed(d, smem):
+    names = {k.name for k in P.all_kernels()}
+    for columns in range(1, 16 * 8 + 1):
+        warps, stages, nt, bytes_ = P.verify_config(d, columns, smem)
+        assert bytes_ == P.verify_smem_bytes(d, warps, stages, nt) <= smem and stages >= 2
+        assert nt in (1, 2, 4) and (nt < 4 or d < 256)
+        assert 8 * nt >= min(columns, 16 if d == 256 else 32)
+        for dtype in A.HALF_DTYPES:
+            for page16 in (True, False):
+                assert P._verify_kernel(dtype, d, warps, stages, nt, page16).name in names
+            assert P._verify_merge_kernel(dtype, d).name in names
+
+
+def test_verify_splits_fill_the_gpu():
+    warps, stages, nt, smem = P.verify_config(128, 4 * 4)
+    per_sm = P.verify_ctas_per_sm(smem, 32 * warps, 233472)
+    assert per_sm == 2  # 107 KB of rings, and 255 registers per thread
+    slots = 132 * per_sm
+    assert P.verify_num_splits(64 * 8, 4096, 132, per_sm) == 1  # the bench shape: one wave without splitting
+    assert P.verify_num_splits(2 * slots, 1 << 20, 132, per_sm) == 1
+    assert P.verify_num_splits(8, 512, 132, per_sm) == 1  # 32 tiles: too short to split
+    for work, max_len in [(8, 32768), (1, 131072), (24, 8192), (100, 4096)]:
+        s = P.verify_num_splits(work, max_len, 132, per_sm)
+        assert 1 <= s <= P.VERIFY_MAX_SPLITS and s <= max(1, max_len // 16 // P.VERIFY_MIN_TILES_PER_SPLIT)
+        ctas = work * s
+        assert s == 1 or ctas / (-(-ctas // slots) * slots) >= 0.9 or s == max_len // 16 // 32
+    assert P.verify_num_splits(8, 32768, 132, per_sm) > 1
+
+
 def test_all_kernels_are_distinct():
     ks = P.all_kernels()
     assert len(ks) == len({k.name for k in ks})
@@ -310,7 +349,8 @@ def check(torch, out, lse, ref, ref_lse, tol=5e-3, lse_atol=2e-3):
 
 
 def run_case(q_lens, k_lens, *, heads=4, kv_heads=2, d=128, block_size=16, dtype="bfloat16", causal=True,
-             window=(-1, -1), softcap=0.0, scale=None, share=(), seed=0, qk_scale=1.0, out_view=False):
+             window=(-1, -1), softcap=0.0, scale=None, share=(), seed=0, qk_scale=1.0, out_view=False, kernel=None,
+             num_splits=None):
     """One call on fresh random data with a NaN-poisoned out; returns out."""
     import speedcore
 
@@ -329,7 +369,8 @@ def run_case(q_lens, k_lens, *, heads=4, kv_heads=2, d=128, block_size=16, dtype
         out = torch.full_like(q, float("nan"))
     res, lse = speedcore.paged_prefill_attention(q, k, v, cu_q, lens, table, max(q_lens), max(k_lens),
                                                  causal=causal, softmax_scale=scale, window_size=window,
-                                                 softcap=softcap, return_lse=True, out=out)
+                                                 softcap=softcap, return_lse=True, out=out, _kernel=kernel,
+                                                 _num_splits=num_splits)
     assert res is out and lse.shape == (heads, total_q) and lse.dtype == torch.float32
     ref, ref_lse = reference(torch, q, k, v, cu_q, table, lens, causal, scale, window, softcap)
     check(torch, out, lse, ref, ref_lse, lse_atol=2e-3 if softcap == 0 else 5e-3)
@@ -535,3 +576,80 @@ def test_bad_input_raises_before_launch():
         speedcore.paged_prefill_attention(q, k, v, cu_q, lens, table, 50, table.shape[1] * 16 + 1)
     with pytest.raises(TypeError, match="k_cache: dtype"):
         speedcore.paged_prefill_attention(q, k.half(), v, cu_q, lens, table, 50, 150)
+
+
+# ---------------------------------------------------------------- GPU: speculative verification (paged_verify_kernel)
+
+V_Q_LENS = [4, 1, 8, 16, 0, 3, 2, 5, 7]
+V_K_LENS = [300, 1, 40, 1000, 100, 17, 0, 5, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 256, 1, 7, 48])
+@pytest.mark.parametrize("causal", [True, False])
+def test_verify_grid(d, block_size, causal):
+    run_case(V_Q_LENS, V_K_LENS, heads=8, kv_heads=2, d=d, block_size=block_size, causal=causal, kernel="verify",
+             seed=d + block_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_verify_splits(num_splits, d):
+    run_case(V_Q_LENS, V_K_LENS, heads=8, kv_heads=2, d=d, block_size=16, kernel="verify", num_splits=num_splits,
+             seed=num_splits)
+    run_case([4, 8], [2000, 3000], heads=4, kv_heads=1, d=d, block_size=32, dtype="float16", window=(100, 0),
+             softcap=20.0, qk_scale=2.0, kernel="verify", num_splits=num_splits, seed=num_splits + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (8, 1), (6, 3), (40, 5), (64, 1), (5, 5)])
+@pytest.mark.parametrize("q_len", [1, 2, 4, 8, 16])
+def test_verify_gqa_and_query_counts(heads, kv_heads, q_len):
+    # columns = q_len x group: 1 to 1024, so 1 to 32 column groups of 8, 16 or 32 per KV head
+    run_case([q_len, q_len, max(1, q_len // 2)], [513, q_len, 2048], heads=heads, kv_heads=kv_heads,
+             block_size=16, seed=heads + q_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [(16, 0), (0, 0), (-1, 2), (100, -1), (3, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_verify_window_softcap(window, causal, softcap):
+    run_case([8, 3, 16], [700, 3, 129], heads=8, kv_heads=2, d=128, block_size=16, causal=causal, window=window,
+             softcap=softcap, qk_scale=3.0 if softcap else 1.0, seed=window[0] + 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256, 5])
+def test_verify_shared_prefix_and_fp16(block_size):
+    pages = max(1, 600 // block_size)
+    run_case([4, 4, 8], [700, 900, 650], block_size=block_size, dtype="float16",
+             share=((0, 1, pages), (0, 2, pages)), seed=block_size)
+
+
+@pytest.mark.gpu
+def test_verify_matches_prefill_and_decode():
+    """The same inputs through both kernels agree; one query token per sequence agrees with paged_decode_attention."""
+    import speedcore
+
+    torch = _torch()
+    lens_k = [300, 1, 4096, 77]  # 1 cached token under 4 or 16 queries: the first queries see no key
+    k, v, table, lens = make_paged(torch, lens_k, 2, 128, 16, torch.bfloat16, seed=21)
+    for q_len in (1, 4, 16):
+        q = torch.randn(4 * q_len, 8, 128, device="cuda").bfloat16()
+        cu_q = torch.arange(0, 5, dtype=torch.int32, device="cuda") * q_len
+        a = speedcore.paged_prefill_attention(q, k, v, cu_q, lens, table, q_len, 4096, _kernel="verify")
+        b = speedcore.paged_prefill_attention(q, k, v, cu_q, lens, table, q_len, 4096, _kernel="prefill")
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+        if q_len == 1:
+            c = speedcore.paged_decode_attention(q, k, v, table, lens)
+            torch.testing.assert_close(a, c, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_verify_long_prefix_32k():
+    run_case([8, 2], [32768, 32000], heads=32, kv_heads=8, d=128, block_size=16, seed=31)
+    run_case([8, 2], [32768, 32000], heads=32, kv_heads=8, d=128, block_size=256, num_splits=16, kernel="verify",
+             seed=32)
