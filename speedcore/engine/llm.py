@@ -112,6 +112,12 @@ class LLM:
             cfg = load_config(model)
             ck = Checkpoint(model)
             ck.check(cfg.weight_shapes())
+        if cfg.head_dim not in (64, 128, 256):
+            raise ValueError(f"{model}: head_dim {cfg.head_dim} is not supported (paged decode attention takes 64, "
+                             f"128 or 256)")
+        for name in ("hidden_size", "intermediate_size", "q_size", "kv_size"):
+            if getattr(cfg, name) % 8:
+                raise ValueError(f"{model}: {name} {getattr(cfg, name)} is not a multiple of 8 (the GEMMs need it)")
         self.config: ModelConfig = cfg
         self.tokenizer = None
         if not skip_tokenizer_init:
@@ -219,17 +225,17 @@ class LLM:
             self.stream.synchronize()
         except Exception:
             pass
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.close()
-        self.runner = self.model = None
-        try:  # the ops' per-stream scratch buffers of our stream
+        try:  # the ops' per-stream scratch buffers of our stream (split-K partials, tile counters)
             from .. import _arrays
 
             for key in [k for k in getattr(_arrays, "_stream_buffers", {}) if self.stream.ptr in k]:
                 del _arrays._stream_buffers[key]
         except Exception:
             pass
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
+        self.runner = self.model = None
         import gc
 
         gc.collect()

@@ -135,7 +135,9 @@ class ModelRunner:
         seqs, n, nd = batch.seqs, batch.num_tokens, batch.num_decode
         if self.graphs and nd == len(seqs) and nd <= self.max_graph_batch and not logits_all:
             return self._replay(batch)
-        st = build_step(seqs, n, nd, self.block_size, logits_all=logits_all)
+        # decode rows use the graphs' block-table width, so that eager and graph steps launch the same decode
+        # attention plan (its KV split depends on the width) and give identical tokens
+        st = build_step(seqs, n, nd, self.block_size, logits_all=logits_all, table_width=self.table_width)
         with self.stream:
             g = _Step(self._upload(st.host), st.offsets)
             logits = self._forward(g, st.num_decode, st, logits_idx=g["logits_idx"])
