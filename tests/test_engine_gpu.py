@@ -201,6 +201,6 @@ def test_preset_and_bench_cli(tmp_path):
 
     out = tmp_path / "bench.json"
     assert main(["bench-engine", "--preset", "tiny", "--num-prompts", "16", "--input-len", "8:64", "--output-len",
-                 "16", "--batch", "8", "--json", str(out)]) == 0
+                 "16", "--batch", "8", "--gpu-memory-utilization", "0.3", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["output_tokens"] == 256 and res["output_tok_per_s"] > 0 and res["roofline"]["roofline_s"] > 0

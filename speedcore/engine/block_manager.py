@@ -31,12 +31,15 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.hash_of: List[Optional[bytes]] = [None] * num_blocks
         self.cached: Dict[bytes, int] = {}  # hash -> block holding that prefix block
-        self.free: "OrderedDict[int, None]" = OrderedDict((b, None) for b in range(num_blocks))
+        # free blocks: never-used ones (ids fresh_start.. num_blocks-1, handed out first) and freed ones in the
+        # order they were freed (they may still hold a cached prefix); a tiny model's cache has millions of blocks
+        self.fresh_start = 0
+        self.free: "OrderedDict[int, None]" = OrderedDict()
         self.hits = self.queries = 0  # prefix-cache token counters
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return self.num_blocks - self.fresh_start + len(self.free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -65,7 +68,7 @@ class BlockManager:
         cached = len(hits) * self.block_size
         n = min(len(seq) - cached, budget)
         need = self.blocks_needed(cached + n) - len(hits)
-        return n if n > 0 and revived + need + reserve <= len(self.free) else 0
+        return n if n > 0 and revived + need + reserve <= self.num_free_blocks else 0
 
     def admit(self, seq: Sequence) -> int:
         """Give a waiting seq (no blocks) its cached prefix blocks; returns the number of cached tokens."""
@@ -85,9 +88,13 @@ class BlockManager:
     # -- allocation ---------------------------------------------------------------------------------------------
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= len(self.free)
+        return need <= self.num_free_blocks
 
     def _take(self) -> int:
+        if self.fresh_start < self.num_blocks:
+            self.fresh_start += 1
+            self.ref_count[self.fresh_start - 1] = 1
+            return self.fresh_start - 1
         b, _ = self.free.popitem(last=False)
         h = self.hash_of[b]
         if h is not None:  # evict its old contents from the prefix cache
@@ -100,8 +107,8 @@ class BlockManager:
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append blocks so that seq has slots for ``num_new_tokens`` more tokens (check can_grow first)."""
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if need > len(self.free):
-            raise RuntimeError(f"out of KV blocks: need {need}, {len(self.free)} free")
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {need}, {self.num_free_blocks} free")
         for _ in range(max(0, need)):
             seq.block_table.append(self._take())
 

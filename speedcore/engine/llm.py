@@ -215,7 +215,7 @@ class LLM:
         return self
 
     # -- lifetime -----------------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, _collect: bool = True) -> None:
         """Give back every byte of GPU memory this engine holds (weights, KV cache, graphs, pools)."""
         if self._closed:
             return
@@ -236,9 +236,10 @@ class LLM:
         if runner is not None:
             runner.close()
         self.runner = self.model = None
-        import gc
+        if _collect:  # arrays still referenced from cycles (not from __del__: no collection inside a collection)
+            import gc
 
-        gc.collect()
+            gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
         cp.get_default_pinned_memory_pool().free_all_blocks()
 
@@ -250,7 +251,7 @@ class LLM:
 
     def __del__(self):
         try:
-            self.close()
+            self.close(_collect=False)
         except Exception:
             pass
 
