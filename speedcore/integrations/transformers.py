@@ -489,6 +489,7 @@ class SpeedcoreAttention(nn.Module):
         self.kv_heads = kv_heads
         self.head_dim = attn.head_dim if hasattr(attn, "head_dim") else head_dim
         self.q_width = self.heads * self.head_dim
+        self.split_heads = (self.heads, self.kv_heads, self.kv_heads)
         self.kv_width = self.kv_heads * self.head_dim
         self.scaling = float(attn.scaling)
         sliding = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
@@ -508,9 +509,8 @@ class SpeedcoreAttention(nn.Module):
         batch, q_len = hidden_states.shape[0], hidden_states.shape[1]
         hd = self.head_dim
         qkv = ops.linear(hidden_states, self.qkv_weight, self.qkv_bias)
-        q = qkv[..., : self.q_width].view(batch, q_len, self.heads, hd)
-        k = qkv[..., self.q_width: self.q_width + self.kv_width].view(batch, q_len, self.kv_heads, hd)
-        v = qkv[..., self.q_width + self.kv_width:].view(batch, q_len, self.kv_heads, hd)
+        # views of the one GEMM output: (batch, q_len, heads, head_dim) with the token stride of the fused row
+        q, k, v = qkv.view(batch, q_len, self.heads + 2 * self.kv_heads, hd).split(self.split_heads, 2)
         if self.q_norm is not None:  # per-head norms over views that do not collapse to rows: one copy each
             q = self.q_norm(q.reshape(batch, q_len * self.heads, hd)).view(batch, q_len, self.heads, hd)
             k = self.k_norm(k.reshape(batch, q_len * self.kv_heads, hd)).view(batch, q_len, self.kv_heads, hd)
@@ -536,11 +536,15 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     """A Llama-family decoder layer with the residual add fused into the post-attention RMSNorm."""
     # the cache under the name the attention module takes: transformers renamed past_key_values to cache in 5.2x
     kwargs[self._speedcore_cache_kwarg] = cache if cache is not None else past_key_values
-    attn_out = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                              attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
-                              **kwargs)[0]
-    normed, residual = self.post_attention_layernorm(attn_out, residual=hidden_states)
-    return residual + self.mlp(normed)
+    # Our own submodules are called through .forward: nn.Module.__call__ costs a few us of host time per call,
+    # and nothing hooks them (transformers records outputs on its own layer and attention classes).
+    attn = self.self_attn
+    attn_out = (attn.forward if type(attn) is SpeedcoreAttention else attn)(
+        self.input_layernorm.forward(hidden_states), position_embeddings=position_embeddings,
+        attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, **kwargs)[0]
+    normed, residual = self.post_attention_layernorm.forward(attn_out, residual=hidden_states)
+    mlp = self.mlp
+    return residual + (mlp.forward(normed) if type(mlp) is SpeedcoreMLP else mlp(normed))
 
 
 def _cache_kwarg(attn) -> str:
