@@ -136,9 +136,23 @@ class TorchReference:
         return out
 
 
+class _Speedcore:
+    """speedcore's functions, looked up once here: speedcore resolves its names lazily (a module import on first
+    access), which a torch.compile trace reaching an op for the first time (decode's attention, compiled while
+    prefill ran eagerly) should not have to do."""
+
+    rms_norm = staticmethod(speedcore.rms_norm)
+    linear = staticmethod(speedcore.linear)
+    silu_and_mul = staticmethod(speedcore.silu_and_mul)
+    rotary_embedding = staticmethod(speedcore.rotary_embedding)
+    flash_attn = staticmethod(speedcore.flash_attn)
+    flash_attn_varlen = staticmethod(speedcore.flash_attn_varlen)
+    paged_decode_attention = staticmethod(speedcore.paged_decode_attention)
+
+
 def _ops(x):
     """speedcore for CUDA tensors, the PyTorch reference otherwise."""
-    return speedcore if x.is_cuda else TorchReference
+    return _Speedcore if x.is_cuda else TorchReference
 
 
 # ---------------------------------------------------------------------------------------------------------- masks
