@@ -10,6 +10,39 @@ import numpy as np
 import pytest
 
 
+# Stream capture, faked: while a capture is open every recorded call (the reference ops, the shim's functions,
+# advanced indexing) runs and is appended to TAPE; a graph's launch re-runs its tape, writing each call's new
+# result into the array the capture returned (later calls hold that array), as a CUDA graph replays its kernels
+# on the same buffers.
+TAPE = None
+
+
+def _record(fn, args, kwargs, result):
+    if TAPE is not None:
+        TAPE.append((fn, args, kwargs, result))
+    return result
+
+
+class _Graph:
+    def __init__(self, tape):
+        self.tape = tape
+
+    def launch(self, stream=None):
+        for fn, args, kwargs, result in self.tape:
+            new = fn(*args, **kwargs)
+            pairs = zip(result, new) if isinstance(result, tuple) else [(result, new)]
+            for r, n in pairs:
+                if isinstance(r, np.ndarray) and n is not r:
+                    r[...] = n
+
+
+def recorded(fn):
+    def call(*a, **k):
+        return _record(fn, a, k, fn(*a, **k))
+    call.__name__ = fn.__name__
+    return call
+
+
 class GArr(np.ndarray):
     """A NumPy array with CuPy's host-transfer methods."""
 
@@ -19,6 +52,12 @@ class GArr(np.ndarray):
     def get(self, stream=None):
         return np.array(self)
 
+    def __getitem__(self, idx):
+        r = super().__getitem__(idx)
+        if isinstance(idx, np.ndarray) or (isinstance(idx, tuple) and any(isinstance(i, np.ndarray) for i in idx)):
+            _record(np.ndarray.__getitem__, (self, idx), {}, r)  # a copy (a gather kernel)
+        return r
+
 
 class _Shim(types.ModuleType):
     def __getattr__(self, name):
@@ -26,7 +65,7 @@ class _Shim(types.ModuleType):
         if callable(f) and not isinstance(f, type):
             def call(*a, **k):
                 r = f(*a, **k)
-                return r.view(GArr) if isinstance(r, np.ndarray) else r
+                return _record(f, a, k, r.view(GArr) if isinstance(r, np.ndarray) else r)
             return call
         return f
 
@@ -36,6 +75,15 @@ class _Stream:
 
     def __init__(self, *a, **k):
         pass
+
+    def begin_capture(self):
+        global TAPE
+        TAPE = []
+
+    def end_capture(self):
+        global TAPE
+        tape, TAPE = TAPE, None
+        return _Graph(tape)
 
     def __enter__(self):
         return self
@@ -142,6 +190,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softma
     nb, bs, H, D = k_cache.shape
     for b in range(q.shape[0]):
         L = int(seq_lens[b])
+        if L == 0:  # a padding row of a graph bucket
+            out[b] = 0
+            continue
         pos = np.arange(max(0, L - 1 - window_left) if window_left >= 0 else 0, L)
         slots = block_table[b, pos // bs] * bs + pos % bs
         k, v = k_cache.reshape(-1, H, D)[slots], v_cache.reshape(-1, H, D)[slots]
@@ -173,7 +224,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(sampler, "_gumbel_kernel", None)  # built from the fake, dropped after the test
     for fn in (rms_norm, linear, silu_and_mul, rotary_embedding, reshape_and_cache, paged_decode_attention,
                flash_attn_varlen):
-        monkeypatch.setattr(speedcore, fn.__name__, fn, raising=False)
+        monkeypatch.setattr(speedcore, fn.__name__, recorded(fn), raising=False)
 
 
 def _hf(family, tmp_path):
@@ -259,3 +310,27 @@ def test_sampler_filters_and_seeds(fake_gpu):
     r = sample(logits, [SP(temperature=1.0, logprobs=2)], [1], [0])
     lp, top = r.logprobs[0]
     assert [t for t, _ in top] == [0, 1] and np.isclose(top[0][1], np.log(0.5), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_graph_replay_matches_eager(family, tmp_path, fake_gpu):
+    """The capture / replay wiring: static input layout, buckets, padding rows (with the fake capture)."""
+    torch = pytest.importorskip("torch")
+    _hf(family, tmp_path)
+    from speedcore.engine.llm import LLM
+    from speedcore.engine.sampling_params import SamplingParams
+
+    ids = np.random.default_rng(0).integers(0, 100, 30).tolist()
+    kw = dict(dtype="float16", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, skip_tokenizer_init=True,
+              num_gpu_blocks=64, block_size=4, enable_prefix_caching=False)
+    eager = LLM(str(tmp_path), enforce_eager=True, **kw)
+    graphs = LLM(str(tmp_path), enforce_eager=False, **kw)
+    assert sorted(graphs.runner.graphs) == [1, 2, 4] and not eager.runner.graphs
+    _, a = eager._debug_logits(ids, 20)
+    _, b = graphs._debug_logits(ids, 20)
+    assert np.array_equal(a, b)
+    prompts = [ids[:12], ids[:20], ids[:5]]  # three decoding together: bucket 4 with a padding row
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in graphs.generate(prompts, sp, use_tqdm=False)]
+    assert TAPE is None

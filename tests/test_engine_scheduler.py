@@ -145,4 +145,8 @@ def test_build_step_metadata():
     # CUDA-graph layout: padded rows, block tables last at a fixed width
     st = build_step([a], [1], 1, 4, graph_batch=4, table_width=6)
     assert list(st["slot_mapping"]) == [ta[1] * 4, -1, -1, -1] and list(st["seq_lens"]) == [5, 0, 0, 0]
+    assert list(st["input_ids"]) == [4, 0, 0, 0] and list(st["positions"]) == [4, 0, 0, 0]
     assert st["block_tables"].shape == (4, 6) and st.offsets["block_tables"][0] == 16
+    assert st["block_tables"][0].tolist() == ta + [0] * (6 - len(ta)) and not st["block_tables"][1:].any()
+    st = build_step([a], [1], 1, 4, graph_batch=8, graph_rows=2, table_width=6)  # bucket 2 of graphs up to 8
+    assert st.host.size == 4 * 8 + 2 * 6 and st["block_tables"].shape == (2, 6)

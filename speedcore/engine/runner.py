@@ -225,10 +225,9 @@ class ModelRunner:
         B = batch.num_decode
         bs = next(b for b in self._buckets if b >= B)
         mb = self._buckets[-1]
-        st = build_step(batch.seqs, batch.num_tokens, B, self.block_size, graph_batch=mb,
+        st = build_step(batch.seqs, batch.num_tokens, B, self.block_size, graph_batch=mb, graph_rows=bs,
                         table_width=self.table_width)
-        n = 4 * mb + bs * self.table_width  # the block tables of rows past this bucket are not read
-        self.graph_input[:n].set(st.host[:n], stream=self.stream)
+        self.graph_input[:st.host.size].set(st.host, stream=self.stream)  # the bucket's rows of the tables
         graph, logits = self.graphs[bs]
         graph.launch(self.stream)
         with self.stream:

@@ -165,37 +165,41 @@ def _slots(block_table: List[int], start: int, stop: int, block_size: int) -> np
 
 
 def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, block_size: int, *,
-               logits_all: bool = False, graph_batch: Optional[int] = None,
+               logits_all: bool = False, graph_batch: Optional[int] = None, graph_rows: Optional[int] = None,
                table_width: Optional[int] = None) -> StepBatch:
     """Metadata of one step.  ``graph_batch`` (decode-only steps): the fixed layout of the CUDA-graph input
-    buffer, padded to that many rows (slot -1: nothing written; seq_len 0: nothing read), block tables last, so
-    a smaller bucket copies a prefix of it.  ``logits_all``: logits of every token (teacher forcing in tests),
-    else of the last token of each sequence that reaches its end."""
+    buffer, ids / positions / slots / seq_lens padded to that many rows (slot -1: nothing written; seq_len 0:
+    nothing read), then the block tables of ``graph_rows`` rows (the bucket's).  ``logits_all``: logits of every
+    token (teacher forcing in tests), else of the last token of each sequence that reaches its end."""
+    dec = seqs[:num_decode]
+    width = table_width or max([len(s.block_table) for s in dec] + [1])
+    if graph_batch is not None:
+        assert num_decode == len(seqs) and num_decode <= graph_batch
+        mb, rows, T = graph_batch, graph_rows or graph_batch, num_decode
+        host = np.zeros(4 * mb + rows * width, np.int32)
+        host[2 * mb:3 * mb] = -1
+        tab = host[4 * mb:].reshape(rows, width)
+        for i, s in enumerate(dec):
+            c = s.num_computed_tokens
+            host[i], host[mb + i], host[3 * mb + i] = s.token_ids[c], c, c + 1
+            host[2 * mb + i] = s.block_table[c // block_size] * block_size + c % block_size
+            tab[i, :len(s.block_table)] = s.block_table
+        offsets = {"input_ids": (0, (mb,)), "positions": (mb, (mb,)), "slot_mapping": (2 * mb, (mb,)),
+                   "seq_lens": (3 * mb, (mb,)), "block_tables": (4 * mb, (rows, width))}
+        return StepBatch(host, offsets, T, num_decode, 0, 0, 0, False, T)
     ids, pos, slots = [], [], []
     for seq, n in zip(seqs, num_tokens):
         c = seq.num_computed_tokens
-        ids.append(seq.token_ids[c:c + n])
+        ids.append(np.asarray(seq.token_ids[c:c + n], np.int64))
         pos.append(np.arange(c, c + n))
         slots.append(_slots(seq.block_table, c, c + n, block_size))
     cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
-    ids, pos, slots = cat([np.asarray(i, np.int64) for i in ids]), cat(pos), cat(slots)
-    dec = seqs[:num_decode]
+    ids, pos, slots = cat(ids), cat(pos), cat(slots)
+    T = len(ids)
     seq_lens = np.array([s.num_computed_tokens + 1 for s in dec], np.int64)
-    width = table_width or max([len(s.block_table) for s in dec] + [1])
-    tables = np.zeros((len(dec), width), np.int64)
+    tables = np.zeros((len(dec), width), np.int32)
     for i, s in enumerate(dec):
         tables[i, :len(s.block_table)] = s.block_table
-    T = len(ids)
-    if graph_batch is not None:
-        assert num_decode == len(seqs) and num_decode <= graph_batch
-        pad = graph_batch - T
-        ids, pos = np.pad(ids, (0, pad)), np.pad(pos, (0, pad))
-        slots = np.pad(slots, (0, pad), constant_values=-1)
-        seq_lens = np.pad(seq_lens, (0, pad))
-        tables = np.pad(tables, ((0, pad), (0, 0)))
-        host, offsets = _pack([("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
-                               ("seq_lens", seq_lens), ("block_tables", tables)])
-        return StepBatch(host, offsets, T, num_decode, 0, 0, 0, False, T)
     pre = list(zip(seqs[num_decode:], num_tokens[num_decode:]))
     q_lens = np.array([n for _, n in pre], np.int64)
     k_lens = np.array([s.num_computed_tokens + n for s, n in pre], np.int64)
