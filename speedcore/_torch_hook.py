@@ -39,16 +39,19 @@ def compiling() -> bool:
 
 
 def _bind_torch() -> bool:
-    global _compiler
     torch = sys.modules.get("torch")
     if torch is None:
         return False
     compiler = torch.compiler
+    if compiler.is_compiling():
+        # Bound on the next eager call instead: a global stored in a trace is a side effect (torch.export warns).
+        return True
+    global _compiler
     if hasattr(compiler, "is_dynamo_compiling") and hasattr(compiler, "_is_compiling_flag"):
         _compiler = compiler
     else:  # older torch: the public predicate (dynamo folds it to True as well)
         _compiler = _CompilerShim(compiler.is_compiling)
-    return compiler.is_compiling()
+    return False
 
 
 class _CompilerShim:

@@ -660,13 +660,17 @@ def test_llama_layer_compiled_matches_eager_gpu():
 
 @pytest.mark.gpu
 def test_llama_layer_reduce_overhead_replays_on_new_inputs_gpu():
+    from torch._dynamo.utils import counters
+
     p, cos_sin, sc, eager = _gpu_layer_setup()
     torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(llama_layer, fullgraph=True, mode="reduce-overhead")
     for seed in range(5):  # warm-up, recording, then replays of the CUDA graph on fresh data
         x, positions = layer_inputs("cuda", seed=10 + seed)
         got = compiled(sc, x, p, positions, cos_sin).clone()  # clone: the next replay reuses the output buffer
         torch.testing.assert_close(got, llama_layer(eager, x, p, positions, cos_sin), atol=2e-2, rtol=2e-2)
+    assert counters["inductor"]["cudagraph_skips"] == 0  # the replays were CUDA graphs
 
 
 # ---- a paged decode step: writes into the caches (graph inputs), then reads them ----
@@ -721,3 +725,59 @@ def test_decode_step_compiled_matches_eager_gpu():
     _cuda()
     torch._dynamo.reset()
     _check_decode_step("cuda", "inductor")
+
+
+def decode_step_into_cache(sc, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens):
+    sc.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    return sc.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, return_lse=True)
+
+
+@pytest.mark.gpu
+def test_decode_steps_reduce_overhead_with_static_caches_gpu():
+    """Decode steps as a server runs them: the caches are static (marked, as transformers' static cache does), so the
+    CUDA graph writes them in place; each step brings new q/k/v and one more token per sequence."""
+    from torch._dynamo.utils import counters
+
+    _cuda()
+    torch._dynamo.reset()
+    counters.clear()
+    sc = _namespace({n: public(n) for n in DECODE_NAMES})
+    eager = _namespace({n: getattr(speedcore, n) for n in DECODE_NAMES})
+    _, _, _, k_cache, v_cache, _, table, _, _ = decode_inputs("cuda", 0)
+    eager_k_cache, eager_v_cache = k_cache.clone(), v_cache.clone()
+    torch._dynamo.mark_static_address(k_cache)
+    torch._dynamo.mark_static_address(v_cache)
+    compiled = torch.compile(decode_step_into_cache, fullgraph=True, mode="reduce-overhead")
+    g = torch.Generator().manual_seed(5)
+    for step in range(5):
+        lens = torch.tensor([9, 33, 40]) + step
+        last = lens - 1
+        slots = (table.cpu()[torch.arange(3), last // 16].long() * 16 + last % 16).cuda()
+        q, k, v = (_randn(shape, torch.float16, "cuda", g) for shape in ((3, 8, 64), (3, 2, 64), (3, 2, 64)))
+        lens = lens.int().cuda()
+        got = [t.clone() for t in compiled(sc, q, k, v, k_cache, v_cache, slots, table, lens)]
+        expected = decode_step_into_cache(eager, q, k, v, eager_k_cache, eager_v_cache, slots, table, lens)
+        torch.testing.assert_close(got, list(expected), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(k_cache, eager_k_cache, atol=0, rtol=0)
+        torch.testing.assert_close(v_cache, eager_v_cache, atol=0, rtol=0)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_export_traces_the_public_functions_into_the_ops(cpu_reference_kernels):
+    """torch.export (strict: dynamo; non-strict: the export flag that compiling() also reads) records the ops."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float16))
+
+        def forward(self, x, r):
+            y, h = public("rms_norm")(x, self.weight, 1e-5, residual=r)
+            return public("silu_and_mul")(torch.cat([y, h], -1))
+
+    x, r = torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64, dtype=torch.float16)
+    y, h = ref_add_rms_norm(x, r, torch.ones(64, dtype=torch.float16), 1e-5)
+    for strict in (True, False):
+        ep = torch.export.export(Block(), (x, r), strict=strict)
+        targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+        assert "speedcore.add_rms_norm.default" in targets and "speedcore.silu_and_mul.default" in targets
+        torch.testing.assert_close(ep.module()(x, r), ref_gated(F.silu)(torch.cat([y, h], -1)))
