@@ -170,8 +170,9 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].reshape(T, Hkv, D)
             v = qkv[:, q_size + kv_size:].reshape(T, Hkv, D)
             if L.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
-                q = sc.rms_norm(cupy.ascontiguousarray(q), L.q_norm, eps)
-                k = sc.rms_norm(cupy.ascontiguousarray(k), L.k_norm, eps)
+                # (strided head views do not collapse to one row stride: copied as bit patterns first)
+                q = sc.rms_norm(cupy.ascontiguousarray(q.view(np.uint16)).view(self.dtype), L.q_norm, eps)
+                k = sc.rms_norm(cupy.ascontiguousarray(k.view(np.uint16)).view(self.dtype), L.k_norm, eps)
             sc.rotary_embedding(ctx.positions, q, k, cos_sin, is_neox=True)
             attn = cupy.empty((T, H, D), dtype=self.dtype)
             ctx.attend(li, q, k, v, attn)
