@@ -595,6 +595,19 @@ def test_llama_layer_compiles_in_one_graph(cpu_reference_kernels):
     torch.testing.assert_close(expected, llama_layer(REFERENCE_LAYER, x, p, positions, cos_sin))
 
 
+def test_llama_layer_compiles_once_for_dynamic_shapes(cpu_reference_kernels):
+    """The fake implementations take symbolic sizes: one graph serves every batch and sequence length."""
+    p, cos_sin = llama_params("cpu")
+    sc = _namespace({n: public(n) for n in PUBLIC_NAMES})
+    rec = GraphRecorder()
+    compiled = torch.compile(llama_layer, fullgraph=True, dynamic=True, backend=rec)
+    for batch, seq in ((2, 24), (3, 17), (4, 40)):  # not 0 or 1, and no size equal to another (both specialize)
+        x, positions = layer_inputs("cpu", batch=batch, seq=seq)
+        torch.testing.assert_close(compiled(sc, x, p, positions, cos_sin),
+                                   llama_layer(REFERENCE_LAYER, x, p, positions, cos_sin))
+    assert len(rec.graphs) == 1
+
+
 # ---- GPU ----
 
 def _cuda():
