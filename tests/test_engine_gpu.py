@@ -107,15 +107,18 @@ def test_teacher_forced_logits(checkpoint):
             _check(ours, 0, ref32, ref16, f"{family} eager={eager}")
 
 
-def test_chunked_prefill_and_prefix_cache(checkpoint):
+@pytest.mark.parametrize("prefill", ["gather", "paged"])
+def test_chunked_prefill_and_prefix_cache(checkpoint, prefill, monkeypatch):
+    """Chunks over cached tokens: the gather stopgap (default) and paged_prefill_attention."""
     family, path, ids, ref32, ref16 = checkpoint
+    monkeypatch.setenv("SPEEDCORE_ENGINE_PREFILL", prefill)
     with _llm(path, enable_prefix_caching=True) as llm:
         start, ours = llm._debug_logits(ids, PROMPT, chunk=7)  # chunks after the first attend to cached pages
         assert start == 0
-        _check(ours, 0, ref32, ref16, f"{family} chunked")
+        _check(ours, 0, ref32, ref16, f"{family} chunked ({prefill})")
         start, ours = llm._debug_logits(ids, PROMPT)  # the prompt's full blocks are cached now
         assert start == (PROMPT - 1) // 16 * 16 == 32
-        _check(ours, start, ref32, ref16, f"{family} prefix hit")
+        _check(ours, start, ref32, ref16, f"{family} prefix hit ({prefill})")
 
 
 def _prompts(n, lens=(24, 31, 17, 40, 9, 33, 28, 12)):

@@ -200,6 +200,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softma
     return out
 
 
+def paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused_k, block_table, max_q, max_k, *, causal=True,
+                            softmax_scale=None, window_size=(-1, -1), out=None, softcap=0.0, return_lse=False):
+    nb, bs, H, D = k_cache.shape
+    cu_k = np.concatenate([[0], np.cumsum(seqused_k)])
+    slots = np.concatenate([block_table[b, np.arange(n) // bs] * bs + np.arange(n) % bs
+                            for b, n in enumerate(seqused_k)])
+    return flash_attn_varlen(q, k_cache.reshape(-1, H, D)[slots], v_cache.reshape(-1, H, D)[slots], cu_q, cu_k,
+                             max_q, max_k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                             out=out)
+
+
 def flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, softmax_scale=None,
                       window_size=(-1, -1), out=None, softcap=0.0, return_lse=False):
     assert causal and window_size[1] in (0, -1)
@@ -223,7 +234,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(sampler, "_gumbel_kernel", None)  # built from the fake, dropped after the test
     for fn in (rms_norm, linear, silu_and_mul, rotary_embedding, reshape_and_cache, paged_decode_attention,
-               flash_attn_varlen):
+               flash_attn_varlen, paged_prefill_attention):
         monkeypatch.setattr(speedcore, fn.__name__, recorded(fn), raising=False)
 
 
@@ -254,9 +265,11 @@ def _hf(family, tmp_path):
     return m.eval()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_model_matches_transformers(family, tmp_path, fake_gpu):
+@pytest.mark.parametrize("family, prefill", [("llama", "gather"), ("mistral", "gather"), ("qwen2", "gather"),
+                                             ("qwen3", "gather"), ("llama", "paged"), ("mistral", "paged")])
+def test_model_matches_transformers(family, prefill, tmp_path, fake_gpu, monkeypatch):
     torch = pytest.importorskip("torch")
+    monkeypatch.setenv("SPEEDCORE_ENGINE_PREFILL", prefill)
     hf = _hf(family, tmp_path)
     from speedcore.engine.llm import LLM
 

@@ -346,6 +346,8 @@ class LLM:
         cp = self._cp
         batch: ScheduledBatch = self.scheduler.schedule()
         if not batch:
+            if batch.preempted:  # a sequence gave its blocks back this step: it is admitted again next step
+                return []
             raise RuntimeError("the scheduler found nothing to run with requests pending (KV cache too small?)")
         now = time.perf_counter()
         for s in batch.seqs:

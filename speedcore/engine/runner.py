@@ -9,6 +9,7 @@ logits each graph writes stay allocated with it.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Dict, List, Optional
 
@@ -65,6 +66,11 @@ class ModelRunner:
         self.graph_pool = None
         self.graph_input = None
         self.timings: Dict[str, float] = {}
+        # attention of prefill chunks over cached tokens: "gather" (the stopgap, default) or "paged"
+        # (speedcore.paged_prefill_attention straight from the pages)
+        self.prefill_mode = os.environ.get("SPEEDCORE_ENGINE_PREFILL", "gather")
+        if self.prefill_mode not in ("gather", "paged"):
+            raise ValueError(f"SPEEDCORE_ENGINE_PREFILL: expected gather or paged, got {self.prefill_mode!r}")
 
     # -- KV cache -----------------------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -137,7 +143,8 @@ class ModelRunner:
             return self._replay(batch)
         # decode rows use the graphs' block-table width, so that eager and graph steps launch the same decode
         # attention plan (its KV split depends on the width) and give identical tokens
-        st = build_step(seqs, n, nd, self.block_size, logits_all=logits_all, table_width=self.table_width)
+        st = build_step(seqs, n, nd, self.block_size, logits_all=logits_all, table_width=self.table_width,
+                        paged_prefill=self.prefill_mode == "paged")
         with self.stream:
             g = _Step(self._upload(st.host), st.offsets)
             logits = self._forward(g, st.num_decode, st, logits_idx=g["logits_idx"])
@@ -148,8 +155,10 @@ class ModelRunner:
 
         block_tables, seq_lens, slots = g["block_tables"], g["seq_lens"], g["slot_mapping"]
         if st is not None and st.num_prefill:
+            paged = st.has_cached and self.prefill_mode == "paged"
             pre = dict(cu_q=g["cu_seqlens_q"], cu_k=g["cu_seqlens_k"], max_q=st.max_q, max_k=st.max_k,
-                       gather=g["gather_slots"] if st.has_cached else None)
+                       gather=g["gather_slots"] if st.has_cached and not paged else None,
+                       tables=g["prefill_tables"] if paged else None, seqused_k=g["seqused_k"])
         else:
             pre = None
 
@@ -170,14 +179,19 @@ class ModelRunner:
     def prefill_attention(self, q, k, v, k_cache, v_cache, pre: dict, window_left: int, out):
         """Causal attention of prefill chunks (packed, cu_seqlens) over their sequences' cached and new tokens.
 
-        Stopgap until the paged prefill kernel lands: chunks that continue cached tokens (a prefix-cache hit, a
-        later chunk) gather their sequences' whole K/V from the pages (the new tokens are already written there)
-        into contiguous buffers and run flash_attn_varlen over them; causal masks align bottom-right, so each
-        chunk's queries see exactly their own prefix.
+        Chunks without cached tokens: flash_attn_varlen on their own K/V.  Chunks that continue cached tokens (a
+        prefix-cache hit, a later chunk), by default (the stopgap): their sequences' whole K/V gathered from the
+        pages (the new tokens are already written there) into contiguous buffers, then flash_attn_varlen over
+        them; with SPEEDCORE_ENGINE_PREFILL=paged: paged_prefill_attention straight from the pages.  Causal masks
+        align bottom-right, so each chunk's queries see exactly their own prefix.
         """
         import speedcore as sc
 
         window = (window_left, 0) if window_left >= 0 else (-1, -1)
+        if pre["tables"] is not None:
+            return sc.paged_prefill_attention(q, k_cache, v_cache, pre["cu_q"], pre["seqused_k"], pre["tables"],
+                                              pre["max_q"], pre["max_k"], causal=True, softmax_scale=self.scale,
+                                              window_size=window, out=out)
         if pre["gather"] is None:
             return sc.flash_attn_varlen(q, k, v, pre["cu_q"], pre["cu_q"], pre["max_q"], pre["max_q"], causal=True,
                                         softmax_scale=self.scale, window_size=window, out=out)

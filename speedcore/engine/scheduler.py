@@ -166,11 +166,13 @@ def _slots(block_table: List[int], start: int, stop: int, block_size: int) -> np
 
 def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, block_size: int, *,
                logits_all: bool = False, graph_batch: Optional[int] = None, graph_rows: Optional[int] = None,
-               table_width: Optional[int] = None) -> StepBatch:
+               table_width: Optional[int] = None, paged_prefill: bool = False) -> StepBatch:
     """Metadata of one step.  ``graph_batch`` (decode-only steps): the fixed layout of the CUDA-graph input
     buffer, ids / positions / slots / seq_lens padded to that many rows (slot -1: nothing written; seq_len 0:
     nothing read), then the block tables of ``graph_rows`` rows (the bucket's).  ``logits_all``: logits of every
-    token (teacher forcing in tests), else of the last token of each sequence that reaches its end."""
+    token (teacher forcing in tests), else of the last token of each sequence that reaches its end.
+    ``paged_prefill``: prefill chunks that continue cached tokens get block tables and seqused_k (the paged
+    prefill kernel) instead of gather slots."""
     dec = seqs[:num_decode]
     width = table_width or max([len(s.block_table) for s in dec] + [1])
     if graph_batch is not None:
@@ -206,8 +208,14 @@ def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, blo
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64)
     has_cached = any(s.num_computed_tokens > 0 for s, _ in pre)
-    gather = cat([_slots(s.block_table, 0, s.num_computed_tokens + n, block_size) for s, n in pre]) if has_cached \
-        else np.zeros(0, np.int64)
+    gather = np.zeros(0, np.int64)
+    pre_tables = np.zeros((0, 1), np.int32)
+    if has_cached and paged_prefill:
+        pre_tables = np.zeros((len(pre), max(len(s.block_table) for s, _ in pre)), np.int32)
+        for i, (s, _) in enumerate(pre):
+            pre_tables[i, :len(s.block_table)] = s.block_table
+    elif has_cached:
+        gather = cat([_slots(s.block_table, 0, s.num_computed_tokens + n, block_size) for s, n in pre])
     if logits_all:
         logits_idx = np.arange(T)
     else:
@@ -219,6 +227,7 @@ def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, blo
         logits_idx = np.array(rows, np.int64)
     host, offsets = _pack([("input_ids", ids), ("positions", pos), ("slot_mapping", slots), ("seq_lens", seq_lens),
                            ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("logits_idx", logits_idx),
-                           ("gather_slots", gather), ("block_tables", tables)])
+                           ("gather_slots", gather), ("seqused_k", k_lens), ("prefill_tables", pre_tables),
+                           ("block_tables", tables)])
     return StepBatch(host, offsets, T, num_decode, len(pre), int(q_lens.max(initial=0)), int(k_lens.max(initial=0)),
                      has_cached, len(logits_idx))
