@@ -1,6 +1,5 @@
 """speedcore.engine without a GPU: block manager, prefix cache, scheduler, per-step metadata."""
 import numpy as np
-import pytest
 
 from speedcore.engine.block_manager import BlockManager
 from speedcore.engine.sampling_params import SamplingParams

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
@@ -159,7 +158,8 @@ def bench_main(args) -> int:
     print(f"TTFT ms: {ms(res['ttft_s'])}; inter-token latency ms: {ms(res['itl_s'])}")
     st = res["startup_s"]
     print(f"start-up: {st['total']:.2f} s (load {st.get('load_s', 0):.2f}, profile {st.get('profile_s', 0):.2f}, "
-          f"graph capture {st.get('capture_s', 0):.2f}); KV blocks {res['kv_blocks']}, preemptions {res['preemptions']}")
+          f"graph capture {st.get('capture_s', 0):.2f}); KV blocks {res['kv_blocks']}, "
+          f"preemptions {res['preemptions']}")
     print(f"roofline: {roof['roofline_s']:.2f} s (memory {roof['memory_s']:.2f} s: {roof['bytes'] / 1e12:.2f} TB at "
           f"{COPY_BYTES_PER_S / 1e12:.1f} TB/s; compute {roof['compute_s']:.2f} s: {roof['flops'] / 1e15:.2f} PFLOP at "
           f"{GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s): measured is {elapsed / roof['roofline_s']:.2f}x the bound")

@@ -55,5 +55,6 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def __repr__(self):
-        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={len(self)}, computed={self.num_computed_tokens}, "
+        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={len(self)}, "
+                f"computed={self.num_computed_tokens}, "
                 f"blocks={self.block_table})")

@@ -71,7 +71,8 @@ class Tokenizer:
         def raise_exception(msg):
             raise jinja2.TemplateError(msg)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
                                                                                     ensure_ascii=ensure_ascii)
         env.globals["raise_exception"] = raise_exception
