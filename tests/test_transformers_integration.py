@@ -173,6 +173,23 @@ def test_attention_implementation_alone_cpu(family):
     assert torch.equal(ours.generate(ids, attention_mask=mask, **kw), ref.generate(ids, attention_mask=mask, **kw))
 
 
+def test_compiled_static_generate_fullgraph_cpu():
+    """The glue traces with fullgraph (dynamo only, the CPU reference ops inside): the mask object passes through
+    the compiled forward, prefill and decode graphs give the eager tokens."""
+    ours = st.apply(_model("llama"))
+    ids, mask = _ragged()
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    want, want_plain = ours.generate(ids, attention_mask=mask, **kw), ours.generate(ids[:1], **kw)
+    torch._dynamo.reset()
+    ours.forward = torch.compile(ours.forward, backend="eager", fullgraph=True)
+    try:
+        got, got_plain = ours.generate(ids, attention_mask=mask, **kw), ours.generate(ids[:1], **kw)
+    finally:
+        del ours.forward
+        torch._dynamo.reset()
+    assert torch.equal(got, want) and torch.equal(got_plain, want_plain)
+
+
 # --------------------------------------------------------------------------------------------- mask and unpadding
 
 def _dense_reference(q, key, value, valid_keys, q_pos, k_pos, scale, window_left, softcap):

@@ -76,64 +76,73 @@ class TorchReference:
         return q, k
 
     @staticmethod
-    def _attend(q, k, v, diag, left, right, scale, softcap):
-        """q (S, H, D), k/v (L, Hk, D): flash-attn 2's masking with the diagonal offset ``diag``."""
-        s_q, h, _ = q.shape
-        s_k, hk = k.shape[0], k.shape[1]
-        if s_q == 0:
-            return q.new_zeros(q.shape)
-        kf = k.float().repeat_interleave(h // hk, dim=1)
-        vf = v.float().repeat_interleave(h // hk, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    def _dense(q, k, v, ok, scale, softcap):
+        """q (..., S, H, D), k/v (..., L, Hk, D), ok (..., S, L) bool: masked attention, zeros where a row sees no
+        key (as the kernels)."""
+        h, hk = q.shape[-2], k.shape[-2]
+        kf = k.float().repeat_interleave(h // hk, dim=-2)
+        vf = v.float().repeat_interleave(h // hk, dim=-2)
+        s = torch.einsum("...qhd,...khd->...hqk", q.float(), kf) * scale
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(s_q)[:, None] + diag
-        j = torch.arange(s_k)[None, :]
-        ok = torch.ones(s_q, s_k, dtype=torch.bool)
+        s = s.masked_fill(~ok.unsqueeze(-3), float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        return torch.einsum("...hqk,...khd->...qhd", p, vf).to(q.dtype)
+
+    @staticmethod
+    def _visible(i, j, left, right):
+        """Key position j seen from (aligned) query position i under flash-attn 2's window rules."""
+        ok = torch.ones(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool, device=i.device)
         if left >= 0:
-            ok &= j >= i - left
+            ok = ok & (j >= i - left)
         if right >= 0:
-            ok &= j <= i + right
-        s = s.masked_fill(~ok, float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows without a key: zeros, as the kernels
-        return torch.einsum("hqk,khd->qhd", p, vf).to(q.dtype)
+            ok = ok & (j <= i + right)
+        return ok
 
     @staticmethod
     def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0):
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         left, right = window_size
         right = 0 if causal else right
-        out = [TorchReference._attend(q[b], k[b], v[b], k.shape[1] - q.shape[1], left, right, scale, softcap)
-               for b in range(q.shape[0])]
-        return torch.stack(out) if out else q.new_zeros(q.shape)
+        s_q, s_k = q.shape[1], k.shape[1]
+        i = torch.arange(s_q, device=q.device)[:, None] + (s_k - s_q)  # bottom-right alignment
+        j = torch.arange(s_k, device=q.device)[None, :]
+        ok = TorchReference._visible(i, j, left, right).expand(q.shape[0], s_q, s_k)
+        return TorchReference._dense(q, k, v, ok, scale, softcap)
 
     @staticmethod
     def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                           softmax_scale=None, window_size=(-1, -1), softcap=0.0):
+        # dense over all rows with a same-sequence mask: no host read of cu_seqlens (traceable by torch.compile)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         left, right = window_size
         right = 0 if causal else right
-        out = q.new_zeros(q.shape)
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for b in range(len(cq) - 1):
-            qs, ks = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]]
-            out[cq[b]:cq[b + 1]] = TorchReference._attend(qs, ks, v[ck[b]:ck[b + 1]], ks.shape[0] - qs.shape[0],
-                                                          left, right, scale, softcap)
-        return out
+        cq, ck = cu_seqlens_q.long(), cu_seqlens_k.long()
+        rq = torch.arange(q.shape[0], device=q.device)
+        rk = torch.arange(k.shape[0], device=q.device)
+        seq_q = torch.searchsorted(cq[1:], rq, right=True)
+        seq_k = torch.searchsorted(ck[1:], rk, right=True)
+        pos_q, pos_k = rq - cq[seq_q], rk - ck[seq_k]
+        diag = (ck[1:] - ck[:-1])[seq_q] - (cq[1:] - cq[:-1])[seq_q]
+        ok = (seq_q[:, None] == seq_k[None, :]) & TorchReference._visible((pos_q + diag)[:, None], pos_k[None, :],
+                                                                          left, right)
+        return TorchReference._dense(q, k, v, ok, scale, softcap)
 
     @staticmethod
     def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0,
                                window_left=-1):
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        batch, n_blocks = block_table.shape
         bs = k_cache.shape[1]
-        out = q.new_zeros(q.shape)
-        for b in range(q.shape[0]):
-            n = int(seq_lens[b])
-            t = torch.arange(n)
-            blocks = block_table[b].long()[t // bs]
-            k, v = k_cache[blocks, t % bs], v_cache[blocks, t % bs]  # (n, Hk, D)
-            out[b] = TorchReference._attend(q[b][None], k, v, n - 1, window_left, 0, scale, softcap)[0]
-        return out
+        pages = block_table.long()
+        k = k_cache[pages].reshape(batch, n_blocks * bs, *k_cache.shape[2:])
+        v = v_cache[pages].reshape(batch, n_blocks * bs, *v_cache.shape[2:])
+        t = torch.arange(n_blocks * bs, device=q.device)[None, :]
+        n = seq_lens.long()[:, None]
+        ok = t < n
+        if window_left >= 0:
+            ok = ok & (t >= n - 1 - window_left)
+        return TorchReference._dense(q[:, None], k, v, ok[:, None, :], scale, softcap)[:, 0]
 
 
 class _Speedcore:
