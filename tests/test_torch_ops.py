@@ -702,11 +702,9 @@ def decode_inputs(device, seed):
     table = torch.tensor([[4, 0, 0], [1, 7, 3], [8, 2, 5]], dtype=torch.int32)
     last = lens.long() - 1  # the new token's slot
     slots = table[torch.arange(batch), last // bs].long() * bs + last % bs
-    args = (_randn((batch, heads, d), torch.float16, device, g), _randn((batch, kv_heads, d), torch.float16, device, g),
-            _randn((batch, kv_heads, d), torch.float16, device, g),
-            _randn((10, bs, kv_heads, d), torch.float16, device, g), _randn((10, bs, kv_heads, d), torch.float16, device, g),
-            slots.to(device), table.to(device), lens.to(device))
-    return list(args) + [args[0].new_empty(batch, heads, d)]
+    q, k, v, k_cache, v_cache = (_randn(shape, torch.float16, device, g) for shape in (
+        (batch, heads, d), (batch, kv_heads, d), (batch, kv_heads, d), (10, bs, kv_heads, d), (10, bs, kv_heads, d)))
+    return [q, k, v, k_cache, v_cache, slots.to(device), table.to(device), lens.to(device), q.new_empty(q.shape)]
 
 
 DECODE_NAMES = ("reshape_and_cache", "paged_decode_attention")
