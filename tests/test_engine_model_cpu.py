@@ -347,3 +347,15 @@ def test_cuda_graph_replay_matches_eager(family, tmp_path, fake_gpu):
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in graphs.generate(prompts, sp, use_tqdm=False)]
     assert TAPE is None
+
+
+def test_preset_random_weights(fake_gpu):
+    from speedcore.engine.llm import LLM
+    from speedcore.engine.sampling_params import SamplingParams
+
+    llm = LLM("preset:tiny", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_gpu_blocks=16,
+              enforce_eager=True)
+    assert llm.tokenizer is None and llm.model.nbytes() == 2 * llm.config.num_params()
+    assert np.all(llm.model.layers[0].in_norm == 1) and 0.015 < float(np.std(llm.model.layers[1].down.astype(np.float32))) < 0.025
+    o, = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True, seed=2 ** 70), use_tqdm=False)
+    assert len(o.outputs[0].token_ids) == 3 and o.error is None

@@ -77,7 +77,7 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
                 log_min_p = cupy.asarray(np.log(min_p))
             thr = cupy.maximum(thr, lg.max(axis=1) + log_min_p)
         lg = cupy.where(lg >= thr[:, None], lg, -cupy.inf)
-        seed_arr = cupy.asarray(np.array([seeds[r] for r in rows], np.int64).view(np.uint64))
+        seed_arr = cupy.asarray(np.array([seeds[r] % (1 << 64) for r in rows], np.uint64))
         step_arr = cupy.asarray(np.array([steps[r] for r in rows], np.uint64))
         tokens[idx] = cupy.argmax(lg + _gumbel(seed_arr, step_arr, V), axis=1)
     tokens_h = tokens.get()
