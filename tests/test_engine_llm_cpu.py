@@ -140,3 +140,11 @@ def test_cli_parsers_and_roofline():
     assert r["roofline_s"] == r["memory_s"] > r["compute_s"]
     with pytest.raises(SystemExit):
         main(["bench-engine", "--preset", "tiny", "--model", "x"])  # mutually exclusive
+
+
+def test_step_stats():
+    llm = make(max_num_seqs=3, max_num_batched_tokens=8)
+    llm.generate([[1] * 10, [2] * 3], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert set(llm.step_stats) <= {"prefill", "mixed", "decode"} and "decode" in llm.step_stats
+    assert sum(v[1] for v in llm.step_stats.values()) == 13 + 2 * 2  # every prompt token, then the decodes
+    assert "decode" in llm.step_report()

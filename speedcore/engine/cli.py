@@ -40,6 +40,8 @@ def add_parsers(sub) -> dict:
     b.add_argument("--enforce-eager", action="store_true")
     b.add_argument("--no-prefix-caching", action="store_true")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--profile", action="store_true",
+                   help="NVTX range per step (for nsys) and a sync after each forward: time per step kind and phase")
     b.add_argument("--json", help="write the results to this JSON file")
     return {"generate": generate_main, "bench-engine": bench_main}
 
@@ -130,6 +132,8 @@ def bench_main(args) -> int:
         params = [SamplingParams(max_tokens=int(o), ignore_eos=True, temperature=args.temperature) for o in out_lens]
         # a short warm-up request compiles whatever the start-up did not (sampling kernels, prefill shapes)
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.step_stats.clear()
+        llm.profile = args.profile
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - t1
@@ -148,8 +152,11 @@ def bench_main(args) -> int:
                    elapsed_s=elapsed, input_tokens=n_in, output_tokens=n_out, output_tok_per_s=n_out / elapsed,
                    total_tok_per_s=(n_in + n_out) / elapsed, ttft_s=_pct(ttft), itl_s=_pct(itl),
                    startup_s=dict(total=startup, **llm.timings), kv_blocks=llm.num_gpu_blocks,
-                   preemptions=llm.scheduler.num_preemptions, roofline=roof,
+                   preemptions=llm.scheduler.num_preemptions, roofline=roof, profile=args.profile,
+                   steps={k: dict(zip(("steps", "tokens", "schedule_s", "forward_s", "sample_s", "post_s"), v))
+                          for k, v in llm.step_stats.items()},
                    roofline_fraction=roof["roofline_s"] / elapsed)
+        report = llm.step_report()
     finally:
         llm.close()
     ms = lambda d: " ".join(f"{k} {v * 1e3:.1f}" if v is not None else f"{k} -" for k, v in d.items())  # noqa: E731
@@ -163,6 +170,7 @@ def bench_main(args) -> int:
     print(f"roofline: {roof['roofline_s']:.2f} s (memory {roof['memory_s']:.2f} s: {roof['bytes'] / 1e12:.2f} TB at "
           f"{COPY_BYTES_PER_S / 1e12:.1f} TB/s; compute {roof['compute_s']:.2f} s: {roof['flops'] / 1e15:.2f} PFLOP at "
           f"{GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s): measured is {elapsed / roof['roofline_s']:.2f}x the bound")
+    print(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -189,6 +189,16 @@ class LLM:
     def _init_state(self, num_blocks, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens):
         from .sampler import sample
 
+        self.step_stats = {}
+        self.profile = False  # True: NVTX range per step, and a sync after each forward (GPU time per phase)
+        self._nvtx = None
+        try:
+            from cupy.cuda import nvtx
+
+            self._nvtx = nvtx
+        except Exception:
+            pass
+
         self._sample = sample
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
@@ -344,6 +354,7 @@ class LLM:
     def _step(self, reqs_by_seq) -> List[_Request]:
         """One engine step; returns the requests that got a token."""
         cp = self._cp
+        t0 = time.perf_counter()
         batch: ScheduledBatch = self.scheduler.schedule()
         if not batch:
             if batch.preempted:  # a sequence gave its blocks back this step: it is admitted again next step
@@ -354,10 +365,22 @@ class LLM:
             r = reqs_by_seq[s.seq_id]
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
+        nd, n = batch.num_decode, len(batch.seqs)
+        kind = ("decode" if nd == n else "mixed" if nd else "prefill") + (
+            " (graph)" if nd == n and getattr(self.runner, "graphs", None) and nd <= self.runner.max_graph_batch
+            else "")
         with self.device, self.stream:
+            if self.profile:
+                self._nvtx.RangePush(kind)
+            t1 = time.perf_counter()
             logits = self.runner.run(batch)
+            if self.profile:  # the forward's GPU time lands in this phase, not in sampling
+                self.stream.synchronize()
+                self._nvtx.RangePop()
+            t2 = time.perf_counter()
             done = self.scheduler.advance(batch)
             if not done:
+                self._account(kind, batch, t1 - t0, t2 - t1, 0.0, 0.0)
                 return []
             reqs = [reqs_by_seq[s.seq_id] for s in done]
             # min_tokens: no EOS / stop token before it
@@ -371,8 +394,8 @@ class LLM:
             if rows:
                 logits[cp.asarray(np.array(rows)), cp.asarray(np.array(cols))] = -np.inf
             res = self._sample(logits, [r.params for r in reqs], [r.seq.seed for r in reqs],
-                         [r.seq.num_output_tokens for r in reqs])
-        now = time.perf_counter()
+                               [r.seq.num_output_tokens for r in reqs])
+        now = t3 = time.perf_counter()
         for r_i, r in enumerate(reqs):
             tok = int(res.tokens[r_i])
             r.seq.token_ids.append(tok)
@@ -396,7 +419,27 @@ class LLM:
                     r.new_text += tail
                 self.scheduler.finish(r.seq, reason)
                 m.finished_time = now
+        self._account(kind, batch, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return reqs
+
+    def _account(self, kind, batch, schedule_s, forward_s, sample_s, post_s) -> None:
+        """Per step kind: steps, tokens, seconds in scheduling, the forward (host enqueue time; with profile=True
+        its GPU time too), sampling (waits for the GPU when not profiling) and bookkeeping."""
+        st = self.step_stats.setdefault(kind, [0, 0, 0.0, 0.0, 0.0, 0.0])
+        st[0] += 1
+        st[1] += batch.total_tokens
+        st[2] += schedule_s
+        st[3] += forward_s
+        st[4] += sample_s
+        st[5] += post_s
+
+    def step_report(self) -> str:
+        lines = [f"{'step kind':16s} {'steps':>7s} {'tokens':>9s} {'ms/step: schedule':>18s} {'forward':>8s} "
+                 f"{'sample':>8s} {'post':>8s}"]
+        for kind, (n, tok, a, b, c, d) in sorted(self.step_stats.items()):
+            lines.append(f"{kind:16s} {n:7d} {tok:9d} {1e3 * a / n:18.3f} {1e3 * b / n:8.3f} {1e3 * c / n:8.3f} "
+                         f"{1e3 * d / n:8.3f}")
+        return "\n".join(lines)
 
     def _normalize(self, prompts, sampling_params):
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and
