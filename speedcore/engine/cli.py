@@ -119,7 +119,12 @@ def bench_main(args) -> int:
     n = args.num_prompts
     in_lens = rng.integers(in_lo, in_hi + 1, n)
     out_lens = rng.integers(out_lo, out_hi + 1, n)
-    max_len = args.max_model_len or int(in_hi + out_hi)
+    from .config import load_config, preset_config
+
+    cfg = load_config(args.model) if args.model else preset_config(args.preset or "llama-3-8b")
+    max_len = args.max_model_len or min(int(in_hi + out_hi), cfg.max_position_embeddings)
+    if in_hi >= max_len:
+        raise SystemExit(f"--input-len: {in_hi} tokens leave no room for output within max_model_len {max_len}")
     t0 = time.perf_counter()
     llm = LLM(model, max_model_len=max_len, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
