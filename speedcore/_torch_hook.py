@@ -6,8 +6,8 @@ function starts with::
     if _torch_hook.compiling():
         return _torch_hook.op("rms_norm")(x, weight, eps, residual=residual, out=out)
 
-Eagerly, :func:`compiling` costs about 0.15 us: a ``sys.modules`` lookup until torch is imported, then one
-``torch.compiler.is_dynamo_compiling()`` call and a flag read.  While dynamo traces, that call folds to True
+Eagerly, :func:`compiling` costs 0.15-0.3 us, call included: a ``sys.modules`` lookup until torch is imported,
+then one ``torch.compiler.is_dynamo_compiling()`` call and a flag read.  While dynamo traces, that call folds to True
 and :func:`op` returns the integration's wrapper for that function, which calls the registered
 ``torch.ops.speedcore.*`` op; dynamo puts that op into the graph instead of tracing the host path.
 
@@ -32,17 +32,15 @@ def compiling() -> bool:
     when torch is not imported."""
     compiler = _compiler
     if compiler is None:
-        return _bind_torch()
+        # Inline: CuPy-only callers pay this check on every call.
+        return "torch" in sys.modules and _bind_torch()
     # is_dynamo_compiling() is `return False` eagerly (cheaper than is_compiling(), which also asks TorchScript)
     # and folds to True in dynamo; the flag is torch.export's (non-strict export runs this code on fake tensors).
     return compiler.is_dynamo_compiling() or compiler._is_compiling_flag
 
 
 def _bind_torch() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    compiler = torch.compiler
+    compiler = sys.modules["torch"].compiler
     if compiler.is_compiling():
         # Bound on the next eager call instead: a global stored in a trace is a side effect (torch.export warns).
         return True
