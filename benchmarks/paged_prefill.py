@@ -12,6 +12,7 @@ Speculative verification: 4 and 8 query tokens per sequence, batch 64, 4k cached
 TB/s = K and V bytes / time, against ``paged_decode_attention`` (one query token per sequence) on the same cache.
 """
 import speedcore
+from speedcore import paged_attention
 
 OP = "paged_prefill"
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -49,6 +50,11 @@ def _prefill_case(b, q_len, cached, block_size):
     ours_ms = b.time_ms(lambda: speedcore.paged_prefill_attention(q, kc, vc, cu_q, lens, table, q_len, sk,
                                                                   causal=True, out=out))
     got = out.clone()
+    path = paged_attention.prefill_path(HEAD_DIM, torch.cuda.get_device_capability(), False, block_size)
+    sm80_ms = None
+    if path != "sm80":  # the portable kernel too, against the same peer timings
+        sm80_ms = b.time_ms(lambda: speedcore.paged_prefill_attention(q, kc, vc, cu_q, lens, table, q_len, sk,
+                                                                      causal=True, out=out, _path="sm80"))
     del kc, vc
     peers = {}
     kf, vf = k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
@@ -60,7 +66,9 @@ def _prefill_case(b, q_len, cached, block_size):
         raise AssertionError(f"paged prefill disagrees with flash_attn_varlen by {err}")
     peers["torch SDPA CUDNN (contiguous)"] = _sdpa_cudnn(b, q.view(batch, q_len, HEADS, HEAD_DIM), k, v, flops)
     case = f"bf16 H{HEADS}/{KV_HEADS} D{HEAD_DIM} q{q_len} cached{cached} x{batch} bs{block_size}"
-    b.add(OP, case, "TFLOP/s", flops / ours_ms / 1e9, peers, ceiling="matmul")
+    b.add(OP, f"{case} [{path}]", "TFLOP/s", flops / ours_ms / 1e9, peers, ceiling="matmul")
+    if sm80_ms is not None:
+        b.add(OP, f"{case} [sm80]", "TFLOP/s", flops / sm80_ms / 1e9, peers, ceiling="matmul")
 
 
 def _sdpa_cudnn(b, q, k, v, flops):

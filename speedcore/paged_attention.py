@@ -7,10 +7,14 @@ q is packed (total_q, heads, head_dim) with int32 ``cu_seqlens_q``; K and V come
 ``seqused_k[b]`` is the number of cached tokens of sequence b, this step's included.  The query tokens are the
 last ones of their sequence: causal masking is aligned to the bottom-right corner, as in flash-attn.
 
-Two kernels (mma.sync, every GPU from sm_80 on), picked by :func:`kernel_choice` from max_seqlen_q and the head dim:
-- ``paged_prefill_kernel``: FlashAttention-2's forward loop with the K/V tiles gathered through the block table by
-  cp.async (chunked prefill, prefix caching: many query tokens per sequence).  Launch heuristic
-  :func:`prefill_config`, a pure function of the head dim, the block size and the shared memory budget.
+Kernels, picked by :func:`kernel_choice` from max_seqlen_q and the head dim, then :func:`prefill_path`:
+- ``paged_prefill_sm90_kernel`` (sm_90a, H100/H200): kernels/attention_sm90.cu's warp-specialized wgmma / TMA
+  kernel with the producer loading each K/V tile as page-sized TMA boxes through the block table (chunked prefill,
+  prefix caching).  Launch heuristic :func:`prefill_sm90_config`.
+- ``paged_prefill_kernel`` (mma.sync, every GPU from sm_80 on, and what sm_90 cannot take: odd block sizes, head
+  dims <= 32, head dim 256 with softcap): FlashAttention-2's forward loop with the K/V tiles gathered through the
+  block table by cp.async.  Launch heuristic :func:`prefill_config`, a pure function of the head dim, the block size
+  and the shared memory budget.
 - ``paged_verify_kernel`` (at most VERIFY_MAX_Q query tokens per sequence: speculative verification, decode):
   decode-style split-KV, one CTA per (sequence, KV head, group of up to 32 (query token, query head) columns,
   split) that reads each K/V page once for all of them, plus ``paged_verify_merge_kernel`` where the KV range is
@@ -24,6 +28,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import _arrays as A
+from . import _tma
 from ._compile import Kernel
 from ._launch import LaunchConfig, device_info, launch
 
@@ -96,6 +101,72 @@ def _prefill_kernel(dtype: str, d: int, bn: int, mt: int, warps: int, ctas: int,
     b = lambda x: "true" if x else "false"  # noqa: E731
     return Kernel(SOURCE, f"paged_prefill_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {mt}, {warps}, {ctas}, {b(softcap)}, "
                           f"{q_ks}, {b(rowsum_mma)}, {stages}, {b(page_tile)}>")
+
+
+# -- chunked prefill on sm_90: paged_prefill_sm90_kernel --------------------------------------------------------
+PREFILL_SM90 = True  # False: every prefill runs paged_prefill_kernel (the sm_80 path)
+PATHS = ("sm80", "sm90")
+# (keys per tile BN, K/V ring stages, consumer warpgroups, pingpong) per kernel head dim: the masked (causal, varlen)
+# tiles of speedcore/attention.py's _SM90_TILES (measured there on an H200), except head dim 64, which takes the
+# two-consumer tile attention.py uses for short masked problems: with three consumers (160 registers each) the
+# paged producer's page arithmetic costs a spill.
+_SM90_TILES = {64: (128, 4, 2, False), 128: (128, 2, 2, True), 256: (64, 2, 2, False)}
+
+
+def smem_bytes_sm90(d: int, bn: int, stages: int, nc: int) -> int:
+    """Q, the K and V stages, O's staging buffer where they fit in 200 KB (else O is staged in Q's buffer), the
+    mbarriers, the two-slot ring of tile descriptors and 1 KB to align the tiles to the 128-byte swizzle's period
+    (kernels/paged_attention.cu, as attention.smem_bytes_sm90)."""
+    q, ring = 64 * nc * d * 2, 2 * stages * bn * d * 2
+    o = q if 2 * q + ring <= 200 * 1024 else 0
+    return q + ring + o + (2 + 4 * stages + 4) * 8 + 2 * 48 + 1024
+
+
+@lru_cache(maxsize=None)
+def prefill_sm90_config(head_dim: int, softcap: bool = False) -> tuple:
+    """(kernel head dim D, keys per tile BN, stages, consumer warpgroups, pingpong) of paged_prefill_sm90_kernel."""
+    d = kernel_head_dim(head_dim)
+    bn, stages, nc, pingpong = _SM90_TILES[d]
+    return d, bn, stages, nc, pingpong
+
+
+def prefill_path(head_dim: int, cc: tuple, softcap: bool, block_size: int) -> str:
+    """"sm90" on sm_90 devices for head dims 33 to 256 (except 256 with softcap, whose wgmma variant would spill, as
+    in attention.attention_path) and block sizes whose pages TMA boxes tile: multiples of 16 that divide the key
+    tile or that it divides (16 to 256 by powers of two, 384, ...); "sm80" otherwise or with PREFILL_SM90 off."""
+    return _prefill_path(head_dim, tuple(cc), bool(softcap), block_size) if PREFILL_SM90 else "sm80"
+
+
+@lru_cache(maxsize=4096)
+def _prefill_path(head_dim: int, cc: tuple, softcap: bool, block_size: int) -> str:
+    if cc != (9, 0) or head_dim <= 32:
+        return "sm80"
+    d, bn = prefill_sm90_config(head_dim, softcap)[:2]
+    if softcap and d == 256:
+        return "sm80"
+    if block_size % 16 or (block_size % bn and bn % block_size):
+        return "sm80"
+    return "sm90"
+
+
+@lru_cache(maxsize=None)
+def _prefill_sm90_kernel(dtype: str, d: int, bn: int, stages: int, nc: int, pingpong: bool, softcap: bool) -> Kernel:
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return Kernel(SOURCE, f"paged_prefill_sm90_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {stages}, {b(softcap)}, "
+                          f"{b(pingpong)}, {nc}>", hopper=True)
+
+
+def _tma_view(dims: tuple, strides: tuple) -> tuple:
+    """Strides (elements) for a tensor map of dims (innermost first): dimensions of size 1 may carry any stride in the
+    caller's array; they get a harmless one (a multiple of 16 bytes)."""
+    inner = -(-dims[0] // 8) * 8
+    out = []
+    for size, st in zip(dims[1:], strides):
+        if size == 1 or st <= 0:
+            st = inner
+        out.append(st)
+        inner = max(inner, st * size)
+    return tuple(out)
 
 
 # -- speculative verification: paged_verify_kernel -------------------------------------------------------------
@@ -198,6 +269,11 @@ def all_kernels() -> list:
     """Every variant :func:`paged_prefill_attention` launches, on GPUs with 227 KB (A100, H100, H200) or 99 KB
     (sm_86, sm_89) of shared memory per block (for ``python -m speedcore compile``)."""
     out = []
+    for dtype in A.HALF_DTYPES:
+        for d in HEAD_DIMS:
+            for softcap in (False, True):
+                if prefill_path(d, (9, 0), softcap, 16) == "sm90":
+                    out.append(_prefill_sm90_kernel(dtype, *prefill_sm90_config(d, softcap), softcap))
     for dtype in A.HALF_DTYPES:
         for d in HEAD_DIMS:
             for smem in _SMEM_BUDGETS:
@@ -363,6 +439,18 @@ def _contiguous_copy(a):
 
 # ---------------------------------------------------------------------------------------------- launch
 
+def _choose_path(device: int, p: dict, path) -> str:
+    auto = prefill_path(p["head_dim"], device_info(device).cc, p["softcap"] > 0, p["block_size"])
+    if path is None:
+        return auto
+    if path not in PATHS:
+        raise ValueError(f"_path: expected one of {PATHS}, got {path!r}")
+    if path == "sm90" and auto != "sm90":
+        raise ValueError(f"_path='sm90' needs an sm_90 GPU and a head dim, softcap and block size the sm_90 kernel "
+                         f"serves (see prefill_path), got head_dim {p['head_dim']}, block_size {p['block_size']}")
+    return path
+
+
 def _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta, config=None):
     dev = device_info(qa.device)
     cfg = config or prefill_config(p["head_dim"], p["block_size"], dev.smem_per_block_optin)
@@ -385,6 +473,46 @@ def _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta, config=None):
             np.float32(cap_post), i32(reverse))
     lc = LaunchConfig((num_m, p["heads"], p["batch"]), (32 * warps,), smem_bytes(d, bn, mt, warps, stages))
     launch(_prefill_kernel(qa.dtype, *cfg, p["softcap"] > 0), lc, args, device=qa.device, stream=A.stream_of(qa))
+
+
+def _tile_counter(ref, stream):
+    """Two int32 zeros per (library, device, stream) for the sm_90 kernel's dynamic tile schedule: the kernel leaves
+    them zero when it ends, and launches on one stream run in order, so they can share them."""
+    return A.stream_buffer("paged_attention_tiles", ref, stream, 2, "int32", min_n=2, zeroed=True)
+
+
+def _launch_prefill_sm90(p, oa, lse, qa, ka, va, cqa, sua, bta):
+    dev = device_info(qa.device)
+    head_dim, heads, batch, total_q = p["head_dim"], p["heads"], p["batch"], p["total_q"]
+    d, bn, stages, nc, pingpong = prefill_sm90_config(head_dim, p["softcap"] > 0)
+    bm = 64 * nc
+    num_m = -(-p["max_seqlen_q"] // bm)
+    num_tiles = num_m * heads * batch
+    page_rows = min(bn, p["block_size"])
+    rows = lambda a: ((head_dim, total_q, heads, 1), _tma_view((head_dim, total_q, heads, 1),  # noqa: E731
+                                                               (a.strides[0], a.strides[1], 0)))
+    cache_dims = (head_dim, p["block_size"], p["heads_kv"], p["num_blocks"])
+    cache_strides = _tma_view(cache_dims, (ka.strides[1], ka.strides[2], ka.strides[0]))
+    maps = [_tma.tile_map(qa.ptr, qa.dtype, *rows(qa), (64, bm, 1, 1)),
+            _tma.tile_map(ka.ptr, ka.dtype, cache_dims, cache_strides, (64, page_rows, 1, 1)),
+            _tma.tile_map(va.ptr, va.dtype, cache_dims, cache_strides, (64, page_rows, 1, 1)),
+            _tma.tile_map(oa.ptr, oa.dtype, *rows(oa), (64, 64, 1, 1))]
+    if p["softcap"] > 0:
+        scale_log2, cap_pre, cap_post = 1.0, 2.0 * _LOG2E * p["scale"] / p["softcap"], p["softcap"] * _LOG2E
+    else:
+        scale_log2, cap_pre, cap_post = p["scale"] * _LOG2E, 0.0, 0.0
+    left, right = p["left"], p["right"]
+    stream = A.stream_of(qa)
+    i32, i64 = np.int32, np.int64
+    args = (*maps, oa.ptr, lse.ptr if lse is not None else 0, cqa.ptr, sua.ptr, bta.ptr, i64(oa.strides[0]),
+            i64(oa.strides[1]), i64(bta.strides[0]), i32(total_q), i32(p["capacity"]), i32(p["block_size"]),
+            i32(p["num_blocks"]), i32(page_rows), i32(head_dim), i32(heads), i32(heads // p["heads_kv"]), i32(num_m),
+            i32(num_tiles), i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED),
+            np.float32(scale_log2), np.float32(cap_pre), np.float32(cap_post), i32(1 if right >= 0 else 0), i32(0),
+            _tile_counter(qa, stream).ptr)
+    cfg = LaunchConfig((min(num_tiles, dev.sms),), (128 * (nc + 1),), smem_bytes_sm90(d, bn, stages, nc))
+    launch(_prefill_sm90_kernel(qa.dtype, d, bn, stages, nc, pingpong, p["softcap"] > 0), cfg, args,
+           device=qa.device, stream=stream)
 
 
 def _launch_verify(p, oa, lse, qa, ka, va, cqa, sua, bta, num_splits=None):
@@ -432,7 +560,7 @@ def _launch_verify(p, oa, lse, qa, ka, va, cqa, sua, bta, num_splits=None):
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                             *, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                            out=None, _kernel=None, _num_splits=None):
+                            out=None, _kernel=None, _num_splits=None, _path=None):
     """Attention of packed query tokens over a paged KV cache, as ``flash_attn.flash_attn_varlen_func(q, k_cache,
     v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, block_table=block_table, ...)``.
 
@@ -494,6 +622,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
     if p["total_q"] > 0 and p["batch"] > 0 and p["max_seqlen_q"] > 0:
         if choice == "verify":
             _launch_verify(p, oa, lse, qa, ka, va, cqa, sua, bta, _num_splits)
+        elif _choose_path(qa.device, p, _path) == "sm90":
+            _launch_prefill_sm90(p, oa, lse, qa, ka, va, cqa, sua, bta)
         else:
             _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta)
     return (oa.obj, lse.obj) if return_lse else oa.obj

@@ -91,7 +91,41 @@ def test_verify_splits_fill_the_gpu():
 def test_all_kernels_are_distinct():
     ks = P.all_kernels()
     assert len(ks) == len({k.name for k in ks})
-    assert all(k.source == P.SOURCE and not k.hopper for k in ks)
+    assert all(k.source == P.SOURCE for k in ks)
+    assert all(k.hopper == ("sm90" in k.name) for k in ks)
+
+
+def test_prefill_path():
+    h200 = (9, 0)
+    assert P.prefill_path(128, h200, False, 16) == "sm90"
+    for bs in (32, 64, 128, 256, 384, 512):
+        assert P.prefill_path(128, h200, False, bs) == "sm90"
+    for bs in (1, 7, 8, 24, 48, 80):  # not tiled by 16-row TMA boxes (or not dividing / divided by the key tile)
+        assert P.prefill_path(128, h200, False, bs) == "sm80"
+    assert P.prefill_path(128, (8, 0), False, 16) == "sm80" and P.prefill_path(128, (8, 9), False, 16) == "sm80"
+    assert P.prefill_path(32, h200, False, 16) == "sm80"
+    assert P.prefill_path(40, h200, False, 16) == "sm90"  # zero-padded to 64 by the tensor maps
+    assert P.prefill_path(256, h200, True, 16) == "sm80" and P.prefill_path(256, h200, False, 16) == "sm90"
+    assert P.prefill_path(128, h200, True, 16) == "sm90"
+    P.PREFILL_SM90 = False
+    try:
+        assert P.prefill_path(128, h200, False, 16) == "sm80"
+    finally:
+        P.PREFILL_SM90 = True
+    names = {k.name for k in P.all_kernels()}
+    for d in P.HEAD_DIMS:
+        for softcap in (False, True):
+            if P.prefill_path(d, h200, softcap, 16) == "sm90":
+                cfg = P.prefill_sm90_config(d, softcap)
+                assert P.smem_bytes_sm90(*cfg[:4]) <= 227 * 1024
+                assert P._prefill_sm90_kernel("bfloat16", *cfg, softcap).name in names
+
+
+def test_tma_view_strides():
+    assert P._tma_view((128, 300, 8, 1), (1024, 128, 0)) == (1024, 128, 300 * 1024)
+    assert P._tma_view((64, 16, 8, 100), (512, 64, 8192)) == (512, 64, 8192)
+    dims = (64, 1, 1, 5)  # size-1 dimensions get a harmless stride
+    assert P._tma_view(dims, (7, 7, 64)) == (64, 64, 64)
 
 
 # ---------------------------------------------------------------- CPU: validation on described arrays
@@ -257,6 +291,17 @@ def test_window_and_causal_options():
 
 # ---------------------------------------------------------------- GPU: reference and cases
 
+@pytest.fixture(params=["sm80", "sm90"])
+def path(request):
+    """Runs a prefill test on each kernel: "sm80" forces paged_prefill_kernel; "sm90" keeps the dispatcher's choice
+    (paged_prefill_sm90_kernel wherever prefill_path gives it) and needs an sm_90 GPU."""
+    if request.param == "sm90":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the sm_90 paged prefill kernel needs an H100/H200")
+    return request.param
+
+
 def _torch():
     return pytest.importorskip("torch")
 
@@ -350,7 +395,7 @@ def check(torch, out, lse, ref, ref_lse, tol=5e-3, lse_atol=2e-3):
 
 def run_case(q_lens, k_lens, *, heads=4, kv_heads=2, d=128, block_size=16, dtype="bfloat16", causal=True,
              window=(-1, -1), softcap=0.0, scale=None, share=(), seed=0, qk_scale=1.0, out_view=False, kernel=None,
-             num_splits=None):
+             num_splits=None, path=None):
     """One call on fresh random data with a NaN-poisoned out; returns out."""
     import speedcore
 
@@ -370,7 +415,8 @@ def run_case(q_lens, k_lens, *, heads=4, kv_heads=2, d=128, block_size=16, dtype
     res, lse = speedcore.paged_prefill_attention(q, k, v, cu_q, lens, table, max(q_lens), max(k_lens),
                                                  causal=causal, softmax_scale=scale, window_size=window,
                                                  softcap=softcap, return_lse=True, out=out, _kernel=kernel,
-                                                 _num_splits=num_splits)
+                                                 _num_splits=num_splits,
+                                                 _path="sm80" if path == "sm80" else None)
     assert res is out and lse.shape == (heads, total_q) and lse.dtype == torch.float32
     ref, ref_lse = reference(torch, q, k, v, cu_q, table, lens, causal, scale, window, softcap)
     check(torch, out, lse, ref, ref_lse, lse_atol=2e-3 if softcap == 0 else 5e-3)
@@ -389,78 +435,79 @@ K_LENS = [20, 1, 40, 300, 100, 130, 1000, 0]
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 256, 32, 64, 1, 7, 24, 48])
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefill_grid(d, block_size, causal):
-    run_case(Q_LENS, K_LENS, d=d, block_size=block_size, causal=causal, seed=d + block_size)
+def test_prefill_grid(d, block_size, causal, path):
+    run_case(Q_LENS, K_LENS, d=d, block_size=block_size, causal=causal, seed=d + block_size, path=path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_prefill_dtypes(dtype, d):
-    run_case([300, 7, 64], [300, 519, 1024], heads=6, kv_heads=3, d=d, block_size=16, dtype=dtype, seed=d)
-    run_case([33, 128], [77, 128], heads=2, kv_heads=2, d=d, block_size=128, dtype=dtype, causal=False, seed=d + 1)
+def test_prefill_dtypes(dtype, d, path):
+    run_case([300, 7, 64], [300, 519, 1024], heads=6, kv_heads=3, d=d, block_size=16, dtype=dtype, seed=d, path=path)
+    run_case([33, 128], [77, 128], heads=2, kv_heads=2, d=d, block_size=128, dtype=dtype, causal=False, seed=d + 1,
+             path=path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [8, 40, 80, 96, 136, 200])
-def test_padded_head_dims(d):
-    run_case([77, 5], [150, 33], heads=4, kv_heads=1, d=d, block_size=16, seed=d)
-    run_case([50], [300], heads=2, kv_heads=2, d=d, block_size=64, dtype="float16", seed=d + 1)
+def test_padded_head_dims(d, path):
+    run_case([77, 5], [150, 33], heads=4, kv_heads=1, d=d, block_size=16, seed=d, path=path)
+    run_case([50], [300], heads=2, kv_heads=2, d=d, block_size=64, dtype="float16", seed=d + 1, path=path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, kv_heads", [(8, 1), (16, 2), (6, 3), (32, 8), (5, 5)])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_gqa_mqa(heads, kv_heads, block_size):
-    run_case([100, 9, 1], [300, 9, 513], heads=heads, kv_heads=kv_heads, block_size=block_size, seed=heads)
+def test_gqa_mqa(heads, kv_heads, block_size, path):
+    run_case([100, 9, 17], [300, 9, 513], heads=heads, kv_heads=kv_heads, block_size=block_size, seed=heads, path=path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [(16, 0), (32, 8), (-1, 16), (100, -1), (0, 0), (5000, 5000)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("block_size, d", [(16, 128), (256, 64), (5, 128), (64, 256)])
-def test_sliding_window(window, causal, block_size, d):
+def test_sliding_window(window, causal, block_size, d, path):
     run_case([200, 40, 1, 300], [450, 40, 77, 300], d=d, block_size=block_size, causal=causal, window=window,
-             seed=window[0] + block_size)
+             seed=window[0] + block_size, path=path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("softcap", [5.0, 30.0])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_softcap(softcap, d, block_size):
+def test_softcap(softcap, d, block_size, path):
     run_case([200, 3], [333, 64], heads=2, kv_heads=1, d=d, block_size=block_size, softcap=softcap, qk_scale=3.0,
-             seed=d + int(softcap))
+             seed=d + int(softcap), path=path)
     run_case([64], [64], heads=2, kv_heads=1, d=d, block_size=block_size, softcap=softcap, causal=False,
-             window=(20, 3), seed=d)
+             window=(20, 3), seed=d, path=path)
 
 
 @pytest.mark.gpu
-def test_softmax_scale_and_large_scores():
-    run_case([150, 2], [150, 600], d=64, scale=0.5, dtype="float16", seed=1)
-    run_case([150, 2], [400, 600], d=128, qk_scale=4.0, seed=2)
+def test_softmax_scale_and_large_scores(path):
+    run_case([150, 20], [150, 600], d=64, scale=0.5, dtype="float16", seed=1, path=path)
+    run_case([150, 20], [400, 600], d=128, qk_scale=4.0, seed=2, path=path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 256, 7])
-def test_shared_prefix_pages(block_size):
+def test_shared_prefix_pages(block_size, path):
     # sequences 1 and 2 reuse sequence 0's first pages (a cached system prompt), with their own suffixes and
     # different query chunks; sequence 3 is a fork of sequence 1 that shares all its full pages
     pages = max(1, 600 // block_size)
     run_case([64, 200, 1, 32], [700, 900, 650, 899], block_size=block_size,
-             share=((0, 1, pages), (0, 2, pages), (1, 3, 899 // block_size)), seed=block_size)
+             share=((0, 1, pages), (0, 2, pages), (1, 3, 899 // block_size)), seed=block_size, path=path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_long_prefix_32k(block_size):
-    run_case([512, 1], [32768, 32768 - 5], heads=8, kv_heads=2, d=128, block_size=block_size, seed=7)
+def test_long_prefix_32k(block_size, path):
+    run_case([512, 1], [32768, 32768 - 5], heads=8, kv_heads=2, d=128, block_size=block_size, seed=7, path=path)
 
 
 @pytest.mark.gpu
-def test_block_size_does_not_change_the_result():
-    """The same logical K/V in pages of 16, 32, 64 and 256 tokens: the kernel runs the same tiles in the same order
-    whichever way it finds their rows, so the outputs are bitwise equal."""
+def test_block_size_does_not_change_the_result(path):
+    """The same logical K/V in pages of 16, 32, 64 and 256 tokens: each kernel runs the same tiles in the same order
+    whichever way it finds their rows, so its outputs are bitwise equal."""
     import speedcore
 
     torch = _torch()
@@ -486,13 +533,14 @@ def test_block_size_does_not_change_the_result():
             table[b, :n] = pages.int()
             kc[pages] = ks[b].view(n, bs, kv_heads, d)
             vc[pages] = vs[b].view(n, bs, kv_heads, d)
-        outs.append(speedcore.paged_prefill_attention(q, kc, vc, cu_q, lens, table, 260, 1024))
+        outs.append(speedcore.paged_prefill_attention(q, kc, vc, cu_q, lens, table, 260, 1024,
+                                                      _path="sm80" if path == "sm80" else None))
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
 
 
 @pytest.mark.gpu
-def test_matches_contiguous_flash_attn_varlen():
+def test_matches_contiguous_flash_attn_varlen(path):
     import speedcore
 
     torch = _torch()
@@ -500,7 +548,8 @@ def test_matches_contiguous_flash_attn_varlen():
     k, v, table, lens = make_paged(torch, lens_k, 2, 128, 16, torch.bfloat16, seed=3)
     q = torch.randn(sum(lens_q), 8, 128, device="cuda").bfloat16()
     cu_q = torch.tensor([0, 300, 301, 365], dtype=torch.int32, device="cuda")
-    got = speedcore.paged_prefill_attention(q, k, v, cu_q, lens, table, 300, 700)
+    got = speedcore.paged_prefill_attention(q, k, v, cu_q, lens, table, 300, 700,
+                                            _path="sm80" if path == "sm80" else None)
     kk = torch.cat([k[table[b, torch.arange(n, device="cuda") // 16].long(), torch.arange(n, device="cuda") % 16]
                     for b, n in enumerate(lens_k)])
     vv = torch.cat([v[table[b, torch.arange(n, device="cuda") // 16].long(), torch.arange(n, device="cuda") % 16]
@@ -512,19 +561,20 @@ def test_matches_contiguous_flash_attn_varlen():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_no_cached_prefix_and_empty_sequences(block_size):
+def test_no_cached_prefix_and_empty_sequences(block_size, path):
     # every sequence holds only this step's tokens (seqused_k == query count), some sequences are empty, one has
     # queries but no key at all (zeros, lse = -inf)
-    run_case([1, 0, 33, 128, 2], [1, 0, 33, 128, 0], block_size=block_size, seed=block_size)
-    run_case([0, 0, 5], [0, 10, 5], block_size=block_size, causal=False, seed=block_size + 1)
+    run_case([1, 0, 33, 128, 20], [1, 0, 33, 128, 0], block_size=block_size, seed=block_size, path=path)
+    run_case([0, 0, 50], [0, 10, 50], block_size=block_size, causal=False, seed=block_size + 1, path=path)
 
 
 @pytest.mark.gpu
-def test_strided_views_and_out_is_q():
+def test_strided_views_and_out_is_q(path):
     import speedcore
 
     torch = _torch()
-    run_case([77, 300], [100, 300], out_view=True, seed=11)
+    run_case([77, 300], [100, 300], out_view=True, seed=11, path=path)
+    run_case([77, 300], [100, 300], d=64, out_view=True, block_size=256, seed=12, path=path)
     heads, kv_heads, d = 4, 2, 64
     k, v, table, lens = make_paged(torch, [90, 200], kv_heads, d, 16, torch.float16, seed=12)
     qkv = torch.randn(290, heads + 2 * kv_heads, d, device="cuda").half()
@@ -653,3 +703,19 @@ def test_verify_long_prefix_32k():
     run_case([8, 2], [32768, 32000], heads=32, kv_heads=8, d=128, block_size=16, seed=31)
     run_case([8, 2], [32768, 32000], heads=32, kv_heads=8, d=128, block_size=256, num_splits=16, kernel="verify",
              seed=32)
+
+
+@pytest.mark.gpu
+def test_sm90_serves_the_default_prefill_path(monkeypatch):
+    import speedcore
+
+    torch = _torch()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 paged prefill kernel needs an H100/H200")
+    launched = []
+    real = P._launch_prefill_sm90
+    monkeypatch.setattr(P, "_launch_prefill_sm90", lambda p, *a: (launched.append(p["block_size"]), real(p, *a)))
+    for bs in (16, 256, 7):
+        run_case([100, 30], [300, 30], block_size=bs, seed=bs)
+    assert launched == [16, 256]  # block size 7 runs paged_prefill_kernel
+    del speedcore
