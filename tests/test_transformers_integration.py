@@ -116,6 +116,30 @@ def test_apply_replaces_modules_and_concatenates_weights(family):
     assert "model.layers.0.self_attn.qkv_weight" in keys and "model.layers.0.mlp.gate_up_weight" in keys
 
 
+def test_apply_frees_the_replaced_weights():
+    import gc
+    import weakref
+
+    m = _model("llama")
+    attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+    refs = [weakref.ref(t) for t in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                                     mlp.gate_proj.weight, mlp.up_proj.weight)]
+    del attn, mlp
+    st.apply(m)
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_dynamic_rope_keeps_transformers_rotary():
+    ref = _model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    ours = st.apply(copy.deepcopy(ref))
+    assert ours.model.layers[0].self_attn.rope_cos_sin is None
+    ids, mask = _ragged()
+    valid = mask.bool()
+    torch.testing.assert_close(_logits(ours, ids, mask)[valid], _logits(ref, ids, mask)[valid], rtol=1e-4,
+                               atol=1e-4)
+
+
 def test_apply_leaves_other_architectures():
     m = _model("gemma2")
     st.apply(m)
