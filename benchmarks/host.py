@@ -45,6 +45,7 @@ def _host(b):
         ours, peer = host_us(torch, ours_fn), host_us(torch, peer_fn)
         b.add(OP, case, "us", ours, {peer_name: peer}, higher_is_better=False)
 
+    x1 = rand(1, 4096)
     for rows, size in ((1, "decode"), (512, "prefill")):
         x, r, w = rand(rows, 4096), rand(rows, 4096), rand(4096)
         add(f"rms_norm {rows}x4096 ({size})", lambda: speedcore.rms_norm(x, w, 1e-6),
@@ -56,6 +57,12 @@ def _host(b):
         g = rand(rows, 2 * 14336)
         add(f"silu_and_mul {rows}x28672 ({size})", lambda: speedcore.silu_and_mul(g),
             "F.silu(a) * b", lambda: F.silu(g[..., :14336]) * g[..., 14336:])
+
+    xm, wm = rand(1, 4096), rand(4096, 4096) / 64
+    add("matmul 1x4096x4096 (decode)", lambda: speedcore.matmul(xm, wm), "torch.matmul", lambda: torch.matmul(xm, wm))
+    g = rand(1, 2 * 14336)
+    add("gelu_and_mul 1x28672 (decode)", lambda: speedcore.gelu_and_mul(g),
+        "F.gelu(a) * b", lambda: F.gelu(g[..., :14336]) * g[..., 14336:])
 
     # rotary on a fused qkv projection's q and k (Llama-3-8B: 32 / 8 heads of 128), neox style, 8 tokens
     tokens = 8
@@ -112,3 +119,29 @@ def _host(b):
     add(f"paged_decode_attention B {batch}, S {seq}, 32/8 heads d128",
         lambda: speedcore.paged_decode_attention(qd, kpc, vpc, table, lens),
         "F.scaled_dot_product_attention", lambda: F.scaled_dot_product_attention(qdt, kdt, vdt, enable_gqa=True))
+
+    # varlen attention of 8 sequences of 64 tokens (prefill of a small batch); the peer is sdpa on the padded batch
+    cu = torch.arange(0, 9 * 64, 64, device=dev, dtype=torch.int32)
+    qv, kv, vv = rand(512, 32, 128), rand(512, 8, 128), rand(512, 8, 128)
+    qb, kb, vb = rand(8, 32, 64, 128), rand(8, 8, 64, 128), rand(8, 8, 64, 128)
+    add("flash_attn_varlen 8 x 64 tokens, 32/8 heads d128",
+        lambda: speedcore.flash_attn_varlen(qv, kv, vv, cu, cu, 64, 64, causal=True),
+        "F.scaled_dot_product_attention",
+        lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True))
+
+    # paged prefill: a 64-token chunk of each of 8 sequences over 1024 cached tokens in 16-token pages
+    if hasattr(speedcore, "paged_prefill_attention"):
+        seqused = torch.full((batch,), seq, device=dev, dtype=torch.int32)
+        add(f"paged_prefill_attention 8 x 64 queries over {seq} cached, 32/8 heads d128",
+            lambda: speedcore.paged_prefill_attention(qv, kpc, vpc, cu, seqused, table, 64, seq, causal=True),
+            "F.scaled_dot_product_attention",
+            lambda: F.scaled_dot_product_attention(qb, kdt, vdt, enable_gqa=True))
+
+    # a 4-bit AWQ layer, prepacked, at decode size: the torch op a model would run is F.linear on bf16 weights
+    from speedcore import quant
+
+    wq = (torch.randn(4096, 4096) * 0.02).numpy()
+    qw, qz, sc = (torch.from_numpy(a).to(dev) for a in quant.quantize_awq(wq, 128))
+    layer = quant.prepack_awq(qw, qz, sc.to(bf16), group_size=128)
+    add("awq_linear 1x4096x4096 g128 (prepacked)", lambda: speedcore.awq_linear(x1, layer), "F.linear (bf16)",
+        lambda: F.linear(x1, wl))
