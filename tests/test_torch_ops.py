@@ -204,9 +204,11 @@ def ref_gated(act):
     return gated
 
 
-def _into_out(ref, extra=None):
-    """The *_out kernel of a reference: writes its (first) result into out, returns the rest."""
-    def kernel(*args, out, **kw):
+def _into_out(ref):
+    """The *_out kernel of a reference: writes its (first) result into out (the last positional argument), returns
+    the rest."""
+    def kernel(*args, **kw):
+        *args, out = args
         res = ref(*args, **kw)
         first = res[0] if isinstance(res, tuple) else res
         out.copy_(first)
@@ -300,38 +302,38 @@ def samples(device, dtype=torch.float16, seed=0):
     gx = rn(4, 128)
     return {
         "rms_norm": ((x, w, 1e-5), {}),
-        "rms_norm_out": ((x, w, 1e-5), dict(out=torch.empty_like(x))),
+        "rms_norm_out": ((x, w, 1e-5, torch.empty_like(x)), {}),
         "add_rms_norm": ((x, r, w, 1e-5), {}),
-        "add_rms_norm_out": ((x, r, w, 1e-5), dict(out=torch.empty_like(x))),
+        "add_rms_norm_out": ((x, r, w, 1e-5, torch.empty_like(x)), {}),
         "flash_attn": ((q, k, v), attn_kw),
         "flash_attn_lse": ((q, k, v), dict(attn_kw, causal=False, softcap=20.0)),
-        "flash_attn_out": ((q, k, v), dict(attn_kw, out=torch.empty_like(q))),
-        "flash_attn_lse_out": ((q, k, v), dict(attn_kw, out=torch.empty_like(q))),
+        "flash_attn_out": ((q, k, v, torch.empty_like(q)), attn_kw),
+        "flash_attn_lse_out": ((q, k, v, torch.empty_like(q)), attn_kw),
         "flash_attn_varlen": (varlen, attn_kw),
         "flash_attn_varlen_lse": (varlen, dict(attn_kw, window_size=[-1, -1])),
-        "flash_attn_varlen_out": (varlen, dict(attn_kw, out=torch.empty_like(vq))),
-        "flash_attn_varlen_lse_out": (varlen, dict(attn_kw, out=torch.empty_like(vq))),
+        "flash_attn_varlen_out": (varlen + (torch.empty_like(vq),), attn_kw),
+        "flash_attn_varlen_lse_out": (varlen + (torch.empty_like(vq),), attn_kw),
         "paged_prefill_attention": (prefill, {}),
         "paged_prefill_attention_lse": (prefill, dict(causal=False, softcap=10.0)),
-        "paged_prefill_attention_out": (prefill, dict(window_size=[4, 0], out=torch.empty_like(pq))),
-        "paged_prefill_attention_lse_out": (prefill, dict(out=torch.empty_like(pq))),
+        "paged_prefill_attention_out": (prefill + (torch.empty_like(pq),), dict(window_size=[4, 0])),
+        "paged_prefill_attention_lse_out": (prefill + (torch.empty_like(pq),), {}),
         "matmul": ((a, b), {}),
-        "matmul_out": ((a, b), dict(out=a.new_empty(16, 32))),
+        "matmul_out": ((a, b, a.new_empty(16, 32)), {}),
         "linear": ((lx, lw, lb), dict(activation="silu")),
-        "linear_out": ((lx, lw, None), dict(out=lx.new_empty(2, 8, 32))),
+        "linear_out": ((lx, lw, None, lx.new_empty(2, 8, 32)), dict(activation="gelu_tanh")),
         "awq_linear": (awq, dict(group_size=64)),
         "gptq_linear": (gptq + (None,), dict(group_size=64, bias=rn(64))),
         "int8_linear": (int8, {}),
         "paged_decode_attention": (decode, decode_kw),
         "paged_decode_attention_lse": (decode, {}),
-        "paged_decode_attention_out": (decode, dict(decode_kw, out=torch.empty_like(dq))),
-        "paged_decode_attention_lse_out": (decode, dict(out=torch.empty_like(dq))),
+        "paged_decode_attention_out": (decode + (torch.empty_like(dq),), decode_kw),
+        "paged_decode_attention_lse_out": (decode + (torch.empty_like(dq),), {}),
         "reshape_and_cache": ((rn(5, 2, 64), rn(5, 2, 64), kc.clone(), vc.clone(), slots), {}),
         "rotary_embedding": ((positions, rn(6, 4, 64), rn(6, 2, 64), cos_sin), dict(is_neox=True)),
         "silu_and_mul": ((gx,), {}),
-        "silu_and_mul_out": ((gx,), dict(out=gx.new_empty(4, 64))),
+        "silu_and_mul_out": ((gx, gx.new_empty(4, 64)), {}),
         "gelu_and_mul": ((gx,), {}),
-        "gelu_and_mul_out": ((gx,), dict(out=gx.new_empty(4, 64))),
+        "gelu_and_mul_out": ((gx, gx.new_empty(4, 64)), {}),
     }
 
 
@@ -792,3 +794,47 @@ def test_export_traces_the_public_functions_into_the_ops(cpu_reference_kernels):
         targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
         assert "speedcore.add_rms_norm.default" in targets and "speedcore.silu_and_mul.default" in targets
         torch.testing.assert_close(ep.module()(x, r), ref_gated(F.silu)(torch.cat([y, h], -1)))
+
+
+# ---- writes into views and into the inputs themselves ----
+
+EDGE_NAMES = ("rms_norm", "flash_attn", "rotary_embedding", "silu_and_mul")
+
+
+def writes_in_place(sc, x, w, q, k, v, positions, cos_sin, wide):
+    sc.rms_norm(x, w, out=x)  # out is the input
+    o = sc.flash_attn(q, k, v, causal=True, out=q)  # out is q
+    q2, no_k = sc.rotary_embedding(positions, q.view(-1, 4, 64), None, cos_sin)
+    sc.silu_and_mul(x.repeat(1, 2), out=wide[:, :64])  # out is a column slice of an input (not contiguous)
+    return x * 1, o * 1, q2 * 1, wide * 1
+
+
+def edge_inputs(device):
+    g = torch.Generator().manual_seed(0)
+    freqs = torch.arange(64)[:, None] * (10000.0 ** (-torch.arange(32) / 32.0))[None]
+    args = [_randn(shape, torch.float16, device, g) for shape in ((4, 64), (64,), (2, 8, 4, 64), (2, 8, 2, 64),
+                                                                   (2, 8, 2, 64))]
+    return args + [(torch.arange(16) % 64).to(device), torch.cat([freqs.cos(), freqs.sin()], -1).to(device),
+                   torch.zeros(4, 128, dtype=torch.float16, device=device)]
+
+
+def _check_writes_in_place(device, backend, eager):
+    sc = _namespace({n: public(n) for n in EDGE_NAMES})
+    expected_args = edge_inputs(device)
+    expected = writes_in_place(eager, *expected_args)
+    args = edge_inputs(device)
+    got = torch.compile(writes_in_place, fullgraph=True, backend=backend)(sc, *args)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    for a, e in zip(args, expected_args):
+        torch.testing.assert_close(a, e, atol=2e-2, rtol=2e-2)
+
+
+def test_compile_writes_into_inputs_and_views(cpu_reference_kernels):
+    _check_writes_in_place("cpu", "aot_eager", _namespace(T.TRACED))
+
+
+@pytest.mark.gpu
+def test_compile_writes_into_inputs_and_views_gpu():
+    _cuda()
+    torch._dynamo.reset()
+    _check_writes_in_place("cuda", "inductor", _namespace({n: getattr(speedcore, n) for n in EDGE_NAMES}))

@@ -9,7 +9,8 @@ torch.compile traces them, so users never need to import this module.
 Schemas: optional arguments map to ``?`` types with the public defaults; arguments that are written are
 declared ``Tensor(a!)``.  A call with ``out=`` maps to a separate ``*_out`` op that writes ``out`` and returns
 nothing (or only new tensors: the ``h`` of the fused add, the lse), since a mutating op must not return what it
-mutates.  Each public function whose result count depends on a flag (``residual``, ``return_lse``) maps to one op
+mutates; ``out`` is positional, because dynamo graph-breaks on an op called with a non-contiguous ``out=`` keyword
+(its rule for torch's out= variants, which may resize).  Each public function whose result count depends on a flag (``residual``, ``return_lse``) maps to one op
 per case, so that every op has a fixed result type.
 
 The Library path is used rather than ``torch.library.custom_op`` for its host cost: ``custom_op`` adds ~10 us
@@ -38,25 +39,25 @@ _DECODE_KW = "float? softmax_scale=None, float softcap=0.0, int window_left=-1"
 # op name -> schema (without the name).  Returns: "()" for ops that only write their (a!) arguments.
 SCHEMAS = {
     "rms_norm": "(Tensor x, Tensor weight, float eps=1e-06) -> Tensor",
-    "rms_norm_out": "(Tensor x, Tensor weight, float eps, *, Tensor(a!) out) -> ()",
+    "rms_norm_out": "(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()",
     "add_rms_norm": "(Tensor x, Tensor residual, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)",
-    "add_rms_norm_out": "(Tensor x, Tensor residual, Tensor weight, float eps, *, Tensor(a!) out) -> Tensor",
+    "add_rms_norm_out": "(Tensor x, Tensor residual, Tensor weight, float eps, Tensor(a!) out) -> Tensor",
     "flash_attn": f"(Tensor q, Tensor k, Tensor v, *, {_ATTN_KW}) -> Tensor",
     "flash_attn_lse": f"(Tensor q, Tensor k, Tensor v, *, {_ATTN_KW}) -> (Tensor, Tensor)",
-    "flash_attn_out": f"(Tensor q, Tensor k, Tensor v, *, {_ATTN_KW}, Tensor(a!) out) -> ()",
-    "flash_attn_lse_out": f"(Tensor q, Tensor k, Tensor v, *, {_ATTN_KW}, Tensor(a!) out) -> Tensor",
+    "flash_attn_out": f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, *, {_ATTN_KW}) -> ()",
+    "flash_attn_lse_out": f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, *, {_ATTN_KW}) -> Tensor",
     "flash_attn_varlen": f"({_VARLEN_ARGS}, *, {_ATTN_KW}) -> Tensor",
     "flash_attn_varlen_lse": f"({_VARLEN_ARGS}, *, {_ATTN_KW}) -> (Tensor, Tensor)",
-    "flash_attn_varlen_out": f"({_VARLEN_ARGS}, *, {_ATTN_KW}, Tensor(a!) out) -> ()",
-    "flash_attn_varlen_lse_out": f"({_VARLEN_ARGS}, *, {_ATTN_KW}, Tensor(a!) out) -> Tensor",
+    "flash_attn_varlen_out": f"({_VARLEN_ARGS}, Tensor(a!) out, *, {_ATTN_KW}) -> ()",
+    "flash_attn_varlen_lse_out": f"({_VARLEN_ARGS}, Tensor(a!) out, *, {_ATTN_KW}) -> Tensor",
     "paged_prefill_attention": f"({_PREFILL_ARGS}, *, {_PREFILL_KW}) -> Tensor",
     "paged_prefill_attention_lse": f"({_PREFILL_ARGS}, *, {_PREFILL_KW}) -> (Tensor, Tensor)",
-    "paged_prefill_attention_out": f"({_PREFILL_ARGS}, *, {_PREFILL_KW}, Tensor(a!) out) -> ()",
-    "paged_prefill_attention_lse_out": f"({_PREFILL_ARGS}, *, {_PREFILL_KW}, Tensor(a!) out) -> Tensor",
+    "paged_prefill_attention_out": f"({_PREFILL_ARGS}, Tensor(a!) out, *, {_PREFILL_KW}) -> ()",
+    "paged_prefill_attention_lse_out": f"({_PREFILL_ARGS}, Tensor(a!) out, *, {_PREFILL_KW}) -> Tensor",
     "matmul": "(Tensor a, Tensor b) -> Tensor",
-    "matmul_out": "(Tensor a, Tensor b, *, Tensor(a!) out) -> ()",
+    "matmul_out": "(Tensor a, Tensor b, Tensor(a!) out) -> ()",
     "linear": "(Tensor x, Tensor weight, Tensor? bias=None, *, str? activation=None) -> Tensor",
-    "linear_out": "(Tensor x, Tensor weight, Tensor? bias=None, *, str? activation=None, Tensor(a!) out) -> ()",
+    "linear_out": "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, *, str? activation=None) -> ()",
     "awq_linear": "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, *, int group_size=128, "
                   "Tensor? bias=None) -> Tensor",
     "gptq_linear": "(Tensor x, Tensor qweight, Tensor qzeros, Tensor scales, Tensor? g_idx=None, *, "
@@ -64,15 +65,15 @@ SCHEMAS = {
     "int8_linear": "(Tensor x, Tensor weight, Tensor scales, *, Tensor? bias=None) -> Tensor",
     "paged_decode_attention": f"({_DECODE_ARGS}, *, {_DECODE_KW}) -> Tensor",
     "paged_decode_attention_lse": f"({_DECODE_ARGS}, *, {_DECODE_KW}) -> (Tensor, Tensor)",
-    "paged_decode_attention_out": f"({_DECODE_ARGS}, *, {_DECODE_KW}, Tensor(a!) out) -> ()",
-    "paged_decode_attention_lse_out": f"({_DECODE_ARGS}, *, {_DECODE_KW}, Tensor(a!) out) -> Tensor",
+    "paged_decode_attention_out": f"({_DECODE_ARGS}, Tensor(a!) out, *, {_DECODE_KW}) -> ()",
+    "paged_decode_attention_lse_out": f"({_DECODE_ARGS}, Tensor(a!) out, *, {_DECODE_KW}) -> Tensor",
     "reshape_and_cache": "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
     "rotary_embedding": "(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
                         "bool is_neox=True) -> ()",
     "silu_and_mul": "(Tensor x) -> Tensor",
-    "silu_and_mul_out": "(Tensor x, *, Tensor(a!) out) -> ()",
+    "silu_and_mul_out": "(Tensor x, Tensor(a!) out) -> ()",
     "gelu_and_mul": "(Tensor x) -> Tensor",
-    "gelu_and_mul_out": "(Tensor x, *, Tensor(a!) out) -> ()",
+    "gelu_and_mul_out": "(Tensor x, Tensor(a!) out) -> ()",
 }
 
 
@@ -82,7 +83,7 @@ def _rms_norm(x, weight, eps=1e-6):
     return speedcore.rms_norm(x, weight, eps)
 
 
-def _rms_norm_out(x, weight, eps, *, out):
+def _rms_norm_out(x, weight, eps, out):
     speedcore.rms_norm(x, weight, eps, out=out)
 
 
@@ -90,7 +91,7 @@ def _add_rms_norm(x, residual, weight, eps=1e-6):
     return speedcore.rms_norm(x, weight, eps, residual=residual)
 
 
-def _add_rms_norm_out(x, residual, weight, eps, *, out):
+def _add_rms_norm_out(x, residual, weight, eps, out):
     return speedcore.rms_norm(x, weight, eps, residual=residual, out=out)[1]
 
 
@@ -107,11 +108,13 @@ def _attention_kernels(public_name, causal_default=False):
         return tuple(public(*args, causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size),
                             softcap=softcap, return_lse=True))
 
-    def kernel_out(*args, causal=causal_default, softmax_scale=None, window_size=(-1, -1), softcap=0.0, out):
+    def kernel_out(*args, causal=causal_default, softmax_scale=None, window_size=(-1, -1), softcap=0.0):
+        *args, out = args
         public(*args, causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap,
                out=out)
 
-    def kernel_lse_out(*args, causal=causal_default, softmax_scale=None, window_size=(-1, -1), softcap=0.0, out):
+    def kernel_lse_out(*args, causal=causal_default, softmax_scale=None, window_size=(-1, -1), softcap=0.0):
+        *args, out = args
         return public(*args, causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size),
                       softcap=softcap, return_lse=True, out=out)[1]
 
@@ -122,7 +125,7 @@ def _matmul(a, b):
     return speedcore.matmul(a, b)
 
 
-def _matmul_out(a, b, *, out):
+def _matmul_out(a, b, out):
     speedcore.matmul(a, b, out=out)
 
 
@@ -130,7 +133,7 @@ def _linear(x, weight, bias=None, *, activation=None):
     return speedcore.linear(x, weight, bias, activation=activation)
 
 
-def _linear_out(x, weight, bias=None, *, activation=None, out):
+def _linear_out(x, weight, bias, out, *, activation=None):
     speedcore.linear(x, weight, bias, activation=activation, out=out)
 
 
@@ -157,14 +160,14 @@ def _decode_lse(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=Non
                                                   window_left=window_left, return_lse=True))
 
 
-def _decode_out(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0, window_left=-1,
-                out):
+def _decode_out(q, k_cache, v_cache, block_table, seq_lens, out, *, softmax_scale=None, softcap=0.0,
+                window_left=-1):
     speedcore.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=softmax_scale,
                                      softcap=softcap, window_left=window_left, out=out)
 
 
-def _decode_lse_out(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0,
-                    window_left=-1, out):
+def _decode_lse_out(q, k_cache, v_cache, block_table, seq_lens, out, *, softmax_scale=None, softcap=0.0,
+                    window_left=-1):
     return speedcore.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=softmax_scale,
                                             softcap=softcap, window_left=window_left, out=out, return_lse=True)[1]
 
@@ -181,7 +184,7 @@ def _silu_and_mul(x):
     return speedcore.silu_and_mul(x)
 
 
-def _silu_and_mul_out(x, *, out):
+def _silu_and_mul_out(x, out):
     speedcore.silu_and_mul(x, out=out)
 
 
@@ -189,7 +192,7 @@ def _gelu_and_mul(x):
     return speedcore.gelu_and_mul(x)
 
 
-def _gelu_and_mul_out(x, *, out):
+def _gelu_and_mul_out(x, out):
     speedcore.gelu_and_mul(x, out=out)
 
 
@@ -230,11 +233,11 @@ def _fake_add_rms_norm(x, residual, weight, eps=1e-6):
     return _new(x, x.shape), _new(x, x.shape)
 
 
-def _fake_add_rms_norm_out(x, residual, weight, eps, *, out):
+def _fake_add_rms_norm_out(x, residual, weight, eps, out):
     return _new(x, x.shape)
 
 
-def _fake_flash_lse(q, k, v, **kw):
+def _fake_flash_lse(q, *args, **kw):
     return _new(q, q.shape), _new(q, (q.shape[0], q.shape[2], q.shape[1]), torch.float32)
 
 
@@ -270,7 +273,7 @@ FAKES = {
     "rms_norm": _fake_rms_norm, "rms_norm_out": _writes_only,
     "add_rms_norm": _fake_add_rms_norm, "add_rms_norm_out": _fake_add_rms_norm_out,
     "flash_attn": lambda q, k, v, **kw: _new(q, q.shape), "flash_attn_lse": _fake_flash_lse,
-    "flash_attn_out": _writes_only, "flash_attn_lse_out": lambda q, k, v, **kw: _fake_flash_lse(q, k, v)[1],
+    "flash_attn_out": _writes_only, "flash_attn_lse_out": lambda q, *args, **kw: _fake_flash_lse(q)[1],
     "flash_attn_varlen": lambda q, *args, **kw: _new(q, q.shape), "flash_attn_varlen_lse": _fake_varlen_lse,
     "flash_attn_varlen_out": _writes_only,
     "flash_attn_varlen_lse_out": lambda q, *args, **kw: _fake_varlen_lse(q)[1],
@@ -301,11 +304,11 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None, **private
     if residual is None:
         if out is None:
             return ops.rms_norm(x, weight, eps)
-        ops.rms_norm_out(x, weight, eps, out=out)
+        ops.rms_norm_out(x, weight, eps, out)
         return out
     if out is None:
         return ops.add_rms_norm(x, residual, weight, eps)
-    return out, ops.add_rms_norm_out(x, residual, weight, eps, out=out)
+    return out, ops.add_rms_norm_out(x, residual, weight, eps, out)
 
 
 def _no_private(private):
@@ -321,8 +324,8 @@ def _attention(op, op_lse, op_out, op_lse_out, args, return_lse, out, kw):
     if out is None:
         return op_lse(*args, **kw) if return_lse else op(*args, **kw)
     if return_lse:
-        return out, op_lse_out(*args, **kw, out=out)
-    op_out(*args, **kw, out=out)
+        return out, op_lse_out(*args, out, **kw)
+    op_out(*args, out, **kw)
     return out
 
 
@@ -358,7 +361,7 @@ def matmul(a, b, *, out=None, **private):
     _no_private(private)
     if out is None:
         return ops.matmul(a, b)
-    ops.matmul_out(a, b, out=out)
+    ops.matmul_out(a, b, out)
     return out
 
 
@@ -366,7 +369,7 @@ def linear(x, weight, bias=None, *, activation=None, out=None, **private):
     _no_private(private)
     if out is None:
         return ops.linear(x, weight, bias, activation=activation)
-    ops.linear_out(x, weight, bias, activation=activation, out=out)
+    ops.linear_out(x, weight, bias, out, activation=activation)
     return out
 
 
@@ -422,7 +425,7 @@ def silu_and_mul(x, *, out=None, **private):
     _no_private(private)
     if out is None:
         return ops.silu_and_mul(x)
-    ops.silu_and_mul_out(x, out=out)
+    ops.silu_and_mul_out(x, out)
     return out
 
 
@@ -430,7 +433,7 @@ def gelu_and_mul(x, *, out=None, **private):
     _no_private(private)
     if out is None:
         return ops.gelu_and_mul(x)
-    ops.gelu_and_mul_out(x, out=out)
+    ops.gelu_and_mul_out(x, out)
     return out
 
 
