@@ -467,30 +467,29 @@ def test_compile_traces_rms_norm_into_the_op(cpu_reference_kernels):
 
 
 def test_compile_traces_out_and_inplace_variants(cpu_reference_kernels):
-    silu_and_mul, rotary, cache = public("silu_and_mul"), public("rotary_embedding"), public("reshape_and_cache")
+    names = ("silu_and_mul", "rotary_embedding", "reshape_and_cache")
     s = samples("cpu")
     positions, q, k, cos_sin = s["rotary_embedding"][0]
-    kv, vv, kc, vc, slots = s["reshape_and_cache"][0]
+    kc, vc, slots = s["reshape_and_cache"][0][2:]
     gx = s["silu_and_mul"][0][0]
 
-    def f(gx, out, positions, q, k, cos_sin, kc, vc):
-        silu_and_mul(gx, out=out)
-        q2, k2 = rotary(positions, q, k, cos_sin)
-        cache(k2[:5], k2[:5], kc, vc, slots)
+    def f(sc, gx, out, positions, q, k, cos_sin, kc, vc):
+        sc.silu_and_mul(gx, out=out)
+        q2, k2 = sc.rotary_embedding(positions, q, k, cos_sin)
+        sc.reshape_and_cache(k2[:5], k2[:5], kc, vc, slots)
         return out * 1, q2 + 0
 
-    expected_args = [t.clone() for t in (gx, gx.new_empty(4, 64), positions, q, k, cos_sin, kc, vc)]
+    expected_args = [t.clone() for t in (gx, gx.new_zeros(4, 64), positions, q, k, cos_sin, kc, vc)]
+    sc = _namespace({n: public(n) for n in names})
     args = [t.clone() for t in expected_args]
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(sc, *args)
     rec = GraphRecorder()
-    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
-    torch.compile(f, fullgraph=True, backend=rec)(*[t.clone() for t in expected_args])
+    torch.compile(f, fullgraph=True, backend=rec)(sc, *[t.clone() for t in expected_args])
     assert {"speedcore.silu_and_mul_out", "speedcore.rotary_embedding", "speedcore.reshape_and_cache"} <= set(
         rec.targets())
     # eager through the ops (reference kernels here): the same values and the same writes into the inputs
-    silu_and_mul, rotary, cache = T.silu_and_mul, T.rotary_embedding, T.reshape_and_cache
-    eager_args = [t.clone() for t in expected_args]
-    torch.testing.assert_close(got, f(*eager_args))
-    for a, e in zip(args, eager_args):
+    torch.testing.assert_close(got, f(_namespace(T.TRACED), *expected_args))
+    for a, e in zip(args, expected_args):
         torch.testing.assert_close(a, e)
 
 
