@@ -346,6 +346,7 @@ def empty(ref: Array, shape, dtype: str, name: str = "out", *, zeroed: bool = Fa
 
 _stream_buffers: dict = {}
 _retired_buffers: list = []  # outgrown scratch buffers (grow-only, powers of two: at most the live size again)
+_retired_keys: list = []     # the stream key each retired buffer belonged to (release_stream_buffers)
 
 
 def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: int = 4096,
@@ -359,9 +360,26 @@ def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: i
         if buf is not None:
             # A CUDA graph captured with the old buffer still reads and writes it on replay: keep it allocated.
             _retired_buffers.append(buf)
+            _retired_keys.append(key)
         buf = empty(ref, (max(min_n, 1 << max(0, n - 1).bit_length()),), dtype, kind, zeroed=zeroed)
         _stream_buffers[key] = buf
     return buf
+
+
+def release_stream_buffers(stream) -> int:
+    """Free every scratch buffer kept for ``stream`` (a stream object or raw pointer), outgrown ones included;
+    returns how many.  Only once no launch on that stream is pending and no CUDA graph that used them will be
+    replayed again (an engine's ``close()``)."""
+    ptr = stream if type(stream) is int else getattr(stream, "ptr", 0)
+    n = 0
+    for key in [k for k in _stream_buffers if k[3] == ptr]:
+        del _stream_buffers[key]
+        n += 1
+    keep = [(b, k) for b, k in zip(_retired_buffers, _retired_keys) if k[3] != ptr]
+    n += len(_retired_buffers) - len(keep)
+    _retired_buffers[:] = [b for b, _ in keep]
+    _retired_keys[:] = [k for _, k in keep]
+    return n
 
 
 def scratch_ref(lib: str, device: int) -> Array:

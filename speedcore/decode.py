@@ -419,6 +419,7 @@ def _decode_launch(p, qa, ka, va, bta, sla, oa, return_lse: bool):
     part_l_offset = 4 * p["partial_floats"]
     exts = tuple(A.extent(a) for a in (qa, ka, va, bta, sla))
     o_ext = A.extent(oa) if oa is not None else 0
+    scratch = A.scratch_ref(qa.lib, device)
     if batch:
         attn = bind(p["kernel"], p["cfg"], device).prepacked((int,) * 9, p["scalars"])
         if merge:
@@ -442,9 +443,10 @@ def _decode_launch(p, qa, ka, va, bta, sla, oa, return_lse: bool):
         lse_ptr = ptr(lse) if return_lse else 0
         s = stream(device)
         if merge:
-            # one workspace: partial outputs, then the partial log-sum-exps (16-byte aligned: head_dim % 64 == 0)
-            ws = empty((ws_floats,), "float32", device)
-            part_o = ptr(ws)
+            # one workspace: partial outputs, then the partial log-sum-exps (16-byte aligned: head_dim % 64 == 0).
+            # The stream's scratch buffer (launches on one stream run in order): no allocation per call, and none
+            # inside a CUDA-graph capture (graphs captured on one stream share it: replay them in order).
+            part_o = A.stream_buffer("decode_workspace", scratch, s, ws_floats, "float32").ptr
             part_l = part_o + part_l_offset
             attn(s, op, 0, part_o, part_l, *ptrs)
             merge_launch(s, op, lse_ptr, part_o, part_l)

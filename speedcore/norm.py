@@ -57,7 +57,7 @@ def all_kernels() -> list:
     return out
 
 
-def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None):
+def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None, residual_out=None):
     """Root-mean-square layer norm over the last dimension, optionally fused with a residual add.
 
     ``y = x / sqrt(mean(x**2, -1) + eps) * weight``.  With ``residual``: ``h = x + residual`` (rounded to the
@@ -72,7 +72,11 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None):
     eps : float
         Added to the mean square.
     residual : optional, same shape and dtype as ``x``.
-    out : optional, same shape and dtype as ``x``; written in place and returned.
+    out : optional, same shape and dtype as ``x``; written in place and returned.  May be ``x`` itself.
+    residual_out : optional, with ``residual``: where ``h`` is written (same shape and dtype; may be
+        ``residual`` itself or ``x`` itself, as vLLM's in-place ``fused_add_rms_norm``, but must not otherwise
+        overlap an operand).  By default ``h`` is a new array.  Nothing is allocated when both ``out`` and
+        ``residual_out`` are given (what a CUDA-graph capture needs).
 
     Returns
     -------
@@ -80,32 +84,39 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None):
     caller's current stream.
     """
     if _torch_hook.compiling():
+        if residual_out is not None:
+            raise NotImplementedError("rms_norm: residual_out is not supported under torch.compile (the traced op "
+                                      "returns h as a new tensor); pass residual only")
         return _torch_hook.op("rms_norm")(x, weight, eps, residual=residual, out=out)
     try:
         plan = _PLANS.get((sig(x), sig(weight), None if residual is None else sig(residual),
-                           None if out is None else sig(out), eps))
+                           None if out is None else sig(out), None if residual_out is None else sig(residual_out),
+                           eps))
     except TypeError:  # an unhashable eps: the full check names it
         plan = None
     if plan is not None:
-        result = plan(x, weight, residual, out)
+        result = plan(x, weight, residual, out, residual_out)
         if result is not None:
             return result
-    return _rms_norm_checked(x, weight, eps, residual, out)
+    return _rms_norm_checked(x, weight, eps, residual, out, residual_out)
 
 
-# (x, weight, residual, out signatures, eps) -> the validated launch for that call signature; see _arrays.sig
+# (x, weight, residual, out, residual_out signatures, eps) -> the validated launch for that call signature; see _arrays.sig
 _PLANS: dict = {}
 _MAX_PLANS = 1024
 
 
-def _rms_norm_checked(x, weight, eps, residual, out):
+def _rms_norm_checked(x, weight, eps, residual, out, residual_out):
     xa = A.wrap(x, "x")
     wa = A.wrap(weight, "weight")
     ra = A.wrap(residual, "residual", optional=True)
     oa = A.wrap(out, "out", optional=True)
+    hga = A.wrap(residual_out, "residual_out", optional=True)
+    if hga is not None and ra is None:
+        raise ValueError("residual_out: needs residual (h = x + residual is what it receives)")
     A.check_dtype(xa, A.FLOAT_DTYPES)
-    A.check_same_dtype(xa, wa, ra, oa)
-    A.check_same_device(xa, wa, ra, oa)
+    A.check_same_dtype(xa, wa, ra, oa, hga)
+    A.check_same_device(xa, wa, ra, oa, hga)
     hidden = xa.shape[-1] if xa.ndim else 0
     rows, x_stride = xa.rows()
     if not 1 <= hidden <= MAX_HIDDEN:
@@ -128,7 +139,16 @@ def _rms_norm_checked(x, weight, eps, residual, out):
     _, o_stride = oa.rows()
     ha = None
     h_stride = 0
-    if ra is not None:
+    if hga is not None:
+        A.check_shape(hga, xa.shape)
+        _, h_stride = hga.rows()
+        # h may replace residual or x element by element (each is read before h is written), nothing else
+        others = [a for a in (ra, xa) if not (a.ptr == hga.ptr and a.strides == hga.strides)]
+        A.check_no_overlap(hga, wa, *others)
+        if A.extent(hga) and A.extent(oa) and hga.ptr < oa.ptr + A.extent(oa) and oa.ptr < hga.ptr + A.extent(hga):
+            raise ValueError("residual_out: overlaps out in memory")
+        ha = hga
+    elif ra is not None:
         ha = A.empty(xa, xa.shape, xa.dtype, name="h")
         h_stride = hidden
 
@@ -148,11 +168,13 @@ def _rms_norm_checked(x, weight, eps, residual, out):
             np.float32(eps))
     bl = bind(kernel, LaunchConfig((rows,), (threads,)), xa.device)
     bl(A.stream_of(xa).ptr, args)
-    key = (sig(x), sig(weight), sig(residual), sig(out), eps)
+    key = (sig(x), sig(weight), sig(residual), sig(out), sig(residual_out), eps)
     if A.cacheable(key):
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = _plan(xa, wa, ra, oa if out is not None else None, bl.prepacked((int,) * 5, args[5:]))
+        launch, given_out = bl.prepacked((int,) * 5, args[5:]), oa if out is not None else None
+        _PLANS[key] = (_plan(xa, wa, ra, given_out, launch) if hga is None
+                       else _plan_in_place(xa, wa, ra, given_out, hga, launch))
     return result
 
 
@@ -168,7 +190,7 @@ def _plan(xa, wa, ra, oa, launch):
     # out may be residual itself (same layout: each element is read before it is written), not a shifted view
     r_inplace_ok = ra is not None and oa is not None and ra.strides == oa.strides
 
-    def run(x, weight, residual, out):
+    def run(x, weight, residual, out, residual_out):
         if out is None:
             o = empty_like(x)
             op = ptr(o)
@@ -187,5 +209,38 @@ def _plan(xa, wa, ra, oa, launch):
         h = empty_like(x)
         launch(stream(device), op, ptr(h), ptr(x), ptr(residual), ptr(weight))
         return o, h
+
+    return run
+
+
+def _plan_in_place(xa, wa, ra, oa, ha, launch):
+    """As :func:`_plan`, with ``residual_out`` given: per call the overlap checks of h against every operand (h
+    may be residual or x itself, in the same layout) and of out, then the launch; None where a check fails."""
+    lib = A.fast_lib(xa.lib)
+    ptr, stream, empty_like = lib.ptr, lib.stream, lib.empty_like
+    device = xa.device
+    w_ext, r_ext, x_ext, h_ext = A.extent(wa), A.extent(ra), A.extent(xa), A.extent(ha)
+    o_ext = A.extent(oa) if oa is not None else 0
+    h_may_be = tuple(a.strides == ha.strides for a in (ra, xa))  # h may be residual / x where laid out alike
+    r_inplace_ok = oa is not None and ra.strides == oa.strides
+
+    def run(x, weight, residual, out, residual_out):
+        xp, wp, rp, hp = ptr(x), ptr(weight), ptr(residual), ptr(residual_out)
+        if wp < hp + h_ext and hp < wp + w_ext:
+            return None
+        for ip, ie, same in ((rp, r_ext, h_may_be[0]), (xp, x_ext, h_may_be[1])):
+            if ip < hp + h_ext and hp < ip + ie and not (ip == hp and same):
+                return None
+        if out is None:
+            out = empty_like(x)
+            op = ptr(out)
+        else:
+            op = ptr(out)
+            if (wp < op + o_ext and op < wp + w_ext) or (hp < op + o_ext and op < hp + h_ext):
+                return None
+            if rp < op + o_ext and op < rp + r_ext and not (rp == op and r_inplace_ok):
+                return None
+        launch(stream(device), op, hp, xp, rp, wp)
+        return out, residual_out
 
     return run

@@ -94,3 +94,6 @@ def test_stream_buffer_grows_and_keeps_outgrown_buffers(monkeypatch):
     b = A.stream_buffer("ws", ref, s1, 129, "float32", min_n=16)
     assert b.numel == 256 and A._retired_buffers == [a]
     assert A.stream_buffer("ws", ref, s1, 64, "float32") is b                      # never shrinks
+    monkeypatch.setattr(A, "_retired_keys", [("ws", "torch", 0, 1)])
+    assert A.release_stream_buffers(s1) == 2 and not A._retired_buffers               # live + outgrown
+    assert list(A._stream_buffers) == [("ws", "torch", 0, 2)]                          # the other stream's stays

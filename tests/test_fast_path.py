@@ -149,3 +149,28 @@ def test_cupy_arrays_take_plans_too():
         ref = xf / cp.sqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * w.astype(cp.float32)
         assert isinstance(y, cp.ndarray)
         assert float(cp.abs(y.astype(cp.float32) - ref).max()) < 2e-2 * float(cp.abs(ref).max())
+
+
+@pytest.mark.gpu
+def test_rms_norm_residual_out_in_place():
+    """vLLM's fused_add_rms_norm in place: h into residual, the normalized rows into x; nothing allocated."""
+    torch = _torch()
+    import speedcore
+
+    bf = torch.bfloat16
+    for _ in range(3):  # checked call, then the plan
+        x = torch.randn(6, 1024, device="cuda", dtype=bf)
+        r = torch.randn(6, 1024, device="cuda", dtype=bf)
+        w = torch.randn(1024, device="cuda", dtype=bf)
+        h_ref = x + r
+        y_ref = torch.nn.functional.rms_norm(h_ref.float(), (1024,), w.float(), 1e-6)
+        y, h = speedcore.rms_norm(x, w, residual=r, out=x, residual_out=r)
+        assert y is x and h is r
+        _close(torch, r, h_ref, 1e-3)
+        _close(torch, x, y_ref)
+    with pytest.raises(ValueError, match="residual_out"):
+        speedcore.rms_norm(x, w, residual=r, residual_out=w.view(1, 1024).expand(6, 1024))
+    with pytest.raises(ValueError, match="needs residual"):
+        speedcore.rms_norm(x, w, residual_out=r)
+    with pytest.raises(ValueError, match="residual_out"):
+        speedcore.rms_norm(x, w, residual=r, out=x, residual_out=x)

@@ -235,11 +235,10 @@ class LLM:
             self.stream.synchronize()
         except Exception:
             pass
-        try:  # the ops' per-stream scratch buffers of our stream (split-K partials, tile counters)
+        try:  # the ops' per-stream scratch buffers of our stream (split-K partials, tile counters), outgrown too
             from .. import _arrays
 
-            for key in [k for k in getattr(_arrays, "_stream_buffers", {}) if self.stream.ptr in k]:
-                del _arrays._stream_buffers[key]
+            _arrays.release_stream_buffers(self.stream)
         except Exception:
             pass
         runner = getattr(self, "runner", None)
