@@ -42,9 +42,9 @@ def main():
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_llama(tmp)
-        load = dict(dtype=torch.bfloat16, device_map="cuda")
-        sdpa = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **load)
-        ours = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="speedcore", **load)
+        load = transformers.AutoModelForCausalLM.from_pretrained
+        sdpa = load(path, attn_implementation="sdpa", dtype=torch.bfloat16).cuda().eval()
+        ours = load(path, attn_implementation="speedcore", dtype=torch.bfloat16).cuda().eval()
     speedcore_hf.apply(ours)  # fused QKV / gate+up GEMMs, RMSNorm, residual adds, LM head
     print(ours.model.layers[0])
 

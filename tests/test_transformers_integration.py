@@ -347,15 +347,19 @@ def _load(path, impl, dtype):
 
 
 GPU_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+# head dim 128 with MQA; head dim 96 (decode on the varlen path: paged_decode_attention has 64 / 128 / 256)
+_VARIANTS = {"llama_d128": dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=128),
+             "llama_d96": dict(hidden_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=96)}
+
+
+def _family(name):
+    return ("llama", _VARIANTS[name]) if name in _VARIANTS else (name, {})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", GPU_FAMILIES + ["gemma2", "llama_d128"])
+@pytest.mark.parametrize("family", GPU_FAMILIES + ["gemma2", "llama_d128", "llama_d96"])
 def test_logits_vs_float32_gpu(tmp_path, family):
-    over = {}
-    fam = family
-    if family == "llama_d128":
-        fam, over = "llama", dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=128)
+    fam, over = _family(family)
     path = _saved(tmp_path, fam, **over)
     ref = _load(path, "eager", torch.float32)
     base_impl = "eager" if fam == "gemma2" else "sdpa"  # transformers' sdpa has no softcap
@@ -370,18 +374,19 @@ def test_logits_vs_float32_gpu(tmp_path, family):
         want = _logits(ref, ids, m)[valid]
         e_ours = _rel_err(_logits(ours, ids, m)[valid], want)
         e_base = _rel_err(_logits(base, ids, m)[valid], want)
-        assert e_ours <= 1.2 * e_base + 1e-3, (family, m is None, e_ours, e_base)
+        assert e_ours <= 1.2 * e_base, (family, m is None, e_ours, e_base)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", GPU_FAMILIES)
+@pytest.mark.parametrize("family", GPU_FAMILIES + ["llama_d96"])
 def test_generate_eager_and_compiled_gpu(tmp_path, family):
     """Greedy tokens: DynamicCache eager == StaticCache eager == StaticCache with transformers' compiled decode
     (fullgraph, CUDA graphs), on a left-padded batch and on one prompt; for Llama also with the whole forward
     compiled by hand (prefill and decode graphs)."""
     from transformers import CompileConfig
 
-    path = _saved(tmp_path, family)
+    fam, over = _family(family)
+    path = _saved(tmp_path, fam, **over)
     ours = st.apply(_load(path, "speedcore", torch.bfloat16))
     ids, mask = _ragged(batch=3, length=21)
     ids, mask = ids.cuda(), mask.cuda()

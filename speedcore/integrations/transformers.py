@@ -471,6 +471,9 @@ class SpeedcoreMLP(nn.Module):
         self.down_weight = down_weight
         self.down_bias = down_bias
 
+    def extra_repr(self):
+        return f"gate_up_weight={tuple(self.gate_up_weight.shape)}, down_weight={tuple(self.down_weight.shape)}"
+
     @classmethod
     def from_hf(cls, mlp):
         w, b = _cat_weights([mlp.gate_proj, mlp.up_proj])
@@ -525,6 +528,12 @@ class SpeedcoreAttention(nn.Module):
         self.q_norm = SpeedcoreRMSNorm.from_hf(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None
         self.k_norm = SpeedcoreRMSNorm.from_hf(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
         self.rope_cos_sin = rope_cos_sin  # shared by all layers; a plain attribute (not a buffer: no 32 copies)
+
+    def extra_repr(self):
+        rope = "table" if self.rope_cos_sin is not None else "transformers"
+        return (f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, qkv_weight="
+                f"{tuple(self.qkv_weight.shape)}, window_left={self.window_left}, softcap={self.softcap}, rope={rope}, "
+                f"qk_norm={self.q_norm is not None}")
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                 cache=None, position_ids=None, **kwargs):
