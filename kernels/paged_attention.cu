@@ -584,25 +584,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_verify_kernel(
   const int b = bid / num_splits;
   const int kvh = unit / qgroups, qg = unit - kvh * qgroups;
 
+  // (seqused_k is loaded with cu_seqlens_q, not after the early exit: one dependent round trip fewer before the
+  // first K/V copies)
+  const int sk = min(max(seqused_k[b], 0), max_len);
   const int q_off = min(max(cu_seqlens_q[b], 0), total_q);
   const int sq = min(max(cu_seqlens_q[b + 1], q_off), total_q) - q_off;
   const int pairs = sq * group;             // (query token, head of the group) pairs of this KV head
   const int p0 = qg * NCOL;                 // this CTA's first pair
   if (p0 >= pairs) return;                  // no column (uniform over the CTA)
-  const int sk = min(max(seqused_k[b], 0), max_len);
   const int diag = sk - sq;
-
-  // Q^T: NCOL rows (pairs) of D elements; pairs past the sequence's are zeros.
   T* const sq_tile = reinterpret_cast<T*>(smem);
-  for (int c = threadIdx.x; c < NCOL * CPR; c += WARPS * 32) {
-    const int col = c / CPR, ch = c - col * CPR, p = p0 + col;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (p < pairs) {
-      const int i = p / group, h = kvh * group + (p - i * group);
-      val = *reinterpret_cast<const uint4*>(q + (long long)(q_off + i) * q_stride_t + (long long)h * q_stride_h + ch * 8);
-    }
-    *reinterpret_cast<uint4*>(sq_tile + col * QPITCH + ch * 8) = val;
-  }
 
   // The keys visible to this lane's accumulator columns nt * 8 + 2 (lane % 4) + e: [col_lo, col_hi).
   int col_lo[NT][2], col_hi[NT][2];
@@ -721,6 +712,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_verify_kernel(
   }
   int pf_page, pf_slot;
   bool pf_ok = fetch_row(STAGES - 1, pf_page, pf_slot);
+  // Q^T: NCOL rows (pairs) of D elements, pairs past the sequence's zeros; loaded once the first K/V copies are
+  // in flight, since only the first mma needs it.
+  for (int c = threadIdx.x; c < NCOL * CPR; c += WARPS * 32) {
+    const int col = c / CPR, ch = c - col * CPR, p = p0 + col;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (p < pairs) {
+      const int i = p / group, h = kvh * group + (p - i * group);
+      val = *reinterpret_cast<const uint4*>(q + (long long)(q_off + i) * q_stride_t + (long long)h * q_stride_h + ch * 8);
+    }
+    *reinterpret_cast<uint4*>(sq_tile + col * QPITCH + ch * 8) = val;
+  }
   __syncthreads();  // Q^T is in shared memory
 
   unsigned st = ring_s, prev = ring_s + (STAGES - 1) * SLOT;
