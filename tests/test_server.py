@@ -1,0 +1,263 @@
+"""The OpenAI-compatible server over real loopback sockets, with the openai client, on the CPU stand-in engine
+(speedcore/server/fake_engine.py: the engine's own scheduler and request loop over a counting model, where
+"t5 t6" continues " t7 t8 t9 ...").  Protocol, parameters, errors, auth, metrics."""
+import json
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from speedcore.server.fake_engine import make_fake_llm  # noqa: E402
+from speedcore.server.runner import ServerThread, make_app  # noqa: E402
+
+KEY = "test-key-123"
+MODEL = "fake-model"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = make_fake_llm(max_model_len=128, max_num_seqs=8)
+    app = make_app(llm, served_model_name=MODEL, api_key=KEY, max_queue=16, max_request_bytes=64 << 10,
+                   max_prompt_chars=8000)
+    with ServerThread(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def words(start, n):
+    return "".join(f" t{i}" for i in range(start, start + n))
+
+
+def post(server, path, body, headers=AUTH, **kw):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=data, headers={"Content-Type": "application/json", **headers},
+                      timeout=30, **kw)
+
+
+def sse_events(server, path, body):
+    """The raw data: lines of a streamed response."""
+    with httpx.stream("POST", server.url + path, json=body, headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_models_and_health(server, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+    assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}  # no key needed
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL, prompt="t5 t6", max_tokens=4, temperature=0)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    c = r.choices[0]
+    assert c.text == words(7, 4) and c.finish_reason == "length" and c.index == 0
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 4, 7)  # BOS t5 t6
+    # token-id prompts, a batch of one, token ids back (vLLM's return_token_ids)
+    r = client.completions.create(model=MODEL, prompt=[[40, 41]], max_tokens=3, temperature=0,
+                                  extra_body=dict(return_token_ids=True))
+    assert r.choices[0].text == words(42, 3) and r.usage.prompt_tokens == 2
+    assert r.choices[0].model_extra["token_ids"] == [42, 43, 44]
+
+
+def test_completion_stream(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="t10", max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == words(11, 6)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == 2
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_stream_ends_with_done(server):
+    ev = sse_events(server, "/v1/completions", dict(model=MODEL, prompt="t1", max_tokens=3, temperature=0,
+                                                    stream=True))
+    assert ev[-1] == "[DONE]" and ev.count("[DONE]") == 1
+    objs = [json.loads(e) for e in ev[:-1]]
+    assert "".join(o["choices"][0]["text"] for o in objs) == words(2, 3)
+    assert all("usage" not in o for o in objs)  # no include_usage: no usage field at all
+    ev = sse_events(server, "/v1/chat/completions", dict(model=MODEL, messages=[dict(role="user", content="hi")],
+                                                         max_tokens=2, temperature=0, stream=True,
+                                                         stream_options=dict(include_usage=True)))
+    assert ev[-1] == "[DONE]"
+    objs = [json.loads(e) for e in ev[:-1]]
+    assert objs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_chat(client):
+    msgs = [dict(role="system", content="be brief"), dict(role="user", content=[dict(type="text", text="hi")])]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == words(1, 5)
+    # <s> <|system|> be brief <|user|> hi <|assistant|>
+    assert r.usage.prompt_tokens == 7 and r.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == words(1, 5)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # no max_tokens: the rest of the context; the counting model stops at its EOS after t993 -- not reached in
+    # 128 - 7 tokens, so it ends at the context
+    r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0)
+    assert r.usage.completion_tokens == 128 - 7 and r.choices[0].finish_reason == "length"
+
+
+def test_stop_eos_and_min_tokens(client):
+    r = client.completions.create(model=MODEL, prompt="t5", max_tokens=10, temperature=0, stop=["t9", "zzz"])
+    assert r.choices[0].text == " t6 t7 t8 " and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == "t9"
+    chunks = list(client.completions.create(model=MODEL, prompt="t5", max_tokens=10, temperature=0, stop="t9",
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == " t6 t7 t8 "
+    r = client.completions.create(model=MODEL, prompt="t990", max_tokens=10, temperature=0)  # EOS after t993
+    assert r.choices[0].text == words(991, 3) and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 4  # the EOS counts
+    r = client.completions.create(model=MODEL, prompt="t990", max_tokens=10, temperature=0,
+                                  extra_body=dict(ignore_eos=True, skip_special_tokens=False))
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="t5", max_tokens=3, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["t6", "t7", "t8"] and len(lp.token_logprobs) == 3
+    assert all(v < 0 for v in lp.token_logprobs)
+    assert list(lp.top_logprobs[0]) == ["t6", "t7"] and lp.top_logprobs[0]["t6"] > lp.top_logprobs[0]["t7"]
+    assert lp.text_offset == [0, 2, 4]
+    r = client.chat.completions.create(model=MODEL, messages=[dict(role="user", content="x")], max_tokens=2,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == ["t1", "t2"] and len(content[0].top_logprobs) == 3
+    assert content[0].bytes == list(b"t1")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[dict(role="user", content="x")],
+                                                 max_tokens=3, temperature=0, logprobs=True, stream=True))
+    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == ["t1", "t2", "t3"]
+
+
+def test_seeded_sampling(client):
+    def run(seed):
+        return client.completions.create(model=MODEL, prompt="t100", max_tokens=24, temperature=2.0, seed=seed,
+                                         extra_body=dict(top_k=2)).choices[0].text
+
+    a = run(7)
+    assert run(7) == a  # the same seed, the same tokens
+    assert any(run(s) != a for s in (8, 9, 10))
+
+
+BAD = [
+    # (path, body (bytes: raw), status, param, code)
+    ("/v1/completions", b"{", 400, None, "invalid_json"),
+    ("/v1/completions", b"", 400, None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
+    ("/v1/completions", b'{"prompt": "t1", "temperature": NaN}', 400, None, "invalid_json"),
+    ("/v1/completions", b'{"prompt": "t1 \xff\xfe"}', 400, None, "invalid_utf8"),
+    ("/v1/completions", b'{"prompt": "t1 \\ud800"}', 400, "prompt", None),
+    ("/v1/completions", dict(prompt="t1", max_tokens="10"), 400, "max_tokens", None),
+    ("/v1/completions", dict(prompt="t1", max_tokens=0), 400, "max_tokens", None),
+    ("/v1/completions", dict(prompt="t1", temperature=-1), 400, "temperature", None),
+    ("/v1/completions", dict(prompt="t1", top_p=0), 400, "top_p", None),
+    ("/v1/completions", dict(prompt="t1", top_k=-5), 400, "top_k", None),
+    ("/v1/completions", dict(prompt="t1", stream="yes"), 400, "stream", None),
+    ("/v1/completions", dict(prompt="t1", stop=[1]), 400, "stop", None),
+    ("/v1/completions", dict(prompt="t1", stream_options=dict(include_usage=True)), 400, "stream_options", None),
+    ("/v1/completions", dict(prompt="t1", n=2), 400, "n", None),
+    ("/v1/completions", dict(prompt="t1", echo=True), 400, "echo", None),
+    ("/v1/completions", dict(prompt="t1", logprobs=21), 400, "logprobs", None),
+    ("/v1/completions", dict(prompt="t1", presence_penalty=0.5), 400, "presence_penalty", None),
+    ("/v1/completions", dict(prompt=["t1", "t2"]), 400, "prompt", None),
+    ("/v1/completions", dict(prompt=[]), 400, "prompt", None),
+    ("/v1/completions", dict(prompt=[1, 5000]), 400, "prompt", None),
+    ("/v1/completions", dict(prompt=12), 400, "prompt", None),
+    ("/v1/completions", dict(max_tokens=3), 400, "prompt", None),
+    ("/v1/completions", dict(prompt="t1", max_tokens=200), 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", dict(prompt=" ".join(["t1"] * 130)), 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", dict(prompt="x" * 9000), 413, "prompt", "prompt_too_large"),
+    ("/v1/completions", dict(model="gpt-4", prompt="t1"), 404, "model", "model_not_found"),
+    ("/v1/completions", dict(model=3, prompt="t1"), 400, "model", None),
+    ("/v1/chat/completions", dict(messages="hi"), 400, "messages", None),
+    ("/v1/chat/completions", dict(messages=[]), 400, "messages", None),
+    ("/v1/chat/completions", dict(messages=[dict(role="wizard", content="x")]), 400, "messages[0].role", None),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content=5)]), 400, "messages[0].content", None),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content=[dict(type="image_url")])]), 400,
+     "messages[0].content", None),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")], top_logprobs=2), 400, "top_logprobs",
+     None),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")], max_completion_tokens=500), 400,
+     "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")], tools=[dict(type="function")]), 400,
+     "tools", None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD)
+def test_bad_input(server, path, body, status, param, code):
+    if isinstance(body, dict):
+        body = {"model": MODEL, **body} if "model" not in body else body
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and err["code"] == code
+    assert err["type"] == "invalid_request_error"
+
+
+def test_bad_input_then_good(server, client):
+    """The openai client sees the errors as its exception types; the server keeps serving."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="t1", max_tokens=-1)
+    assert e.value.status_code == 400 and "max_tokens" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[dict(role="user", content="x")])
+    r = post(server, "/v1/completions", b"x" * (65 << 10))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(server.url + "/v1/nothing", headers=AUTH, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(server.url + "/v1/completions", headers=AUTH, timeout=10)
+    assert r.status_code == 405 and "error" in r.json()
+    assert client.completions.create(model=MODEL, prompt="t3", max_tokens=2, temperature=0).choices[0].text == \
+        words(4, 2)
+
+
+def test_auth(server):
+    body = dict(model=MODEL, prompt="t1", max_tokens=1)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
+        r = post(server, "/v1/completions", body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401
+    bad_client = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_client.models.list()
+    assert post(server, "/v1/completions", body).status_code == 200
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="t1 t2", max_tokens=5, temperature=0)
+    text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, v = line.rpartition(" ")
+            values[name] = float(v)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
+                 "prompt_tokens_total", "generation_tokens_total"):
+        assert "speedcore_" + name in values, name
+    assert values["speedcore_generation_tokens_total"] >= 5 and values["speedcore_prompt_tokens_total"] >= 3
+    assert values["speedcore_num_requests_running"] == 0 and values["speedcore_kv_cache_usage_perc"] == 0
+    assert values['speedcore_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
+    assert values["speedcore_inter_token_latency_seconds_count"] >= 4
+    assert values['speedcore_request_success_total{finished_reason="length"}'] >= 1
+    assert values['speedcore_http_responses_total{code="200"}'] >= 1
+    assert "# TYPE speedcore_time_to_first_token_seconds histogram" in text
