@@ -156,7 +156,9 @@ def main(argv=None) -> int:
     b.add_argument("--out", metavar="DIR", help="where --report writes (default: beside each JSON file)")
     from .engine.cli import add_parsers  # generate, bench-engine (speedcore/engine/cli.py)
 
-    handlers = {"info": _info, "compile": _compile, "bench": _bench, **add_parsers(sub)}
+    from .server.cli import add_parser as add_serve_parser  # serve (speedcore/server/cli.py)
+
+    handlers = {"info": _info, "compile": _compile, "bench": _bench, **add_parsers(sub), **add_serve_parser(sub)}
     args = p.parse_args(argv)
     return handlers[args.cmd](args)
 
