@@ -392,13 +392,14 @@ def test_generate_eager_and_compiled_gpu(tmp_path, family):
     ids, mask = ids.cuda(), mask.cuda()
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     static = dict(cache_implementation="static")
-    for prompt, m in ((ids, mask), (ids[:1], None)):
+    for i, (prompt, m) in enumerate(((ids, mask), (ids[:1], None))):
         dynamic = ours.generate(prompt, attention_mask=m, disable_compile=True, **kw)
         eager_static = ours.generate(prompt, attention_mask=m, disable_compile=True, **static, **kw)
         assert torch.equal(eager_static, dynamic)
-        compiled = ours.generate(prompt, attention_mask=m, compile_config=CompileConfig(fullgraph=True), **static,
-                                 **kw)
-        assert torch.equal(compiled, eager_static)
+        if i == 0 or family == "llama":  # each compilation costs device time: one per family, two for Llama
+            compiled = ours.generate(prompt, attention_mask=m, compile_config=CompileConfig(fullgraph=True),
+                                     **static, **kw)
+            assert torch.equal(compiled, eager_static)
     if family == "llama":
         torch._dynamo.reset()
         ours.forward = torch.compile(ours.forward, fullgraph=True)
