@@ -24,7 +24,9 @@ from speedcore.integrations import torch_ops as T  # noqa: E402
 
 OUT_OPS = [n for n in T.SCHEMAS if n.endswith("_out")]
 MUTATED = {n: {"out"} for n in OUT_OPS}
-MUTATED.update(reshape_and_cache={"k_cache", "v_cache"}, rotary_embedding={"q", "k"})
+MUTATED.update(reshape_and_cache={"k_cache", "v_cache"}, rotary_embedding={"q", "k"},
+               add_rms_norm_residual_out={"residual_out"}, add_rms_norm_out_residual_out={"out", "residual_out"})
+RETURN_NEW = {"add_rms_norm_out", "add_rms_norm_residual_out"}  # writing ops that also return a new tensor
 
 
 def public(name):
@@ -52,6 +54,12 @@ def ref_rms_norm(x, weight, eps=1e-6):
 def ref_add_rms_norm(x, residual, weight, eps=1e-6):
     h = x + residual  # rounded to the input dtype, as the kernel's h
     return ref_rms_norm(h, weight, eps), h
+
+
+def ref_add_rms_norm_into(x, residual, weight, eps, out, residual_out):
+    y, h = ref_add_rms_norm(x, residual, weight, eps)
+    out.copy_(y)
+    residual_out.copy_(h)
 
 
 def ref_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0):
@@ -230,6 +238,8 @@ _prefill = _window(ref_prefill)
 REFERENCES = {
     "rms_norm": ref_rms_norm, "rms_norm_out": _into_out(ref_rms_norm),
     "add_rms_norm": ref_add_rms_norm, "add_rms_norm_out": _into_out(ref_add_rms_norm),
+    "add_rms_norm_residual_out": _into_out(lambda *args: ref_add_rms_norm(*args)[::-1]),
+    "add_rms_norm_out_residual_out": ref_add_rms_norm_into,
     "flash_attn": _first(_flash), "flash_attn_lse": _flash, "flash_attn_out": _into_out(_first(_flash)),
     "flash_attn_lse_out": _into_out(_flash),
     "flash_attn_varlen": _first(_varlen), "flash_attn_varlen_lse": _varlen,
@@ -305,6 +315,8 @@ def samples(device, dtype=torch.float16, seed=0):
         "rms_norm_out": ((x, w, 1e-5, torch.empty_like(x)), {}),
         "add_rms_norm": ((x, r, w, 1e-5), {}),
         "add_rms_norm_out": ((x, r, w, 1e-5, torch.empty_like(x)), {}),
+        "add_rms_norm_residual_out": ((x, r, w, 1e-5, torch.empty_like(x)), {}),
+        "add_rms_norm_out_residual_out": ((x, r, w, 1e-5, torch.empty_like(x), torch.empty_like(x)), {}),
         "flash_attn": ((q, k, v), attn_kw),
         "flash_attn_lse": ((q, k, v), dict(attn_kw, causal=False, softcap=20.0)),
         "flash_attn_out": ((q, k, v, torch.empty_like(q)), attn_kw),
@@ -398,7 +410,7 @@ def test_schema_declares_what_the_op_writes(name):
     assert written == MUTATED.get(name, set())
     assert schema.is_mutable == bool(written)
     assert all(r.alias_info is None for r in schema.returns)  # nothing returned aliases an input
-    if name in MUTATED and not name.endswith("lse_out") and name != "add_rms_norm_out":
+    if name in MUTATED and not name.endswith("lse_out") and name not in RETURN_NEW:
         assert len(schema.returns) == 0
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"speedcore::{name}", "CUDA")
 
@@ -491,6 +503,27 @@ def test_compile_traces_out_and_inplace_variants(cpu_reference_kernels):
     torch.testing.assert_close(got, f(_namespace(T.TRACED), *expected_args))
     for a, e in zip(args, expected_args):
         torch.testing.assert_close(a, e)
+
+
+def test_compile_fused_add_rms_norm_in_place(cpu_reference_kernels):
+    """vLLM's in-place fused add + RMSNorm (h written over the residual, y over x), traced through the twin."""
+    def f(x, r, w):
+        y, h = T.rms_norm(x, w, 1e-5, residual=r, out=x, residual_out=r)
+        y2, h2 = T.rms_norm(y * 2, w, 1e-5, residual=h, residual_out=h)
+        return y2, h2
+
+    g = torch.Generator().manual_seed(3)
+    x, r, w = (_randn(shape, torch.float16, "cpu", g) for shape in ((4, 64), (4, 64), (64,)))
+    args, expected_args = [x.clone(), r.clone(), w], [x.clone(), r.clone(), w]
+    rec = GraphRecorder()
+    torch.compile(f, fullgraph=True, backend=rec)(*[t.clone() for t in args])
+    assert {"speedcore.add_rms_norm_out_residual_out", "speedcore.add_rms_norm_residual_out"} <= set(rec.targets())
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    torch.testing.assert_close(got, f(*expected_args))
+    for a, e in zip(args, expected_args):
+        torch.testing.assert_close(a, e)
+    y, h = ref_add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(args[0], y)
 
 
 def test_compile_imports_the_integration_in_the_trace():

@@ -42,6 +42,10 @@ SCHEMAS = {
     "rms_norm_out": "(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()",
     "add_rms_norm": "(Tensor x, Tensor residual, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)",
     "add_rms_norm_out": "(Tensor x, Tensor residual, Tensor weight, float eps, Tensor(a!) out) -> Tensor",
+    "add_rms_norm_residual_out": "(Tensor x, Tensor residual, Tensor weight, float eps, Tensor(a!) residual_out) "
+                                 "-> Tensor",
+    "add_rms_norm_out_residual_out": "(Tensor x, Tensor residual, Tensor weight, float eps, Tensor(a!) out, "
+                                     "Tensor(b!) residual_out) -> ()",
     "flash_attn": f"(Tensor q, Tensor k, Tensor v, *, {_ATTN_KW}) -> Tensor",
     "flash_attn_lse": f"(Tensor q, Tensor k, Tensor v, *, {_ATTN_KW}) -> (Tensor, Tensor)",
     "flash_attn_out": f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, *, {_ATTN_KW}) -> ()",
@@ -93,6 +97,14 @@ def _add_rms_norm(x, residual, weight, eps=1e-6):
 
 def _add_rms_norm_out(x, residual, weight, eps, out):
     return speedcore.rms_norm(x, weight, eps, residual=residual, out=out)[1]
+
+
+def _add_rms_norm_residual_out(x, residual, weight, eps, residual_out):
+    return speedcore.rms_norm(x, weight, eps, residual=residual, residual_out=residual_out)[0]
+
+
+def _add_rms_norm_out_residual_out(x, residual, weight, eps, out, residual_out):
+    speedcore.rms_norm(x, weight, eps, residual=residual, out=out, residual_out=residual_out)
 
 
 def _attention_kernels(public_name, causal_default=False):
@@ -203,6 +215,8 @@ _prefill, _prefill_lse, _prefill_out, _prefill_lse_out = _attention_kernels("pag
 KERNELS = {
     "rms_norm": _rms_norm, "rms_norm_out": _rms_norm_out,
     "add_rms_norm": _add_rms_norm, "add_rms_norm_out": _add_rms_norm_out,
+    "add_rms_norm_residual_out": _add_rms_norm_residual_out,
+    "add_rms_norm_out_residual_out": _add_rms_norm_out_residual_out,
     "flash_attn": _flash, "flash_attn_lse": _flash_lse, "flash_attn_out": _flash_out,
     "flash_attn_lse_out": _flash_lse_out,
     "flash_attn_varlen": _varlen, "flash_attn_varlen_lse": _varlen_lse, "flash_attn_varlen_out": _varlen_out,
@@ -233,7 +247,7 @@ def _fake_add_rms_norm(x, residual, weight, eps=1e-6):
     return _new(x, x.shape), _new(x, x.shape)
 
 
-def _fake_add_rms_norm_out(x, residual, weight, eps, out):
+def _fake_add_rms_norm_out(x, residual, weight, eps, out):  # h; also add_rms_norm_residual_out's y
     return _new(x, x.shape)
 
 
@@ -272,6 +286,7 @@ def _writes_only(*args, **kw):
 FAKES = {
     "rms_norm": _fake_rms_norm, "rms_norm_out": _writes_only,
     "add_rms_norm": _fake_add_rms_norm, "add_rms_norm_out": _fake_add_rms_norm_out,
+    "add_rms_norm_residual_out": _fake_add_rms_norm_out, "add_rms_norm_out_residual_out": _writes_only,
     "flash_attn": lambda q, k, v, **kw: _new(q, q.shape), "flash_attn_lse": _fake_flash_lse,
     "flash_attn_out": _writes_only, "flash_attn_lse_out": lambda q, *args, **kw: _fake_flash_lse(q)[1],
     "flash_attn_varlen": lambda q, *args, **kw: _new(q, q.shape), "flash_attn_varlen_lse": _fake_varlen_lse,
@@ -299,16 +314,23 @@ FAKES = {
 ops = torch.ops.speedcore
 
 
-def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None, **private):
+def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None, residual_out=None, **private):
     _no_private(private)
     if residual is None:
+        if residual_out is not None:
+            raise ValueError("residual_out: needs residual")
         if out is None:
             return ops.rms_norm(x, weight, eps)
         ops.rms_norm_out(x, weight, eps, out)
         return out
+    if residual_out is None:
+        if out is None:
+            return ops.add_rms_norm(x, residual, weight, eps)
+        return out, ops.add_rms_norm_out(x, residual, weight, eps, out)
     if out is None:
-        return ops.add_rms_norm(x, residual, weight, eps)
-    return out, ops.add_rms_norm_out(x, residual, weight, eps, out)
+        return ops.add_rms_norm_residual_out(x, residual, weight, eps, residual_out), residual_out
+    ops.add_rms_norm_out_residual_out(x, residual, weight, eps, out, residual_out)
+    return out, residual_out
 
 
 def _no_private(private):
