@@ -10,7 +10,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -102,14 +102,18 @@ class Checkpoint:
                 raise CheckpointError(f"{index}: {len(lost)} tensors listed in the index are not in their shards "
                                       f"(first: {lost[0]} in {weight_map[lost[0]]})")
 
-    def check(self, expected: Mapping[str, Tuple[int, ...]]) -> None:
-        """Raise :class:`CheckpointError` naming missing or mis-shaped tensors (unused extra tensors are fine)."""
+    def check(self, expected: Mapping[str, Tuple[int, ...]],
+              dtypes: Optional[Mapping[str, Tuple[str, ...]]] = None) -> None:
+        """Raise :class:`CheckpointError` naming missing or mis-shaped tensors (unused extra tensors are fine).
+        Tensors must be floats, or of the dtypes ``dtypes`` names for them (quantized linears' int32 / int8)."""
         missing = [n for n in expected if n not in self.tensors]
         wrong = [f"{n}: {self.tensors[n].shape} (expected {tuple(s)})" for n, s in expected.items()
                  if n in self.tensors and self.tensors[n].shape != tuple(s)]
         float_types = ("bfloat16", "float16", "float32")
-        bad_types = [f"{n}: {self.tensors[n].dtype}" for n in expected
-                     if n in self.tensors and self.tensors[n].dtype not in float_types]
+        dtypes = dtypes or {}
+        bad_types = [f"{n}: {self.tensors[n].dtype} (expected {' or '.join(dtypes.get(n, float_types))})"
+                     for n in expected
+                     if n in self.tensors and self.tensors[n].dtype not in dtypes.get(n, float_types)]
         msgs = []
         if missing:
             msgs.append(f"{len(missing)} missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -1,4 +1,4 @@
-"""``python -m speedcore generate`` and ``python -m speedcore bench-engine``."""
+"""``python -m speedcore generate``, ``python -m speedcore bench-engine`` and ``python -m speedcore quantize``."""
 from __future__ import annotations
 
 import json
@@ -42,8 +42,35 @@ def add_parsers(sub) -> dict:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--profile", action="store_true",
                    help="NVTX range per step (for nsys) and a sync after each forward: time per step kind and phase")
+    b.add_argument("--quantization", choices=("awq", "gptq", "int8"), default=None,
+                   help="with --preset: 4-bit AWQ / GPTQ (g128) or INT8 weight-only linears (random codes in the "
+                        "format); a --model checkpoint's own quantization_config decides")
+    b.add_argument("--quant-copies", choices=("all", "no-wgmma", "tile-only"), default="all",
+                   help="layout copies the quantized linears keep (docs/quantization.md)")
     b.add_argument("--json", help="write the results to this JSON file")
-    return {"generate": generate_main, "bench-engine": bench_main}
+    q = sub.add_parser("quantize", help="round-to-nearest quantization of a Hugging Face checkpoint into AutoAWQ / "
+                                        "AutoGPTQ's format (or speedcore's INT8 layout); NumPy only, no GPU")
+    q.add_argument("src", help="float checkpoint directory (config.json, safetensors)")
+    q.add_argument("dst", help="output directory")
+    q.add_argument("--method", choices=("awq", "gptq", "int8"), default="awq")
+    q.add_argument("--group-size", type=int, default=128, help="G (-1: one group over K, GPTQ only)")
+    q.add_argument("--desc-act", action="store_true", help="GPTQ act-order (order: docs/quantization.md)")
+    q.add_argument("--asym", action="store_true", help="GPTQ sym=false (min/max zero points)")
+    q.add_argument("--max-shard-size", default="5GB")
+    q.add_argument("--no-progress", action="store_true")
+    return {"generate": generate_main, "bench-engine": bench_main, "quantize": quantize_main}
+
+
+def quantize_main(args) -> int:
+    from ..quant.checkpoint import quantize_checkpoint
+
+    try:
+        qc = quantize_checkpoint(args.src, args.dst, args.method, args.group_size, desc_act=args.desc_act,
+                                 sym=not args.asym, progress=not args.no_progress, max_shard_size=args.max_shard_size)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"speedcore quantize: {e}") from None
+    print(f"{args.dst}: quantization_config {json.dumps(qc)}")
+    return 0
 
 
 def _range(s: str) -> tuple:
@@ -121,7 +148,9 @@ def bench_main(args) -> int:
     out_lens = rng.integers(out_lo, out_hi + 1, n)
     from .config import load_config, preset_config
 
-    cfg = load_config(args.model) if args.model else preset_config(args.preset or "llama-3-8b")
+    if args.model and args.quantization:
+        raise SystemExit("--quantization goes with --preset; a --model checkpoint's quantization_config decides")
+    cfg = load_config(args.model) if args.model else preset_config(args.preset or "llama-3-8b", args.quantization)
     max_len = args.max_model_len or min(int(in_hi + out_hi), cfg.max_position_embeddings)
     if in_hi >= max_len:
         raise SystemExit(f"--input-len: {in_hi} tokens leave no room for output within max_model_len {max_len}")
@@ -129,7 +158,7 @@ def bench_main(args) -> int:
     llm = LLM(model, max_model_len=max_len, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, skip_tokenizer_init=True,
-              log=lambda m: print(m, file=sys.stderr))
+              log=lambda m: print(m, file=sys.stderr), quantization=args.quantization, quant_copies=args.quant_copies)
     startup = time.perf_counter() - t0
     try:
         V = llm.config.vocab_size
@@ -151,7 +180,8 @@ def bench_main(args) -> int:
         itl = np.concatenate([np.diff(o.metrics.token_times) for o in outs if len(o.metrics.token_times) > 1] or
                              [np.zeros(0)])
         itemsize = 2
-        roof = roofline(llm.config, llm.model.nbytes(), itemsize, in_lens, out_lens, args.batch)
+        weight_bytes = llm.model.nbytes()
+        roof = roofline(llm.config, llm.model.streamed_bytes(), itemsize, in_lens, out_lens, args.batch)
         res = dict(op="engine", model=model, num_prompts=n, input_len=args.input_len, output_len=args.output_len,
                    batch=args.batch, max_model_len=llm.max_model_len, enforce_eager=args.enforce_eager,
                    elapsed_s=elapsed, input_tokens=n_in, output_tokens=n_out, output_tok_per_s=n_out / elapsed,
@@ -160,13 +190,16 @@ def bench_main(args) -> int:
                    preemptions=llm.scheduler.num_preemptions, roofline=roof, profile=args.profile,
                    steps={k: dict(zip(("steps", "tokens", "schedule_s", "forward_s", "sample_s", "post_s"), v))
                           for k, v in llm.step_stats.items()},
-                   roofline_fraction=roof["roofline_s"] / elapsed)
+                   roofline_fraction=roof["roofline_s"] / elapsed, weight_bytes=weight_bytes,
+                   quantization=(llm.config.quantization.method if llm.config.quantization else None),
+                   quant_copies=args.quant_copies)
         report = llm.step_report()
     finally:
         llm.close()
     ms = lambda d: " ".join(f"{k} {v * 1e3:.1f}" if v is not None else f"{k} -" for k, v in d.items())  # noqa: E731
     print(f"{model}: {n} prompts, {n_in} input + {n_out} output tokens in {elapsed:.2f} s")
     print(f"throughput: {res['output_tok_per_s']:.0f} output tok/s ({res['total_tok_per_s']:.0f} total tok/s)")
+    print(f"weights on the GPU: {weight_bytes / 1e9:.2f} GB ({res['quantization'] or 'bf16'})")
     print(f"TTFT ms: {ms(res['ttft_s'])}; inter-token latency ms: {ms(res['itl_s'])}")
     st = res["startup_s"]
     print(f"start-up: {st['total']:.2f} s (load {st.get('load_s', 0):.2f}, profile {st.get('profile_s', 0):.2f}, "

@@ -9,6 +9,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .quantization import LINEAR_GROUPS, QuantConfig, QuantConfigError, parse_quantization, preset_quantization
+
 # architecture name in config.json -> family (one model file, per-family switches)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,6 +22,11 @@ SUPPORTED_ARCHITECTURES = {
 
 class ConfigError(ValueError):
     """config.json is missing, unreadable, of an unsupported architecture or inconsistent."""
+
+
+# an unsupported quantization_config is a config problem too (raised as both)
+class QuantizationError(ConfigError, QuantConfigError):
+    pass
 
 
 @dataclass
@@ -45,6 +52,7 @@ class ModelConfig:
     dtype: str = "bfloat16"  # the checkpoint's dtype
     bos_token_id: Optional[int] = None
     eos_token_ids: List[int] = field(default_factory=list)
+    quantization: Optional[QuantConfig] = None  # quantization_config of a quantized checkpoint
 
     @property
     def q_size(self) -> int:
@@ -54,31 +62,73 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def linear_shapes(self) -> Dict[str, Tuple[int, int]]:
+        """(N, K) of every linear of layer 0's checkpoint modules (``self_attn.q_proj`` ...)."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"self_attn.q_proj": (self.q_size, h), "self_attn.k_proj": (self.kv_size, h),
+                "self_attn.v_proj": (self.kv_size, h), "self_attn.o_proj": (h, self.q_size),
+                "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+
+    def quantized_group(self, layer: int, group: str) -> bool:
+        """Whether the engine linear ``group`` (qkv, o, gate_up, down) of ``layer`` is stored quantized; raises
+        :class:`ConfigError` where modules_to_not_convert keeps only some of its fused parts float."""
+        qc = self.quantization
+        if qc is None:
+            return False
+        conv = [qc.converts(f"model.layers.{layer}.{m}") for m in LINEAR_GROUPS[group]]
+        if any(conv) and not all(conv):
+            raise QuantizationError(f"quantization_config.modules_to_not_convert {list(qc.modules_to_not_convert)} "
+                                    f"keeps only some of layer {layer}'s {group} parts float; the engine fuses them "
+                                    f"(keep all or none of {', '.join(LINEAR_GROUPS[group])})")
+        return all(conv)
+
     def weight_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        """Every tensor the model reads, by its checkpoint name, with its shape."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        """Every tensor the model reads, by its checkpoint name, with its shape (quantized linears: the tensors
+        their format stores)."""
+        h, d = self.hidden_size, self.head_dim
         s: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
         if not self.tie_word_embeddings:
             s["lm_head.weight"] = (self.vocab_size, h)
+        lin = self.linear_shapes()
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
             s[p + "input_layernorm.weight"] = (h,)
             s[p + "post_attention_layernorm.weight"] = (h,)
-            for name, rows in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
-                s[p + f"self_attn.{name}_proj.weight"] = (rows, h)
-                if self.qkv_bias:
+            for group, modules in LINEAR_GROUPS.items():
+                quant = self.quantized_group(layer, group)
+                for m in modules:
+                    n, k = lin[m]
+                    if quant:
+                        s.update(self.quantization.tensor_shapes(p + m, n, k))
+                    else:
+                        s[p + m + ".weight"] = (n, k)
+            if self.qkv_bias:
+                for name, rows in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
                     s[p + f"self_attn.{name}_proj.bias"] = (rows,)
-            s[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if self.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (d,)
                 s[p + "self_attn.k_norm.weight"] = (d,)
-            s[p + "mlp.gate_proj.weight"] = (i, h)
-            s[p + "mlp.up_proj.weight"] = (i, h)
-            s[p + "mlp.down_proj.weight"] = (h, i)
         return s
 
+    def weight_dtypes(self) -> Dict[str, Tuple[str, ...]]:
+        """Allowed dtypes of the tensors that are not floats (quantized linears' packed words, INT8 weights)."""
+        out: Dict[str, Tuple[str, ...]] = {}
+        if self.quantization is None:
+            return out
+        for layer in range(self.num_layers):
+            for group, modules in LINEAR_GROUPS.items():
+                if self.quantized_group(layer, group):
+                    for m in modules:
+                        out.update(self.quantization.tensor_dtypes(f"model.layers.{layer}.{m}"))
+        return out
+
     def num_params(self) -> int:
-        return sum(int(np.prod(v)) for v in self.weight_shapes().values())
+        """Parameters of the float model (a quantized checkpoint's count as the weights they stand for)."""
+        h = self.hidden_size
+        n = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        per = 2 * h + sum(a * b for a, b in self.linear_shapes().values())
+        per += (self.q_size + 2 * self.kv_size) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        return n + per * self.num_layers
 
     def inv_freq(self) -> np.ndarray:
         """Rotary inverse frequencies (float64), with the checkpoint's rope scaling applied."""
@@ -171,6 +221,14 @@ def parse_config(cfg: dict, where: str = "config.json") -> ModelConfig:
     if cfg.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias is not supported")
     mc.inv_freq()  # reject unknown rope scaling types here, not at the first step
+    try:
+        mc.quantization = parse_quantization(cfg.get("quantization_config"), where)
+        if mc.quantization is not None:
+            for m, (n, k) in mc.linear_shapes().items():
+                mc.quantization.check_shape(m, n, k, where)
+            mc.weight_shapes()  # modules_to_not_convert that splits a fused linear
+    except QuantConfigError as e:
+        raise QuantizationError(str(e)) from None
     return mc
 
 
@@ -183,6 +241,13 @@ def load_config(model_dir: str) -> ModelConfig:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: cannot read ({e})") from None
+    qpath = os.path.join(model_dir, "quantize_config.json")
+    if "quantization_config" not in cfg and os.path.isfile(qpath):  # older AutoGPTQ: only quantize_config.json
+        try:
+            with open(qpath) as f:
+                cfg["quantization_config"] = dict({"quant_method": "gptq"}, **json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{qpath}: cannot read ({e})") from None
     mc = parse_config(cfg, path)
     gen = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen):  # generation_config's eos list (Llama 3 instruct: <|eot_id|> too) takes precedence
@@ -212,7 +277,16 @@ PRESETS = {
 }
 
 
-def preset_config(name: str) -> ModelConfig:
+def preset_config(name: str, quantization: Optional[str] = None, group_size: int = 128) -> ModelConfig:
+    """A preset's config; ``quantization`` (awq, gptq, int8) makes its linears quantized (random codes)."""
     if name not in PRESETS:
         raise ConfigError(f"preset {name!r} is unknown; presets: {', '.join(PRESETS)}")
-    return parse_config(dict(PRESETS[name], torch_dtype="bfloat16"), f"preset {name}")
+    mc = parse_config(dict(PRESETS[name], torch_dtype="bfloat16"), f"preset {name}")
+    if quantization is not None:
+        try:
+            mc.quantization = preset_quantization(quantization, group_size)
+            for m, (n, k) in mc.linear_shapes().items():
+                mc.quantization.check_shape(m, n, k, f"preset {name}")
+        except QuantConfigError as e:
+            raise QuantizationError(str(e)) from None
+    return mc

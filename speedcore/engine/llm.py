@@ -90,7 +90,8 @@ class LLM:
                  max_model_len: Optional[int] = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, skip_tokenizer_init: bool = False,
-                 num_gpu_blocks: Optional[int] = None, device: int = 0, log=None):
+                 num_gpu_blocks: Optional[int] = None, device: int = 0, log=None,
+                 quantization: Optional[str] = None, quant_copies: str = "all"):
         t_start = time.perf_counter()
         self._closed = True
         self.log = log or (lambda *a: None)
@@ -102,7 +103,7 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
         preset = model[len("preset:"):] if isinstance(model, str) and model.startswith("preset:") else None
         if preset is not None:
-            cfg = preset_config(preset)
+            cfg = preset_config(preset, quantization)
             ck = None
             skip_tokenizer_init = True
         else:
@@ -111,7 +112,12 @@ class LLM:
                                         f"'preset:NAME'")
             cfg = load_config(model)
             ck = Checkpoint(model)
-            ck.check(cfg.weight_shapes())
+            if quantization is not None and (cfg.quantization is None or cfg.quantization.method != {
+                    "int8": "speedcore_int8"}.get(quantization, quantization)):
+                raise ValueError(f"quantization: {quantization!r} differs from the checkpoint's quantization_config "
+                                 f"({cfg.quantization.method if cfg.quantization else 'none: a float checkpoint'}); "
+                                 f"a checkpoint's own config decides (pass None)")
+            ck.check(cfg.weight_shapes(), cfg.weight_dtypes())
         if cfg.head_dim not in (64, 128, 256):
             raise ValueError(f"{model}: head_dim {cfg.head_dim} is not supported (paged decode attention takes 64, "
                              f"128 or 256)")
@@ -157,7 +163,7 @@ class LLM:
         try:
             with self.device, self.stream:
                 t0 = time.perf_counter()
-                self.model = LlamaModel(cfg, dtype)
+                self.model = LlamaModel(cfg, dtype, quant_copies)
                 if ck is None:
                     self.model.init_random(seed)
                 else:
@@ -181,7 +187,8 @@ class LLM:
             raise
         self._init_state(nb, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
         self.timings["startup_s"] = time.perf_counter() - t_start
-        self.log(f"speedcore.LLM: {cfg.architecture} {self.model.nbytes() / 1e9:.2f} GB {dtype}, KV cache {nb} blocks "
+        self.log(f"speedcore.LLM: {cfg.architecture} weights on the GPU {self.model.nbytes() / 1e9:.2f} GB "
+                 f"({self.model.weights_summary()}), KV cache {nb} blocks "
                  f"of {block_size} ({nb * self.runner.block_bytes() / 2**30:.2f} GiB), graphs "
                  f"{sorted(self.runner.graphs) if self.runner.graphs else 'off'}; load {self.timings['load_s']:.2f}s, "
                  f"profile {self.timings['profile_s']:.2f}s, capture {self.timings['capture_s']:.2f}s")

@@ -2,7 +2,8 @@
 
 Per-family switches: Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, Mistral's sliding window (per layer),
 Llama 3's rope scaling (in the cos/sin table), tied embeddings.  q/k/v and gate/up are fused at load (one GEMM
-each); weights stay in the checkpoint's layout otherwise.
+each); weights stay in the checkpoint's layout otherwise.  Quantized checkpoints (AWQ, GPTQ, INT8: see
+engine/quantization.py) hold a :class:`QuantLinear` in place of each quantized float weight, prepacked at load.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint, to_dtype_bits
 from ..config import ModelConfig
+from ..quantization import LINEAR_GROUPS, QUANT_COPIES, QuantLinear, random_host_linear, read_quant_linear
 
 
 def compute_dtype(name: str):
@@ -30,7 +32,7 @@ def compute_dtype(name: str):
 class LayerWeights:
     in_norm: object
     post_norm: object
-    qkv: object  # (q_size + 2 kv_size, hidden)
+    qkv: object  # (q_size + 2 kv_size, hidden), or a QuantLinear (so are o, gate_up and down)
     qkv_bias: Optional[object]
     o: object
     q_norm: Optional[object]
@@ -50,10 +52,13 @@ class ForwardContext:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, dtype: str):
+    def __init__(self, cfg: ModelConfig, dtype: str, quant_copies: str = "all"):
         import cupy
 
         self.cfg = cfg
+        if quant_copies not in QUANT_COPIES:
+            raise ValueError(f"quant_copies: expected one of {', '.join(QUANT_COPIES)}, got {quant_copies!r}")
+        self.quant_copies = quant_copies  # the layout copies quantized linears keep (quantization.QUANT_COPIES)
         self.dtype_name = dtype
         self.dtype = compute_dtype(dtype)
         h, i = cfg.hidden_size, cfg.intermediate_size
@@ -66,11 +71,13 @@ class LlamaModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings and self.vocab_padded == cfg.vocab_size else None
         if self.lm_head is None:
             self.lm_head = cupy.zeros((self.vocab_padded, h), dtype=self.dtype)
+        # quantized linears: None until load / init_random builds their QuantLinear
+        fl = lambda layer, group, *shape: None if cfg.quantized_group(layer, group) else empty(*shape)  # noqa: E731
         self.layers: List[LayerWeights] = [LayerWeights(
-            in_norm=empty(h), post_norm=empty(h), qkv=empty(qkv_rows, h),
-            qkv_bias=empty(qkv_rows) if cfg.qkv_bias else None, o=empty(h, cfg.q_size),
+            in_norm=empty(h), post_norm=empty(h), qkv=fl(li, "qkv", qkv_rows, h),
+            qkv_bias=empty(qkv_rows) if cfg.qkv_bias else None, o=fl(li, "o", h, cfg.q_size),
             q_norm=empty(cfg.head_dim) if cfg.qk_norm else None, k_norm=empty(cfg.head_dim) if cfg.qk_norm else None,
-            gate_up=empty(2 * i, h), down=empty(h, i)) for _ in range(cfg.num_layers)]
+            gate_up=fl(li, "gate_up", 2 * i, h), down=fl(li, "down", h, i)) for li in range(cfg.num_layers)]
 
     # -- weights ------------------------------------------------------------------------------------------------
     def destination(self, name: str):
@@ -101,13 +108,14 @@ class LlamaModel:
             table.update({"self_attn.q_proj.bias": (L.qkv_bias, 0, q), "self_attn.k_proj.bias": (L.qkv_bias, q, q + kv),
                           "self_attn.v_proj.bias": (L.qkv_bias, q + kv, q + 2 * kv)})
         d = table.get(rest)
-        return d if d is not None and d[0] is not None else None
+        # None arrays: Qwen3-only norms elsewhere, and quantized linears (their tensors go to load_quantized)
+        return d if d is not None and d[0] is not None and not isinstance(d[0], QuantLinear) else None
 
     def load(self, ck: Checkpoint, progress=None) -> None:
         """Stream the checkpoint to the GPU shard by shard, one tensor at a time on the host."""
         import cupy
 
-        names = [n for n in self.cfg.weight_shapes()]
+        names = [n for n in self.cfg.weight_shapes() if self.destination(n) is not None]
         for _, group in ck.by_file(names).items():
             for name in group:
                 dst, a, b = self.destination(name)
@@ -116,7 +124,26 @@ class LlamaModel:
                 if progress is not None:
                     progress(name)
         self._tie()
+        self.load_quantized(ck, progress)
         cupy.cuda.get_current_stream().synchronize()
+
+    def quantized_linears(self):
+        """(layer, group name, checkpoint modules) of every quantized linear, in layer order."""
+        for li in range(self.cfg.num_layers):
+            for group, modules in LINEAR_GROUPS.items():
+                if self.cfg.quantized_group(li, group):
+                    yield li, group, [f"model.layers.{li}.{m}" for m in modules]
+
+    def load_quantized(self, ck: Checkpoint, progress=None) -> None:
+        """Each quantized linear: its parts read and fused on the host (one fused linear at a time), uploaded, and
+        prepacked once; the raw upload is dropped unless prepack keeps it."""
+        lin = self.cfg.linear_shapes()
+        for li, group, modules in self.quantized_linears():
+            k = lin[LINEAR_GROUPS[group][0]][1]
+            host = read_quant_linear(ck, modules, self.cfg.quantization, k, self.dtype_name)
+            setattr(self.layers[li], group, QuantLinear.from_host(host, self.quant_copies))
+            if progress is not None:
+                progress(f"model.layers.{li}.{group}")
 
     def _tie(self) -> None:
         if self.cfg.tie_word_embeddings and self.lm_head is not self.embed:
@@ -128,6 +155,8 @@ class LlamaModel:
 
         rng = cupy.random.default_rng(seed)
         for name in self.cfg.weight_shapes():
+            if self.destination(name) is None:  # quantized linears: below
+                continue
             dst, a, b = self.destination(name)
             part = dst.view(np.uint16)[a:b]  # copies as bit patterns
             if name.endswith("norm.weight"):
@@ -139,12 +168,41 @@ class LlamaModel:
                 chunk[...] = (rng.standard_normal(chunk.shape, dtype=cupy.float32) * std).astype(self.dtype).view(
                     np.uint16)
         self._tie()
+        # quantized presets: random codes and scales made in the format on the host (no float weights to quantize)
+        host_rng = np.random.default_rng(seed)
+        lin = self.cfg.linear_shapes()
+        for li, group, _ in self.quantized_linears():
+            mods = LINEAR_GROUPS[group]
+            n, k = sum(lin[m][0] for m in mods), lin[mods[0]][1]
+            host = random_host_linear(self.cfg.quantization, n, k, host_rng, self.dtype_name, std)
+            setattr(self.layers[li], group, QuantLinear.from_host(host, self.quant_copies))
 
-    def nbytes(self) -> int:
+    def _arrays(self):
         arrays = [self.embed, self.norm] + ([self.lm_head] if self.lm_head is not self.embed else [])
         for L in self.layers:
             arrays += [x for x in vars(L).values() if x is not None]
-        return sum(int(x.nbytes) for x in arrays)
+        return arrays
+
+    def nbytes(self) -> int:
+        """Bytes of the weights on the GPU: float arrays, and every copy the quantized linears' prepack keeps."""
+        return sum(x.nbytes() if isinstance(x, QuantLinear) else int(x.nbytes) for x in self._arrays())
+
+    def streamed_bytes(self) -> int:
+        """Bytes a forward reads from the weights (the roofline's): float arrays, and one copy of each quantized
+        linear's stored tensors."""
+        return sum(x.stored_bytes if isinstance(x, QuantLinear) else int(x.nbytes) for x in self._arrays())
+
+    def weights_summary(self) -> str:
+        """What the weights are, for the start-up line: dtype, quantization, bytes by kind."""
+        q = self.cfg.quantization
+        if q is None:
+            return f"{self.dtype_name}"
+        quant = [x for x in self._arrays() if isinstance(x, QuantLinear)]
+        qb = sum(x.nbytes() for x in quant)
+        g = f" g{q.group_size}" if q.group_size != -1 else ""
+        return (f"{q.method} {q.bits}-bit{g}{' act-order' if q.desc_act else ''}, {len(quant)} quantized linears "
+                f"{qb / 1e9:.2f} GB (stored {sum(x.stored_bytes for x in quant) / 1e9:.2f} GB; copies: "
+                f"{self.quant_copies}), other weights {(self.nbytes() - qb) / 1e9:.2f} GB {self.dtype_name}")
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward(self, ctx: ForwardContext, cos_sin):
@@ -165,7 +223,7 @@ class LlamaModel:
                 y, residual = sc.rms_norm(x, L.in_norm, eps), x
             else:
                 y, residual = sc.rms_norm(x, L.in_norm, eps, residual=residual)
-            qkv = sc.linear(y, L.qkv, L.qkv_bias)
+            qkv = _linear(sc, y, L.qkv, L.qkv_bias)
             q = qkv[:, :q_size].reshape(T, H, D)
             k = qkv[:, q_size:q_size + kv_size].reshape(T, Hkv, D)
             v = qkv[:, q_size + kv_size:].reshape(T, Hkv, D)
@@ -176,11 +234,18 @@ class LlamaModel:
             sc.rotary_embedding(ctx.positions, q, k, cos_sin, is_neox=True)
             attn = cupy.empty((T, H, D), dtype=self.dtype)
             ctx.attend(li, q, k, v, attn)
-            o = sc.linear(attn.reshape(T, q_size), L.o)
+            o = _linear(sc, attn.reshape(T, q_size), L.o)
             y, residual = sc.rms_norm(o, L.post_norm, eps, residual=residual)
-            x = sc.linear(sc.silu_and_mul(sc.linear(y, L.gate_up)), L.down)
+            x = _linear(sc, sc.silu_and_mul(_linear(sc, y, L.gate_up)), L.down)
         y, _ = sc.rms_norm(x, self.norm, eps, residual=residual)
         if ctx.logits_idx is not None:
             y = y.view(np.uint16)[ctx.logits_idx].view(self.dtype)
         logits = sc.linear(y, self.lm_head)
         return logits if self.vocab_padded == cfg.vocab_size else logits[:, :cfg.vocab_size]
+
+
+def _linear(sc, x, w, bias=None):
+    """``x @ w.T (+ bias)``: speedcore.linear on a float weight, the quantized linear's kernels on a QuantLinear."""
+    if isinstance(w, QuantLinear):
+        return w(x, bias)
+    return sc.linear(x, w, bias)
