@@ -505,6 +505,20 @@ def test_compile_traces_out_and_inplace_variants(cpu_reference_kernels):
         torch.testing.assert_close(a, e)
 
 
+@pytest.mark.parametrize("name", sorted(T.TRACED))
+def test_compile_traces_every_public_function_into_its_op(name, cpu_reference_kernels):
+    """Each public function (with its redirect, or the stand-in of public() until the host path has it) becomes its
+    op in one graph, called with the arguments of that op's sample."""
+    args, kw = samples("cpu")[name]
+    fn = public(name)
+    torch._dynamo.reset()  # one lambda for every name: without a reset its recompiles hit dynamo's limit
+    rec = GraphRecorder()
+    got = torch.compile(lambda *a, **k: fn(*a, **k), fullgraph=True, backend=rec)(*args, **kw)
+    assert len(rec.graphs) == 1 and f"speedcore.{name}" in rec.targets()
+    args, kw = samples("cpu")[name]  # fresh: the call may have written its inputs
+    torch.testing.assert_close(got, T.TRACED[name](*args, **kw))
+
+
 def test_compile_fused_add_rms_norm_in_place(cpu_reference_kernels):
     """vLLM's in-place fused add + RMSNorm (h written over the residual, y over x), traced through the twin."""
     def f(x, r, w):
