@@ -261,3 +261,31 @@ def test_metrics(server, client):
     assert values['speedcore_request_success_total{finished_reason="length"}'] >= 1
     assert values['speedcore_http_responses_total{code="200"}'] >= 1
     assert "# TYPE speedcore_time_to_first_token_seconds histogram" in text
+
+
+def test_cli_builds_the_fake_engine_and_tokenizer_for_presets():
+    import argparse
+
+    from speedcore.server import cli
+    from speedcore.server.fake_engine import NumberTokenizer, attach_number_tokenizer
+
+    p = argparse.ArgumentParser()
+    handlers = cli.add_parser(p.add_subparsers(dest="cmd"))
+    assert set(handlers) == {"serve"}
+    args = p.parse_args(["serve", "--fake-engine", "--max-model-len", "64", "--max-num-seqs", "3"])
+    assert args.host == "127.0.0.1" and args.port == 8000 and args.enable_prefix_caching
+    llm, name = cli.build_llm(args)
+    assert name == "fake" and llm.max_model_len == 64 and llm.scheduler.max_num_seqs == 3
+    assert p.parse_args(["serve", "--preset", "tiny", "--no-prefix-caching"]).enable_prefix_caching is False
+    with pytest.raises(SystemExit):
+        p.parse_args(["serve", "--model", "x", "--preset", "tiny"])  # one source only
+    assert cli._is_loopback("127.0.0.1") and cli._is_loopback("::1") and not cli._is_loopback("0.0.0.0")
+
+    class Preset:  # what attach_number_tokenizer reads of an LLM
+        config = type("C", (), dict(vocab_size=1024, bos_token_id=None, eos_token_ids=[]))()
+        tokenizer = None
+
+    tok = attach_number_tokenizer(Preset)
+    assert isinstance(Preset.tokenizer, NumberTokenizer)
+    assert tok.encode("t5 t1023", add_special_tokens=False) == [5, 1023]
+    assert tok.decode([5, 7, tok.eos_token_id]) == "t5 t7" and tok.decode([tok.eos_token_id], False) == "</s>"

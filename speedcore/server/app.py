@@ -231,7 +231,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
 
     async def server_error(request, e: Exception):
         log.exception("speedcore server: unhandled error")
-        return error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}"))
+        return error_response(P.APIError(500, f"internal error ({type(e).__name__}); see the server log"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -158,10 +158,12 @@ def make_fake_llm(*, vocab_size: int = 1000, max_model_len: int = 512, max_num_s
                             max_position_embeddings=max_model_len), "fake engine")
     if num_blocks is None:
         num_blocks = max_num_seqs * -(-max_model_len // block_size) + 1
-    return LLM._with_runner(cfg, CountingRunner(tok, step_delay), array_module=np, tokenizer=tok,
-                            num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            enable_prefix_caching=enable_prefix_caching, seed=seed, sample=numpy_sample)
+    llm = LLM._with_runner(cfg, CountingRunner(tok, step_delay), array_module=np, tokenizer=tok,
+                           num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           enable_prefix_caching=enable_prefix_caching, seed=seed, sample=numpy_sample)
+    llm.close = lambda *args, **kwargs: None  # no GPU memory to give back (LLM.close frees CuPy's pools)
+    return llm
 
 
 def attach_number_tokenizer(llm) -> NumberTokenizer:

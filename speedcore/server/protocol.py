@@ -385,6 +385,7 @@ class ChunkWriter:
         self.chat = req.kind == "chat"
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.offset = 0
+        self._prefix: Optional[bytes] = None
 
     def _wrap(self, choices, usage_=None, with_usage_field=True) -> bytes:
         obj = {"id": self.rid, "object": self.object, "created": self.created, "model": self.req.model,
@@ -399,7 +400,20 @@ class ChunkWriter:
                                 "finish_reason": None}])
         return None
 
+    def _fast_prefix(self) -> bytes:
+        head = json.dumps({"id": self.rid, "object": self.object, "created": self.created, "model": self.req.model},
+                          ensure_ascii=False, separators=(",", ":"))[:-1]
+        field = '"delta":{"content":' if self.chat else '"text":'
+        return ("data: " + head + ',"choices":[{"index":0,' + field).encode("utf-8")
+
     def delta(self, d) -> bytes:
+        if not d.finished and self.req.logprobs is None and not self.req.return_token_ids:
+            # the common chunk, without building its dict (once per token per stream)
+            if self._prefix is None:
+                self._prefix = self._fast_prefix()
+                self._tail = (b'}' if self.chat else b'') + b',"logprobs":null,"finish_reason":null}]' + \
+                    (b',"usage":null' if self.req.include_usage else b'') + b'}\n\n'
+            return self._prefix + json.dumps(d.text, ensure_ascii=False).encode("utf-8") + self._tail
         fr = finish_reason(d.finish_reason) if d.finished else None
         lp = None
         if self.req.logprobs is not None and d.logprobs:

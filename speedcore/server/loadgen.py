@@ -1,0 +1,103 @@
+"""A load generator for the server (benchmarks/serve.py): streaming clients in worker processes (so their JSON
+parsing does not share the server's interpreter), each process running many concurrent requests on asyncio and
+httpx.  Loopback targets only; bounded by the job list and a per-request timeout."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import List, Optional
+
+
+def run_clients(url: str, jobs: List[dict], *, concurrency: int, processes: int = 4, api_key: Optional[str] = None,
+                timeout: float = 600.0, start_delay: float = 3.0) -> List[dict]:
+    """Run ``jobs`` against ``url`` (http://127.0.0.1:PORT) with ``concurrency`` requests in flight in all;
+    returns one record per job (see ``_one``).  A job: {"i", "path", "body", "drop_after": events or None}."""
+    host = url.split("//", 1)[-1].split(":", 1)[0]
+    if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        raise ValueError(f"url: the load generator targets loopback only, got {url!r}")
+    processes = max(1, min(processes, len(jobs)))
+    groups = [jobs[p::processes] for p in range(processes)]
+    per = max(1, math.ceil(concurrency / processes))
+    start_at = time.monotonic() + start_delay  # every process starts together, after its imports
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA and server threads
+    with ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as ex:
+        futs = [ex.submit(_worker, url, g, per, api_key, timeout, start_at) for g in groups]
+        out = []
+        for f in futs:
+            out += f.result(timeout + start_delay + 60)
+    return sorted(out, key=lambda r: r["i"])
+
+
+def _worker(url, jobs, concurrency, api_key, timeout, start_at):
+    return asyncio.run(_main(url, jobs, concurrency, api_key, timeout, start_at))
+
+
+async def _main(url, jobs, concurrency, api_key, timeout, start_at):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(timeout, connect=30.0)) as client:
+        async def guarded(job):
+            async with sem:
+                return await _one(client, job)
+
+        return await asyncio.gather(*(guarded(j) for j in jobs))
+
+
+async def _one(client, job) -> dict:
+    """Record: i, status, events (data: lines), done ([DONE] seen, once), text, token_ids, usage, ttft_s (to the
+    first event with tokens), gaps_s (between events with tokens), start/end (monotonic), dropped, error."""
+    rec = dict(i=job["i"], status=None, events=0, done=0, text="", token_ids=[], usage=None, ttft_s=None,
+               gaps_s=[], start=time.monotonic(), end=None, dropped=False, error=None, finish_reason=None)
+    drop = job.get("drop_after")
+    last = None
+    try:
+        async with client.stream("POST", job["path"], json=job["body"]) as r:
+            rec["status"] = r.status_code
+            if r.status_code != 200:
+                rec["error"] = (await r.aread()).decode("utf-8", "replace")[:300]
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                rec["events"] += 1
+                if data == "[DONE]":
+                    rec["done"] += 1
+                    continue
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec["error"] = obj["error"].get("message")
+                    continue
+                if obj.get("usage"):
+                    rec["usage"] = obj["usage"]
+                for ch in obj.get("choices") or []:
+                    text = ch["delta"].get("content") if "delta" in ch else ch.get("text")
+                    ids = ch.get("token_ids") or []
+                    if text or ids:
+                        now = time.monotonic()
+                        if last is None:
+                            rec["ttft_s"] = now - rec["start"]
+                        else:
+                            rec["gaps_s"].append(now - last)
+                        last = now
+                    rec["text"] += text or ""
+                    rec["token_ids"] += ids
+                    if ch.get("finish_reason"):
+                        rec["finish_reason"] = ch["finish_reason"]
+                if drop is not None and rec["events"] >= drop:
+                    rec["dropped"] = True
+                    break  # leaving the block closes the connection: the server must abort the request
+    except Exception as e:  # a transport error is a lost request: recorded, counted by the caller
+        rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        rec["end"] = time.monotonic()
+    return rec
