@@ -589,7 +589,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_verify_kernel(
   const int sk = min(max(seqused_k[b], 0), max_len);
   const int q_off = min(max(cu_seqlens_q[b], 0), total_q);
   const int sq = min(max(cu_seqlens_q[b + 1], q_off), total_q) - q_off;
-  const int pairs = sq * group;             // (query token, head of the group) pairs of this KV head
+  // (query token, head of the group) pairs of this KV head, at most what the grid's column groups cover (a sequence
+  // longer than max_seqlen_q must not overflow sq x group)
+  const int pairs = (int)min((long long)sq * group, (long long)qgroups * NCOL);
   const int p0 = qg * NCOL;                 // this CTA's first pair
   if (p0 >= pairs) return;                  // no column (uniform over the CTA)
   const int diag = sk - sq;
