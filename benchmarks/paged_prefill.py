@@ -55,7 +55,6 @@ def _prefill_case(b, q_len, cached, block_size):
     if path != "sm80":  # the portable kernel too, against the same peer timings
         sm80_ms = b.time_ms(lambda: speedcore.paged_prefill_attention(q, kc, vc, cu_q, lens, table, q_len, sk,
                                                                       causal=True, out=out, _path="sm80"))
-    del kc, vc
     peers = {}
     kf, vf = k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
     ref = torch.empty_like(q)
