@@ -596,7 +596,8 @@ def _cache_attn(key, run, given, inputs, oa, lse_shape, varlen: bool) -> None:
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, out=None, _path=None):
+                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, out=None,
+                      block_table=None, seqused_k=None, _path=None):
     """Attention over a batch of sequences of different lengths packed along the token dimension, as
     ``flash_attn.flash_attn_varlen_func``.
 
@@ -613,6 +614,11 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_seqlen_q : int, at least the longest query sequence (rows past it are not computed).
     max_seqlen_k : int, the longest key sequence (accepted for flash-attn compatibility).
     causal, softmax_scale, window_size, softcap, out : as in :func:`flash_attn`.
+    block_table : optional int32 (batch, max_blocks_per_seq): k and v are then paged caches (num_blocks,
+        block_size, nheads_kv, head_dim), as flash-attn's ``block_table=``, and the call is
+        :func:`speedcore.paged_prefill_attention` (the query tokens are the last ones of each sequence).
+    seqused_k : optional int32 (batch,), with ``block_table``: each sequence's cached tokens, this step's
+        included; by default ``cu_seqlens_k[1:] - cu_seqlens_k[:-1]``.
     return_lse : bool
         Also return the log-sum-exp, float32 (nheads, total_q).
 
@@ -620,6 +626,12 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     -------
     out (total_q, nheads, head_dim), or (out, lse).
     """
+    if block_table is not None:
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                             return_lse=return_lse, out=out, block_table=block_table, seqused_k=seqused_k)
+    if seqused_k is not None:
+        raise ValueError("seqused_k: only with block_table (a paged KV cache); contiguous K/V use cu_seqlens_k")
     if _torch_hook.compiling():
         return _torch_hook.op("flash_attn_varlen")(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    causal=causal, softmax_scale=softmax_scale,
@@ -693,3 +705,19 @@ def _check_cu_seqlens(c, total: int, max_seqlen) -> None:
                          f"its tensor, got {vals[:8].tolist()}{'...' if vals.size > 8 else ''} (last {vals[-1]})")
     if max_seqlen is not None and lens.size and lens.max() > max_seqlen:
         raise ValueError(f"{c.name}: a sequence of {lens.max()} tokens is longer than max_seqlen_q={max_seqlen}")
+
+
+def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, block_table,
+                  seqused_k, **kw):
+    """flash_attn_varlen over a paged cache: paged_prefill_attention, with seqused_k from cu_seqlens_k if absent."""
+    from .paged_attention import paged_prefill_attention
+
+    if seqused_k is None:
+        if cu_seqlens_k is None:
+            raise ValueError("seqused_k: with block_table, pass seqused_k (or cu_seqlens_k to derive it from)")
+        ck = A.wrap(cu_seqlens_k, "cu_seqlens_k")
+        if ck.dtype != "int32" or ck.ndim != 1 or ck.shape[0] < 1:
+            raise TypeError(f"cu_seqlens_k: expected int32 of shape (batch + 1,), got {ck.dtype} {ck.shape}")
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    return paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
+                                   max_seqlen_k, **kw)

@@ -84,10 +84,7 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None, residual_
     caller's current stream.
     """
     if _torch_hook.compiling():
-        if residual_out is not None:
-            raise NotImplementedError("rms_norm: residual_out is not supported under torch.compile (the traced op "
-                                      "returns h as a new tensor); pass residual only")
-        return _torch_hook.op("rms_norm")(x, weight, eps, residual=residual, out=out)
+        return _torch_hook.op("rms_norm")(x, weight, eps, residual=residual, out=out, residual_out=residual_out)
     try:
         plan = _PLANS.get((sig(x), sig(weight), None if residual is None else sig(residual),
                            None if out is None else sig(out), None if residual_out is None else sig(residual_out),

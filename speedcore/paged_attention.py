@@ -28,6 +28,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import _arrays as A
+from . import _torch_hook
 from . import _tma
 from ._compile import Kernel
 from ._launch import LaunchConfig, device_info, launch
@@ -601,6 +602,10 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
     -------
     out, or (out, lse); arrays of q's library, computed on its current stream.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("paged_prefill_attention")(
+            q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, return_lse=return_lse, out=out)
     qa, ka, va = A.wrap(q, "q"), A.wrap(k_cache, "k_cache"), A.wrap(v_cache, "v_cache")
     cqa, sua, bta = A.wrap(cu_seqlens_q, "cu_seqlens_q"), A.wrap(seqused_k, "seqused_k"), A.wrap(block_table,
                                                                                                  "block_table")

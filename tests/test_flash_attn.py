@@ -504,3 +504,34 @@ def test_bad_input_raises_before_launch():
         speedcore.flash_attn_varlen(qv, qv, qv, cu32, cu32[:2], 16, 16)
     with pytest.raises(TypeError, match="CUDA"):
         speedcore.flash_attn_varlen(qv, qv, qv, cu32.cpu(), cu32, 16, 16)
+
+
+def test_varlen_seqused_k_needs_a_block_table():
+    import speedcore
+
+    with pytest.raises(ValueError, match="seqused_k"):
+        speedcore.flash_attn_varlen(None, None, None, None, None, 1, 1, seqused_k=object())
+
+
+@pytest.mark.gpu
+def test_varlen_with_block_table_is_paged_prefill():
+    """flash-attn's block_table= form: K/V are paged caches; the same result as paged_prefill_attention, with
+    seqused_k given or derived from cu_seqlens_k."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import speedcore
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    kc = torch.randn(12, 16, 2, 64, device="cuda", dtype=bf, generator=g)
+    vc = torch.randn(12, 16, 2, 64, device="cuda", dtype=bf, generator=g)
+    table = torch.randperm(12, device="cuda", generator=g).to(torch.int32).view(2, 6)
+    used = torch.tensor([40, 90], device="cuda", dtype=torch.int32)
+    cu_q = torch.tensor([0, 5, 12], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 40, 130], device="cuda", dtype=torch.int32)
+    q = torch.randn(12, 8, 64, device="cuda", dtype=bf, generator=g)
+    ref = speedcore.paged_prefill_attention(q, kc, vc, cu_q, used, table, 7, 90, causal=True)
+    got = speedcore.flash_attn_varlen(q, kc, vc, cu_q, None, 7, 90, causal=True, block_table=table, seqused_k=used)
+    got2 = speedcore.flash_attn_varlen(q, kc, vc, cu_q, cu_k, 7, 90, causal=True, block_table=table)
+    assert torch.equal(got, ref) and torch.equal(got2, ref)

@@ -360,8 +360,15 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, out=None, **private):
+                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, out=None,
+                      block_table=None, seqused_k=None, **private):
     _no_private(private)
+    if block_table is not None:  # a paged cache: speedcore.flash_attn_varlen routes it to paged prefill too
+        if seqused_k is None:
+            seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        return paged_prefill_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                                       causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                       softcap=softcap, return_lse=return_lse, out=out)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=list(window_size), softcap=softcap)
     return _attention(ops.flash_attn_varlen, ops.flash_attn_varlen_lse, ops.flash_attn_varlen_out,
                       ops.flash_attn_varlen_lse_out,
