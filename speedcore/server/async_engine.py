@@ -79,7 +79,12 @@ class LLMBackend:
     # -- requests -----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int], params) -> Optional[Delta]:
         """Queue a request; returns its failure as a finished Delta if the engine refuses it."""
-        req = self.llm._add(0, {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, params)
+        try:
+            req = self.llm._add(0, {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, params)
+        except Exception as e:  # the engine's own checks fail requests without raising; this is a bug's net
+            log.exception("speedcore engine: adding a request failed")
+            return Delta(request_id, [], "", None, True, "error", None, len(prompt_token_ids), 0, 0,
+                         f"{type(e).__name__}: {e}", time.perf_counter())
         if req.error is not None:
             return Delta(request_id, [], "", None, True, "error", None, len(req.ids), 0, 0, req.error,
                          time.perf_counter())
