@@ -215,8 +215,9 @@ def run(opts) -> dict:
         n = opts.requests
         prompts = [rng.integers(0, V, int(L)).tolist() for L in rng.integers(in_lo, in_hi + 1, n)]
         out_lens = rng.integers(out_lo, out_hi + 1, n)
-        # warm-up: compile what start-up did not
-        llm.generate([prompts[0][:16]] * 4, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        # warm-up on a batch of the workload's shapes: compile what start-up did not (else the offline run, first,
+        # would pay for it)
+        llm.generate(prompts[:opts.max_num_seqs], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
         # offline reference throughput on the same prompts
         _log(f"offline generate: {n} prompts ...")

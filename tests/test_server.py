@@ -220,8 +220,9 @@ def test_bad_input_then_good(server, client):
     assert e.value.status_code == 400 and "max_tokens" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[dict(role="user", content="x")])
-    r = post(server, "/v1/completions", b"x" * (65 << 10))
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    for size in (65 << 10, 640 << 10):  # just past the limit (64 KiB), and 10x (read on and dropped)
+        r = post(server, "/v1/completions", b"x" * size)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(server.url + "/v1/nothing", headers=AUTH, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(server.url + "/v1/completions", headers=AUTH, timeout=10)

@@ -79,18 +79,29 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
 
     # -- request helpers ----------------------------------------------------------------------------------------
     async def read_body(request: Request) -> dict:
+        """The JSON body, or 413 past the limit.  An oversized body is read on and dropped up to 16x the limit
+        before answering, so that a client still sending it reads the 413 instead of a reset connection; past
+        that the connection is closed."""
         limit = config.max_request_bytes
         cl = request.headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > limit:
-            raise P.APIError(413, f"the request body has {int(cl)} bytes; this server takes at most {limit}",
-                             code="request_too_large")
+        declared = int(cl) if cl is not None and cl.isdigit() else None
+        if declared is not None and declared > 16 * limit:
+            raise P.APIError(413, f"the request body has {declared} bytes; this server takes at most {limit}",
+                             code="request_too_large", headers={"Connection": "close"})
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit:
-                raise P.APIError(413, f"the request body is over {limit} bytes, this server's limit",
-                                 code="request_too_large")
+            if size > limit or (declared is not None and declared > limit):
+                if size > 16 * limit:
+                    break
+                continue
             chunks.append(chunk)
+        if size > limit or (declared is not None and declared > limit):
+            e = P.APIError(413, f"the request body has {max(size, declared or 0)}{'+' if size > 16 * limit else ''} "
+                                f"bytes; this server takes at most {limit}", code="request_too_large")
+            if size > 16 * limit:
+                e.headers = {"Connection": "close"}
+            raise e
         return P.parse_json_body(b"".join(chunks))
 
     def encode_prompt(req: P.GenerationRequest):
