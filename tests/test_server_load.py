@@ -116,6 +116,10 @@ def test_engine_failure_fails_requests_and_serving_goes_on(slow):
     try:
         r = httpx.post(slow.url + "/v1/completions", json=dict(model=MODEL, prompt="t1", max_tokens=5), timeout=10)
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        with httpx.stream("POST", slow.url + "/v1/completions", timeout=10,
+                          json=dict(model=MODEL, prompt="t1", max_tokens=5, stream=True)) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[0])["error"]["message"]
     finally:
         runner.run = real_run
     wait_idle(slow)
