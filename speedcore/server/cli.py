@@ -90,7 +90,10 @@ def main(args) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         print(f"speedcore serve: WARNING: binding {args.host} without --api-key: anyone who reaches this address "
               f"can use the model", file=sys.stderr, flush=True)
-    llm, name = build_llm(args)
+    try:
+        llm, name = build_llm(args)
+    except (FileNotFoundError, ValueError, MemoryError) as e:  # a bad checkpoint, config, tokenizer or option
+        raise SystemExit(f"speedcore serve: {type(e).__name__}: {e}") from None
     try:
         app = make_app(llm, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
                        max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars)
