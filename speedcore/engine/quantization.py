@@ -288,6 +288,12 @@ def prepacked_nbytes(obj) -> int:
         if is_dataclass(o) and not isinstance(o, type):
             for f in fields(o):
                 walk(getattr(o, f.name))
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
         elif hasattr(o, "nbytes") and hasattr(o, "shape"):
             total += int(o.nbytes)
 
