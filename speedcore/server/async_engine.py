@@ -347,33 +347,47 @@ class AsyncEngine:
                 except Exception as e:
                     log.exception("speedcore engine step failed; failing the requests in flight")
                     deltas = backend.fail_all(f"the engine step failed: {type(e).__name__}: {e}")
+                stepped = []
                 for d in deltas:
                     stream = self._live.get(d.request_id)
                     if stream is None:
                         continue
-                    self._account(stream, d)
                     if d.finished:
                         del self._live[d.request_id]
-                    out.append((stream, d))
+                    stepped.append((stream, d))
+                self._account(stepped)
+                out += stepped
             self._post(out)
             st = backend.stats()
             st["running"] = min(st["running"], len(self._live))
             self._stats = st
 
-    def _account(self, stream: RequestStream, d: Delta) -> None:
+    def _account(self, stepped) -> None:
+        """Latency and token metrics of one step's (stream, delta) pairs, one lock per metric per step."""
         m = self.metrics
-        n = len(d.token_ids)
-        if n:
-            m.generation_tokens.inc(n)
-            if stream.first_token_time is None:
-                stream.first_token_time = d.time
-                m.ttft.observe(d.time - stream.arrival)
-            else:
-                m.itl.observe(d.time - stream.last_token_time)
-            stream.last_token_time = d.time
-        if d.finished:
-            if d.finish_reason == "error":
-                m.requests_failed.inc()
-            else:
-                m.requests_finished.inc(finished_reason=d.finish_reason)
-                m.e2e.observe(d.time - stream.arrival)
+        n_tok, ttft, itl, e2e, failed, reasons = 0, [], [], [], 0, {}
+        for stream, d in stepped:
+            n = len(d.token_ids)
+            if n:
+                n_tok += n
+                if stream.first_token_time is None:
+                    stream.first_token_time = d.time
+                    ttft.append(d.time - stream.arrival)
+                else:
+                    itl.append(d.time - stream.last_token_time)
+                stream.last_token_time = d.time
+            if d.finished:
+                if d.finish_reason == "error":
+                    failed += 1
+                else:
+                    reasons[d.finish_reason] = reasons.get(d.finish_reason, 0) + 1
+                    e2e.append(d.time - stream.arrival)
+        if n_tok:
+            m.generation_tokens.inc(n_tok)
+        m.ttft.observe_many(ttft)
+        m.itl.observe_many(itl)
+        m.e2e.observe_many(e2e)
+        if failed:
+            m.requests_failed.inc(failed)
+        for reason, k in reasons.items():
+            m.requests_finished.inc(k, finished_reason=reason)

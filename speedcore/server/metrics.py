@@ -69,11 +69,18 @@ class Histogram:
         self._lock = threading.Lock()
 
     def observe(self, v: float) -> None:
-        i = bisect.bisect_left(self.bounds, v)
+        self.observe_many((v,))
+
+    def observe_many(self, values) -> None:
+        if not values:
+            return
+        idx = [bisect.bisect_left(self.bounds, v) for v in values]
+        total = sum(values)
         with self._lock:
-            self.counts[i] += 1
-            self.sum += v
-            self.count += 1
+            for i in idx:
+                self.counts[i] += 1
+            self.sum += total
+            self.count += len(idx)
 
     def render(self) -> List[str]:
         with self._lock:
