@@ -301,6 +301,44 @@ def prepacked_nbytes(obj) -> int:
     return total
 
 
+def expected_prepacked_bytes(method: str, n: int, k: int, group_size: int = 128, *, act_order: bool = False,
+                             copies: str = "all", cc: Tuple[int, int] = (9, 0)) -> Dict[str, int]:
+    """The bytes ``speedcore.quant.prepack_*`` keeps for one layer of N outputs and K inputs, by copy, from the
+    same shape predicates prepack uses (no GPU; the GPU test checks it against the arrays prepack makes): the
+    stored tensors, the tile-major copy (quant_mma_kernel), the fragment-major copy and its group records (the
+    M <= 16 streaming kernels, quant_marlin_kernel), the wgmma-major copy and its group records (w4_wgmma_kernel,
+    sm_90), the act-order permutation.  ``copies`` as LLM(quant_copies=...)."""
+    from .. import quant as Q
+    from ..quant import gemv as _gemv, mma as _mma, w4wgmma as _w4
+
+    m = METHOD_ALIASES.get(method, method)
+    out = {}
+    with _Switches(Q, copies):
+        if m == "speedcore_int8":
+            out["stored"] = n * k + 2 * n
+            if n % 64 == 0 and k % 16 == 0:
+                out["tile-major"] = 4 * _mma.packed_shape(Q.FMT_INT8, k, n)[0]
+                if Q._want_gemv_layout(Q.KIND_INT8, n, k):
+                    out["fragment-major"] = n * k
+                if _w4._W8WGMMA_MODE != "off" and tuple(cc) == (9, 0) and _w4.w8wgmma_supported(k, n):
+                    out["wgmma-major"] = n * k
+            return out
+        g = k if group_size == -1 else group_size
+        ng = -(-k // g)
+        out["stored"] = n * k // 2 + ng * n // 2 + 2 * ng * n
+        fmt = Q.FMT_AWQ if m == "awq" else Q.FMT_GPTQ
+        if n % 64 == 0 and Q._fast_group_ok(g) and k % 8 == 0:
+            out["tile-major"] = 4 * _mma.packed_shape(fmt, k, n)[0]
+            if Q._want_gemv_layout(Q.KIND_INT4, n, k, g):
+                recs = (n // 64) * ng * _gemv.GEMV_GROUP_BYTES
+                out["fragment-major"] = n * k // 2 + recs
+                if _w4._W4WGMMA_MODE != "off" and tuple(cc) == (9, 0) and _w4.w4wgmma_supported(k, n, g):
+                    out["wgmma-major"] = n * k // 2 + recs
+        if act_order:
+            out["act-order perm"] = 4 * k
+    return out
+
+
 def _upload(cp, a: np.ndarray):
     if a.dtype.itemsize == 2 and a.dtype.kind not in "iu":  # halves: copied as bit patterns (ml_dtypes bf16)
         out = cp.empty(a.shape, dtype=a.dtype)
