@@ -290,3 +290,41 @@ def test_cli_builds_the_fake_engine_and_tokenizer_for_presets():
     assert isinstance(Preset.tokenizer, NumberTokenizer)
     assert tok.encode("t5 t1023", add_special_tokens=False) == [5, 1023]
     assert tok.decode([5, 7, tok.eos_token_id]) == "t5 t7" and tok.decode([tok.eos_token_id], False) == "</s>"
+
+
+def test_chat_with_a_hugging_face_tokenizer_and_jinja_template(tmp_path):
+    """The engine's own Tokenizer (tokenizer.json + a jinja chat template) behind the server: the template's
+    output is what the model sees, and a template that raises is a 400 naming messages."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import AddedToken, models, pre_tokenizers
+
+    from speedcore.engine.tokenizer import Tokenizer
+
+    V = 1000  # the ids of NumberTokenizer(1000), which the counting model follows
+    names = ["<|tool|>", "<|assistant|>", "<|user|>", "<|system|>", "</s>", "<s>"]
+    vocab = {f"t{i}": i for i in range(V - 6)}
+    vocab.update({n: V - 6 + k for k, n in enumerate(names)})
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(n, special=True) for n in names])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('roles must alternate user/assistant/user/...') }}{% endif %}"
+                " <|{{ m['role'] }}|> {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} <|assistant|>"
+                "{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(chat_template=template, bos_token="<s>",
+                                                                     eos_token="</s>")))
+    llm = make_fake_llm(vocab_size=V, max_model_len=64, max_num_seqs=4)
+    llm.tokenizer = Tokenizer(str(tmp_path))
+    with ServerThread(make_app(llm, served_model_name=MODEL)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        r = c.chat.completions.create(model=MODEL, messages=[dict(role="user", content="t40 t41")], max_tokens=3,
+                                      temperature=0, extra_body=dict(return_token_ids=True))
+        assert r.choices[0].message.content == " t1 t2 t3" and r.usage.prompt_tokens == 5  # <s> <|user|> t40 t41 <|a|>
+        assert r.prompt_token_ids == [V - 1, V - 4, 40, 41, V - 5]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=[dict(role="assistant", content="x")], max_tokens=3)
+        assert "roles must alternate" in str(e.value) and e.value.body["param"] == "messages"
+        r = c.completions.create(model=MODEL, prompt="t7 t8", max_tokens=2, temperature=0)
+        assert r.choices[0].text == " t9 t10" and r.usage.prompt_tokens == 2  # this tokenizer adds no BOS
