@@ -144,6 +144,10 @@ class LlamaModel:
             setattr(self.layers[li], group, QuantLinear.from_host(host, self.quant_copies))
             if progress is not None:
                 progress(f"model.layers.{li}.{group}")
+        if self.cfg.quantization is not None:  # raw uploads prepack replaced: back to the device before profiling
+            import cupy
+
+            cupy.get_default_memory_pool().free_all_blocks()
 
     def _tie(self) -> None:
         if self.cfg.tie_word_embeddings and self.lm_head is not self.embed:
