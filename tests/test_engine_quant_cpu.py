@@ -228,8 +228,8 @@ def dequantized_hf_model(d, float_dir):
     ck = Checkpoint(d)
     sd = m.state_dict()
     with torch.no_grad():
-        for layer in range(LAYERS):
-            for mod, (n, k) in LINEARS.items():
+        for layer in range(mc.num_layers):
+            for mod, (n, k) in mc.linear_shapes().items():
                 name = f"model.layers.{layer}.{mod}"
                 if mc.quantization.converts(name):
                     w = module_weight(ck, mc.quantization, name, k)
@@ -348,3 +348,32 @@ def test_prepacked_nbytes_counts_each_array_once():
     gl = _GemvLayer(0, "float16", words, recs, 1, 2, 4, 1, words, 3, recs, 4)  # w4 copy aliasing the words
     w = AWQWeight(qw, qz, sc, 128, 128, 64, packed, None, gl)
     assert prepacked_nbytes(w) == qw.nbytes + qz.nbytes + sc.nbytes + packed.nbytes + words.nbytes + recs.nbytes
+
+
+@pytest.mark.parametrize("method, group", [("awq", 32), ("gptq", 64)])
+def test_qwen2_biases_and_sharded_source(method, group, tmp_path, fake_gpu, monkeypatch):  # noqa: F811
+    """Qwen2 (q/k/v biases, stored float16 beside the quantized weights) from a sharded float32 checkpoint."""
+    torch = pytest.importorskip("torch")
+    from test_engine_model_cpu import _hf
+
+    src = tmp_path / "qwen2"
+    _hf("qwen2", src)  # hidden 64, 2 layers, shards of 20 KB
+    assert os.path.isfile(src / "model.safetensors.index.json")
+    d = str(tmp_path / "q")
+    quantize_checkpoint(str(src), d, method, group, progress=False)
+    fake_quant(monkeypatch)
+    hf = dequantized_hf_model(d, str(src))
+    with torch.no_grad():  # the engine adds the biases as stored (float16)
+        for name, p in hf.named_parameters():
+            if name.endswith("proj.bias"):
+                p.copy_(p.half().float())
+    from speedcore.engine.llm import LLM
+
+    llm = LLM(d, dtype="float16", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+              skip_tokenizer_init=True, num_gpu_blocks=32, block_size=4, enforce_eager=True)
+    assert llm.model.layers[0].qkv_bias is not None
+    ids = np.random.default_rng(0).integers(0, 100, 30).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    _, got = llm._debug_logits(ids, 20)
+    assert np.abs(got - ref).max() < TOL * np.abs(ref).max()
