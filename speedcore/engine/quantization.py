@@ -339,7 +339,9 @@ def expected_prepacked_bytes(method: str, n: int, k: int, group_size: int = 128,
     return out
 
 
-def _upload(cp, a: np.ndarray):
+def _upload(cp, a):
+    if not isinstance(a, np.ndarray):  # made on the device already (random presets)
+        return a
     if a.dtype.itemsize == 2 and a.dtype.kind not in "iu":  # halves: copied as bit patterns (ml_dtypes bf16)
         out = cp.empty(a.shape, dtype=a.dtype)
         out.view(np.uint16).set(np.ascontiguousarray(a).view(np.uint16))
@@ -418,25 +420,35 @@ class QuantLinear:
         return cupy.concatenate(ys, axis=-1)
 
 
-def random_host_linear(qc: QuantConfig, n: int, k: int, rng: np.random.Generator, compute_dtype: str,
-                       std: float = 0.02) -> HostQuantLinear:
-    """Random stored tensors of one linear (weights of std ``std``), made directly in the format: uniform codes,
-    zero points 8 (GPTQ: stored as 7), one scale per format group; for the bench presets, which need the shapes and
-    the bytes, not a trained model.  (Host-side, for tests and small presets: see LlamaModel.init_random.)"""
+def random_linear(qc: QuantConfig, n: int, k: int, xp, rng, compute_dtype: str, std: float = 0.02
+                  ) -> HostQuantLinear:
+    """Random stored tensors of one linear (weights of std ``std``) made directly in the format with array module
+    ``xp`` (CuPy for the bench presets: no host round trip; NumPy in tests) and its generator ``rng``: codes from
+    hashed bit patterns of the generator's float32 normals (uniform enough for timing), zero points 8 (GPTQ: stored
+    as 7), one scale per format group.  The presets need the shapes and the bytes, not a trained model."""
     import ml_dtypes
 
     half = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[compute_dtype]
+
+    def words(*shape):  # 32-bit words: a float32 normal's bits times an odd constant, folded (a bijection mix)
+        z = rng.standard_normal(int(np.prod(shape)), dtype=np.float32).view(np.uint32)
+        return ((z * np.uint32(2654435761)) ^ (z >> np.uint32(13))).view(np.int32).reshape(shape)
+
+    def full(shape, value):
+        out = xp.empty(shape, dtype=half)
+        out.view(np.uint16).fill(int(np.array(value, half).view(np.uint16)))
+        return out
+
     if qc.method == "speedcore_int8":
-        w = rng.integers(-127, 128, (n, k), dtype=np.int8)
-        return HostQuantLinear(qc.method, -1, k, [{"weight": w, "scales": np.full(n, std / 73.3, half)}], [n])
+        w = words(n, k // 4).view(np.int8).reshape(n, k)  # uniform bytes: std ~74 steps
+        return HostQuantLinear(qc.method, -1, k, [{"weight": w, "scales": full((n,), std / 73.9)}], [n])
     g = qc.group(k)
     groups = -(-k // g)
-    words = lambda *shape: rng.integers(0, 1 << 32, shape, dtype=np.uint64).astype(np.uint32).view(np.int32)  # noqa
-    scale = np.full((groups, n), std / 4.61, half)  # codes uniform in 0..15 around 8: std 4.61 steps
+    scale = full((groups, n), std / 4.61)  # codes uniform in 0..15 around 8: std 4.61 steps
     if qc.method == "awq":
-        p = {"qweight": words(k, n // 8), "qzeros": np.full((k // g, n // 8), 0x88888888 - (1 << 32), np.int32),
+        p = {"qweight": words(k, n // 8), "qzeros": xp.full((k // g, n // 8), 0x88888888 - (1 << 32), np.int32),
              "scales": scale}
     else:
-        p = {"qweight": words(k // 8, n), "qzeros": np.full((groups, n // 8), 0x77777777, np.int32), "scales": scale,
+        p = {"qweight": words(k // 8, n), "qzeros": xp.full((groups, n // 8), 0x77777777, np.int32), "scales": scale,
              "g_idx": None}
     return HostQuantLinear(qc.method, g, k, [p], [n])

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint, to_dtype_bits
 from ..config import ModelConfig
-from ..quantization import LINEAR_GROUPS, QUANT_COPIES, QuantLinear, random_host_linear, read_quant_linear
+from ..quantization import LINEAR_GROUPS, QUANT_COPIES, QuantLinear, random_linear, read_quant_linear
 
 
 def compute_dtype(name: str):
@@ -172,14 +172,13 @@ class LlamaModel:
                 chunk[...] = (rng.standard_normal(chunk.shape, dtype=cupy.float32) * std).astype(self.dtype).view(
                     np.uint16)
         self._tie()
-        # quantized presets: random codes and scales made in the format on the host (no float weights to quantize)
-        host_rng = np.random.default_rng(seed)
+        # quantized presets: random codes and scales made in the format on the GPU (no float weights to quantize)
         lin = self.cfg.linear_shapes()
         for li, group, _ in self.quantized_linears():
             mods = LINEAR_GROUPS[group]
             n, k = sum(lin[m][0] for m in mods), lin[mods[0]][1]
-            host = random_host_linear(self.cfg.quantization, n, k, host_rng, self.dtype_name, std)
-            setattr(self.layers[li], group, QuantLinear.from_host(host, self.quant_copies))
+            made = random_linear(self.cfg.quantization, n, k, cupy, rng, self.dtype_name, std)
+            setattr(self.layers[li], group, QuantLinear.from_host(made, self.quant_copies))
 
     def _arrays(self):
         arrays = [self.embed, self.norm] + ([self.lm_head] if self.lm_head is not self.embed else [])
