@@ -209,6 +209,9 @@ class AsyncEngine:
         self._stats = dict(backend.stats())
         self._stats["waiting"] = 0
         self.num_in_flight = 0  # event-loop thread only
+        # throughput windows (benchmarks): the first arrival since reset_window(), the last token sampled
+        self.first_arrival: Optional[float] = None
+        self.last_token_time = 0.0
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None  # what ended the engine thread, if it died
@@ -247,6 +250,8 @@ class AsyncEngine:
         rid = f"{next(self._ids)}"
         stream = RequestStream(self, rid, time.perf_counter() if arrival is None else arrival,
                                len(prompt_token_ids))
+        if self.first_arrival is None:
+            self.first_arrival = stream.arrival
         self.num_in_flight += 1
         self._cmds.put(("add", (stream, prompt, list(prompt_token_ids), params)))
         return stream
@@ -268,6 +273,10 @@ class AsyncEngine:
                 stream.finished = True
                 self._release(stream)
             stream.queue.put_nowait(d)
+
+    def reset_window(self) -> None:
+        """Start a throughput window: tokens / (last_token_time - first_arrival) from the next request on."""
+        self.first_arrival = None
 
     def call(self, fn: Callable[[LLMBackend], object]) -> concurrent.futures.Future:
         """Run ``fn(backend)`` on the engine thread between steps (inspection in tests and benchmarks)."""
@@ -384,6 +393,7 @@ class AsyncEngine:
                     e2e.append(d.time - stream.arrival)
         if n_tok:
             m.generation_tokens.inc(n_tok)
+            self.last_token_time = max(d.time for _, d in stepped)
         m.ttft.observe_many(ttft)
         m.itl.observe_many(itl)
         m.e2e.observe_many(e2e)
