@@ -366,10 +366,10 @@ class AsyncEngine:
                     stepped.append((stream, d))
                 self._account(stepped)
                 out += stepped
-            self._post(out)
-            st = backend.stats()
+            st = backend.stats()  # before the results go out: a client that scrapes /metrics next sees this step
             st["running"] = min(st["running"], len(self._live))
             self._stats = st
+            self._post(out)
 
     def _account(self, stepped) -> None:
         """Latency and token metrics of one step's (stream, delta) pairs, one lock per metric per step."""
