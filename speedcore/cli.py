@@ -1,4 +1,4 @@
-"""``python -m speedcore {info,compile,bench}``."""
+"""``python -m speedcore {info,compile,bench,generate,bench-engine,quantize,serve}``."""
 from __future__ import annotations
 
 import argparse
