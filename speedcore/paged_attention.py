@@ -1,6 +1,6 @@
-"""Attention of many query tokens per sequence over a paged KV cache (kernels/paged_attention.cu): chunked prefill,
-prefix caching and speculative verification, with flash-attn's ``flash_attn_varlen_func(..., block_table=...)``
-argument names and semantics.
+"""Attention of many query tokens per sequence over a paged KV cache: chunked prefill, prefix caching and
+speculative verification, with flash-attn's ``flash_attn_varlen_func(..., block_table=...)`` argument names and
+semantics.  Kernels: kernels/paged_prefill.cu, kernels/paged_prefill_sm90.cu and kernels/paged_verify.cu.
 
 q is packed (total_q, heads, head_dim) with int32 ``cu_seqlens_q``; K and V come from vLLM's flash layout caches
 (num_blocks, block_size, heads_kv, head_dim) through an int32 ``block_table`` (batch, max_blocks), and
@@ -33,7 +33,9 @@ from . import _tma
 from ._compile import Kernel
 from ._launch import LaunchConfig, device_info, launch
 
-SOURCE = "paged_attention.cu"
+SOURCE = "paged_prefill.cu"  # paged_prefill_kernel (mma.sync, sm_80 on)
+SOURCE_SM90 = "paged_prefill_sm90.cu"  # paged_prefill_sm90_kernel (wgmma / TMA, sm_90a)
+SOURCE_VERIFY = "paged_verify.cu"  # paged_verify_kernel, paged_verify_merge_kernel
 # Kernel head dims; any multiple of 8 up to 256 runs on the next one up (the columns past the real head dim are
 # zero-filled in shared memory, so a padded head dim costs the compute of the kernel's).
 HEAD_DIMS = (64, 128, 256)
@@ -117,7 +119,7 @@ _SM90_TILES = {64: (128, 4, 2, False), 128: (128, 2, 2, True), 256: (64, 2, 2, F
 def smem_bytes_sm90(d: int, bn: int, stages: int, nc: int) -> int:
     """Q, the K and V stages, O's staging buffer where they fit in 200 KB (else O is staged in Q's buffer), the
     mbarriers, the two-slot ring of tile descriptors and 1 KB to align the tiles to the 128-byte swizzle's period
-    (kernels/paged_attention.cu, as attention.smem_bytes_sm90)."""
+    (kernels/paged_prefill_sm90.cu, as attention.smem_bytes_sm90)."""
     q, ring = 64 * nc * d * 2, 2 * stages * bn * d * 2
     o = q if 2 * q + ring <= 200 * 1024 else 0
     return q + ring + o + (2 + 4 * stages + 4) * 8 + 2 * 48 + 1024
@@ -153,8 +155,8 @@ def _prefill_path(head_dim: int, cc: tuple, softcap: bool, block_size: int) -> s
 @lru_cache(maxsize=None)
 def _prefill_sm90_kernel(dtype: str, d: int, bn: int, stages: int, nc: int, pingpong: bool, softcap: bool) -> Kernel:
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return Kernel(SOURCE, f"paged_prefill_sm90_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {stages}, {b(softcap)}, "
-                          f"{b(pingpong)}, {nc}>", hopper=True)
+    return Kernel(SOURCE_SM90, f"paged_prefill_sm90_kernel<{A.CTYPE[dtype]}, {d}, {bn}, {stages}, {b(softcap)}, "
+                               f"{b(pingpong)}, {nc}>", hopper=True)
 
 
 def _tma_view(dims: tuple, strides: tuple) -> tuple:
@@ -257,13 +259,13 @@ def verify_num_splits(work: int, max_len: int, sms: int, ctas_per_sm: int) -> in
 
 @lru_cache(maxsize=None)
 def _verify_kernel(dtype: str, d: int, warps: int, stages: int, nt: int, page16: bool) -> Kernel:
-    return Kernel(SOURCE, f"paged_verify_kernel<{A.CTYPE[dtype]}, {d}, {warps}, {stages}, {nt}, "
-                          f"{'true' if page16 else 'false'}>")
+    return Kernel(SOURCE_VERIFY, f"paged_verify_kernel<{A.CTYPE[dtype]}, {d}, {warps}, {stages}, {nt}, "
+                                 f"{'true' if page16 else 'false'}>")
 
 
 @lru_cache(maxsize=None)
 def _verify_merge_kernel(dtype: str, d: int) -> Kernel:
-    return Kernel(SOURCE, f"paged_verify_merge_kernel<{A.CTYPE[dtype]}, {d}>")
+    return Kernel(SOURCE_VERIFY, f"paged_verify_merge_kernel<{A.CTYPE[dtype]}, {d}>")
 
 
 def all_kernels() -> list:
