@@ -613,6 +613,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
                                                                                                  "block_table")
     oa = A.wrap(out, "out", optional=True)
     p = _plan(qa, ka, va, cqa, sua, bta, oa, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap)
+    if A.CHECK_INDICES:
+        _check_indices(cqa, sua, bta, ka.shape[0], ka.shape[1], int(max_seqlen_q), qa.shape[0])
     if not _rows_ok(qa):
         qa = _contiguous_copy(qa)
     if oa is None:
@@ -634,3 +636,31 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
         else:
             _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta)
     return (oa.obj, lse.obj) if return_lse else oa.obj
+
+
+def _check_indices(cqa, sua, bta, num_blocks: int, block_size: int, max_seqlen_q: int, total_q: int) -> None:
+    """SPEEDCORE_CHECK_INDICES=1: cu_seqlens_q, seqused_k and the block ids a launch reads, read back (a sync)."""
+    cu = A.to_host(cqa.obj).astype(np.int64)
+    lens = np.diff(cu)
+    if cu[0] != 0 or (lens.size and lens.min() < 0) or cu[-1] > total_q:
+        raise ValueError(f"cu_seqlens_q: must start at 0, be non-decreasing and end at most at q's {total_q} tokens, "
+                         f"got {cu[:8].tolist()}{'...' if cu.size > 8 else ''} (last {cu[-1]})")
+    if lens.size and lens.max() > max_seqlen_q:
+        raise ValueError(f"cu_seqlens_q: a sequence of {lens.max()} query tokens is longer than max_seqlen_q="
+                         f"{max_seqlen_q}")
+    used = A.to_host(sua.obj).astype(np.int64)
+    cap = bta.shape[1] * block_size
+    if used.size and (used.min() < 0 or used.max() > cap):
+        raise ValueError(f"seqused_k: values must lie in [0, {cap}] (block_table's capacity), got "
+                         f"{used.min()}..{used.max()}")
+    if lens.size and (lens > used).any():
+        b = int(np.argmax(lens > used))
+        raise ValueError(f"seqused_k: sequence {b} has {lens[b]} query tokens but only {used[b]} cached tokens "
+                         f"(this step's are included)")
+    table = A.to_host(bta.obj)
+    for b, n in enumerate(-(-used // block_size)):
+        row = table[b, :n]
+        if row.size and (row.min() < 0 or row.max() >= num_blocks):
+            raise ValueError(f"block_table: row {b} holds block ids outside [0, {num_blocks}) within its first {n} "
+                             f"entries (seqused_k[{b}] = {used[b]})")
+

@@ -174,3 +174,26 @@ def test_rms_norm_residual_out_in_place():
         speedcore.rms_norm(x, w, residual_out=r)
     with pytest.raises(ValueError, match="residual_out"):
         speedcore.rms_norm(x, w, residual=r, out=x, residual_out=x)
+
+
+@pytest.mark.gpu
+def test_check_indices_paged_prefill(monkeypatch):
+    torch = _torch()
+    import speedcore
+
+    bf = torch.bfloat16
+    monkeypatch.setattr(A, "CHECK_INDICES", True)
+    kc = torch.randn(4, 16, 2, 64, device="cuda", dtype=bf)
+    q = torch.randn(6, 4, 64, device="cuda", dtype=bf)
+    cu = torch.tensor([0, 2, 6], device="cuda", dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], device="cuda", dtype=torch.int32)
+    used = torch.tensor([20, 32], device="cuda", dtype=torch.int32)
+    speedcore.paged_prefill_attention(q, kc, kc, cu, used, table, 4, 32)  # valid
+    with pytest.raises(ValueError, match="block_table"):
+        speedcore.paged_prefill_attention(q, kc, kc, cu, used, torch.tensor([[0, 7], [2, 3]], device="cuda",
+                                                                            dtype=torch.int32), 4, 32)
+    with pytest.raises(ValueError, match="seqused_k"):
+        speedcore.paged_prefill_attention(q, kc, kc, cu, torch.tensor([20, 40], device="cuda", dtype=torch.int32),
+                                          table, 4, 32)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        speedcore.paged_prefill_attention(q, kc, kc, cu, used, table, 3, 32)
