@@ -142,6 +142,35 @@ class Checkpoint:
             raise CheckpointError(f"{info.file}: tensor {name} is truncated")
         return np.frombuffer(buf, dtype=np_dtype).reshape(info.shape)
 
+    def read_slice(self, name: str, rows: Optional[Tuple[int, int]] = None,
+                   cols: Optional[Tuple[int, int]] = None) -> np.ndarray:
+        """Rows ``[rows[0], rows[1])`` and columns ``[cols[0], cols[1])`` of a tensor (None: all), reading only
+        those bytes: a row range is one contiguous read; a column range goes through a memory map of the tensor
+        (strided), so a tensor-parallel rank never holds more than its slice (tensors of 1 or 2 dimensions)."""
+        info = self.tensors[name]
+        if rows is None and cols is None:
+            return self.read(name)
+        np_dtype = np.dtype(next(t for t, n in _DTYPES.values() if n == info.dtype))
+        shape = info.shape
+        r0, r1 = rows if rows is not None else (0, shape[0])
+        if not 0 <= r0 <= r1 <= shape[0]:
+            raise CheckpointError(f"{name}: rows [{r0}, {r1}) outside its {shape[0]}")
+        row_elems = int(np.prod(shape[1:], dtype=np.int64))
+        if cols is None:
+            with open(info.file, "rb") as f:
+                f.seek(info.offset + r0 * row_elems * np_dtype.itemsize)
+                n = (r1 - r0) * row_elems * np_dtype.itemsize
+                buf = f.read(n)
+            if len(buf) != n:
+                raise CheckpointError(f"{info.file}: tensor {name} is truncated")
+            return np.frombuffer(buf, dtype=np_dtype).reshape((r1 - r0,) + tuple(shape[1:]))
+        if len(shape) != 2 or not 0 <= cols[0] <= cols[1] <= shape[1]:
+            raise CheckpointError(f"{name}: columns {cols} of a tensor of shape {shape}")
+        mm = np.memmap(info.file, dtype=np_dtype, mode="r", offset=info.offset, shape=shape)
+        out = np.array(mm[r0:r1, cols[0]:cols[1]])
+        del mm
+        return out
+
 
 def to_dtype_bits(a: np.ndarray, src: str, dst: str) -> np.ndarray:
     """Host conversion of a float tensor to ``dst`` ("bfloat16" as uint16 bits, or "float16"), round to nearest even."""

@@ -91,7 +91,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, skip_tokenizer_init: bool = False,
                  num_gpu_blocks: Optional[int] = None, device: int = 0, log=None,
-                 quantization: Optional[str] = None, quant_copies: str = "all"):
+                 quantization: Optional[str] = None, quant_copies: str = "all", tensor_parallel_size: int = 1,
+                 _tp_backend: str = "nccl"):
         t_start = time.perf_counter()
         self._closed = True
         self.log = log or (lambda *a: None)
@@ -124,6 +125,13 @@ class LLM:
         for name in ("hidden_size", "intermediate_size", "q_size", "kv_size"):
             if getattr(cfg, name) % 8:
                 raise ValueError(f"{model}: {name} {getattr(cfg, name)} is not a multiple of 8 (the GEMMs need it)")
+        if _tp_backend not in ("nccl", "loopback"):
+            raise ValueError(f"_tp_backend: expected 'nccl' or 'loopback', got {_tp_backend!r}")
+        from .parallel import parallel_config
+
+        # the loopback backend (threads of this process: the CPU check) needs no GPUs
+        self.parallel = parallel_config(cfg, tensor_parallel_size, device_count=(
+            (lambda: tensor_parallel_size) if _tp_backend == "loopback" else None))
         self.config: ModelConfig = cfg
         self.tokenizer = None
         if not skip_tokenizer_init:
@@ -160,20 +168,32 @@ class LLM:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._closed = False
         self.timings = {}
+        self._tp_group = None
+        runner_kwargs = dict(block_size=block_size, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len)
         try:
             with self.device, self.stream:
                 t0 = time.perf_counter()
-                self.model = LlamaModel(cfg, dtype, quant_copies)
+                comm = self._start_ranks(model, dtype, quantization, quant_copies, seed, runner_kwargs, _tp_backend)
+                self.model = LlamaModel(cfg, dtype, quant_copies, shard=self.parallel.plan(cfg, 0), comm=comm)
                 if ck is None:
                     self.model.init_random(seed)
                 else:
                     self.model.load(ck)
                 self.stream.synchronize()
+                group = self._tp_group
+                if group is not None:
+                    group.gather()  # every rank's shard loaded
                 self.timings["load_s"] = time.perf_counter() - t0
-                self.runner = ModelRunner(self.model, block_size=block_size, max_num_seqs=max_num_seqs,
-                                          max_num_batched_tokens=max_num_batched_tokens,
-                                          max_model_len=self.max_model_len, stream=self.stream)
+                self.runner = ModelRunner(self.model, stream=self.stream, **runner_kwargs)
+                if group is not None:  # every rank profiles its own peak; all take the fewest blocks
+                    group.send_all(("profile", float(gpu_memory_utilization), num_gpu_blocks))
                 nb = self.runner.profile_and_allocate(float(gpu_memory_utilization), num_gpu_blocks)
+                if group is not None:
+                    nb = min([nb] + group.gather())
+                    group.send_all(("blocks", nb))
+                    self.runner.set_num_blocks(nb)
+                    group.gather()
                 self.timings["profile_s"] = self.runner.timings["profile_s"]
                 capacity = nb * block_size
                 if capacity < self.max_model_len:
@@ -181,17 +201,56 @@ class LLM:
                         raise MemoryError(f"max_model_len {user_len} needs {-(-user_len // block_size)} KV blocks; "
                                           f"only {nb} fit: raise gpu_memory_utilization or lower max_model_len")
                     self.max_model_len = capacity
+                if group is not None and not enforce_eager:
+                    group.send_all(("capture",))  # every rank captures its graphs (their collectives inside)
                 self.timings["capture_s"] = 0.0 if enforce_eager else self.runner.capture_graphs()
+                if group is not None:
+                    if not enforce_eager:
+                        group.gather()
+                    self.runner.step_listener = lambda *msg: group.send_all(msg)
+                    self.runner.tp_failure = lambda: group.failure
         except BaseException:
+            if self._tp_group is not None and self._tp_group.failure is None:
+                self._tp_group.fail("rank 0 failed while starting")
             self.close()
             raise
         self._init_state(nb, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
         self.timings["startup_s"] = time.perf_counter() - t_start
-        self.log(f"speedcore.LLM: {cfg.architecture} weights on the GPU {self.model.nbytes() / 1e9:.2f} GB "
+        tp = f" tensor_parallel_size {self.parallel.size}, per rank:" if self.parallel.size > 1 else ""
+        self.log(f"speedcore.LLM: {cfg.architecture}{tp} weights on the GPU {self.model.nbytes() / 1e9:.2f} GB "
                  f"({self.model.weights_summary()}), KV cache {nb} blocks "
                  f"of {block_size} ({nb * self.runner.block_bytes() / 2**30:.2f} GiB), graphs "
                  f"{sorted(self.runner.graphs) if self.runner.graphs else 'off'}; load {self.timings['load_s']:.2f}s, "
                  f"profile {self.timings['profile_s']:.2f}s, capture {self.timings['capture_s']:.2f}s")
+
+    def _start_ranks(self, model, dtype, quantization, quant_copies, seed, runner_kwargs, backend):
+        """tp > 1: ranks 1..N-1 started (processes with NCCL, or threads with the loopback communicator) and rank
+        0's communicator; tp = 1: None (the model's SingleRankCommunicator)."""
+        n = self.parallel.size
+        if n == 1:
+            return None
+        from . import parallel as P
+
+        spec = P.RankSpec(model, dtype, quantization, quant_copies, seed, n, runner_kwargs, backend)
+        if backend == "loopback":
+            loop = P.LoopbackGroup(n)
+            cfg, cp = self.config, self._cp
+
+            def rank_main(rank, recv, reply):
+                stream = cp.cuda.Stream(non_blocking=True)
+                model_r, runner = P.build_rank(spec, rank, loop.communicator(rank), stream, cfg)
+                reply(model_r.nbytes())
+                P.serve_rank(runner, recv, reply)
+
+            self._tp_group = group = P.ThreadGroup(n, rank_main)
+            group.on_failure.append(lambda: loop.abort(group.failure))
+            return loop.communicator(0)
+        self._tp_group = group = P.ProcessGroup(n, P.nccl_rank_main, (spec,))
+        uid = P.NcclCommunicator.unique_id()
+        group.send_all(("nccl_id", uid))  # the unique id through the spawn pipes; then every rank joins
+        comm = P.NcclCommunicator(n, uid, 0)
+        group.on_failure.append(comm.abort)
+        return comm
 
     def _init_state(self, num_blocks, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens):
         from .sampler import sample
@@ -248,6 +307,13 @@ class LLM:
             _arrays.release_stream_buffers(self.stream)
         except Exception:
             pass
+        group = getattr(self, "_tp_group", None)
+        if group is not None:  # the other ranks first: they run only what rank 0 sends
+            self._tp_group = None
+            try:
+                group.close()
+            except Exception:
+                pass
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()

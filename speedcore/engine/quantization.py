@@ -204,27 +204,31 @@ def _float32(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def read_quant_linear(ck: Checkpoint, modules: Sequence[str], qc: QuantConfig, k: int, compute_dtype: str
-                      ) -> HostQuantLinear:
-    """Read the stored tensors of ``modules`` (consecutive parts along N of one engine linear) and fuse them."""
+def read_quant_linear(ck: Checkpoint, modules: Sequence[str], qc: QuantConfig, k: int, compute_dtype: str,
+                      readers=None) -> HostQuantLinear:
+    """Read the stored tensors of ``modules`` (consecutive parts along N of one engine linear) and fuse them.
+    ``readers``: one ``read(name)`` per module (a tensor-parallel rank's slices, engine/parallel.py; ``k`` is then
+    the rank's K); default: whole tensors."""
     import ml_dtypes
 
     half = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[compute_dtype]
+    read = ck.read
 
     def scales(name):
         info = ck.tensors[name]
-        return to_dtype_bits(ck.read(name), info.dtype, compute_dtype).view(half)
+        return to_dtype_bits(read(name), info.dtype, compute_dtype).view(half)
 
     per = []
-    for m in modules:
+    for mi, m in enumerate(modules):
+        read = ck.read if readers is None else readers[mi]
         if qc.method == "speedcore_int8":
-            d = {"weight": ck.read(m + ".weight"), "scales": scales(m + ".weight_scale").reshape(-1)}
+            d = {"weight": read(m + ".weight"), "scales": scales(m + ".weight_scale").reshape(-1)}
             n = d["weight"].shape[0]
         else:
-            d = {"qweight": ck.read(m + ".qweight"), "qzeros": ck.read(m + ".qzeros"), "scales": scales(m + ".scales")}
+            d = {"qweight": read(m + ".qweight"), "qzeros": read(m + ".qzeros"), "scales": scales(m + ".scales")}
             n = d["scales"].shape[1]
             if qc.method == "gptq":
-                g = ck.read(m + ".g_idx").astype(np.int32) if m + ".g_idx" in ck.tensors else None
+                g = read(m + ".g_idx").astype(np.int32) if m + ".g_idx" in ck.tensors else None
                 if g is not None and np.array_equal(g, np.arange(k, dtype=np.int32) // qc.group(k)):
                     g = None  # the plain layout stored explicitly
                 d["g_idx"] = g

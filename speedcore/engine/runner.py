@@ -5,6 +5,11 @@ batch-size bucket into static input buffers; ops allocate their outputs (and spl
 capture, so capture allocates from a private memory pool that nothing outside the graphs uses (blocks freed
 inside one capture are reused by the next capture only: graphs replay one at a time on one stream), and the
 logits each graph writes stay allocated with it.
+
+Tensor parallelism: every rank has a runner over its shard (its KV heads in its cache).  Rank 0's runner builds
+each step and hands it to ``step_listener`` (the engine sends it to the other ranks) before running it; the
+others run rank 0's steps with :meth:`run_step` / :meth:`replay_step`, so that every rank launches the same
+kernels and collectives in the same order.
 """
 from __future__ import annotations
 
@@ -66,6 +71,9 @@ class ModelRunner:
         self.graph_pool = None
         self.graph_input = None
         self.timings: Dict[str, float] = {}
+        # tensor parallelism (rank 0): step_listener(op, step, *args) gets every step before it runs
+        self.step_listener = None
+        self.tp_failure = None  # () -> why another rank failed, or None
         # attention of prefill chunks over cached tokens: "gather" (the stopgap, default) or "paged"
         # (speedcore.paged_prefill_attention straight from the pages)
         self.prefill_mode = os.environ.get("SPEEDCORE_ENGINE_PREFILL", "gather")
@@ -75,13 +83,14 @@ class ModelRunner:
     # -- KV cache -----------------------------------------------------------------------------------------------
     def block_bytes(self) -> int:
         c = self.cfg
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * np.dtype(self.model.dtype).itemsize
+        return 2 * c.num_layers * self.block_size * self.model.num_kv_heads * c.head_dim * np.dtype(
+            self.model.dtype).itemsize
 
     def _set_cache(self, num_blocks: int) -> None:
         c = self.cfg
         self.kv = None
         with self.stream:
-            self.kv = self.cp.empty((c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
+            self.kv = self.cp.empty((c.num_layers, 2, num_blocks, self.block_size, self.model.num_kv_heads, c.head_dim),
                                     dtype=self.model.dtype)
         self.k_caches = [self.kv[i, 0] for i in range(c.num_layers)]
         self.v_caches = [self.kv[i, 1] for i in range(c.num_layers)]
@@ -100,17 +109,22 @@ class ModelRunner:
         lens = [min(max(1, n), self.max_model_len) for n in lens]
         seqs = []
         far = 1 << 20  # slots past the dummy cache: reshape_and_cache skips them
+        # tensor parallelism: every rank runs this same dummy step itself (rank 0 does not send it)
+        listener, self.step_listener = self.step_listener, None
         for i, n in enumerate(lens):
             s = Sequence([i % self.cfg.vocab_size] * n, _PROFILE_PARAMS)
             s.block_table = [far] * (-(-n // self.block_size))
             seqs.append(s)
         from .sampler import sample
 
-        with self.stream:
-            logits = self.run(ScheduledBatch(seqs, lens, 0))
-            sample(logits, [_PROFILE_PARAMS] * len(seqs), [0] * len(seqs), [0] * len(seqs))
-            del logits
-        self.stream.synchronize()
+        try:
+            with self.stream:
+                logits = self.run(ScheduledBatch(seqs, lens, 0))
+                sample(logits, [_PROFILE_PARAMS] * len(seqs), [0] * len(seqs), [0] * len(seqs))
+                del logits
+            self.stream.synchronize()
+        finally:
+            self.step_listener = listener
         free, total = cp.cuda.runtime.memGetInfo()
         self.kv = None
         self.k_caches = self.v_caches = []
@@ -127,6 +141,13 @@ class ModelRunner:
         self.timings["profile_s"] = time.perf_counter() - t0
         return num_blocks
 
+    def set_num_blocks(self, num_blocks: int) -> None:
+        """Reallocate the cache with ``num_blocks`` (tensor parallelism: the fewest any rank fits)."""
+        if num_blocks != self.num_blocks:
+            self.kv = None
+            self.k_caches = self.v_caches = []
+            self._set_cache(num_blocks)
+
     # -- one step -----------------------------------------------------------------------------------------------
     def _upload(self, host: np.ndarray):
         if self._meta.size < host.size:
@@ -138,6 +159,17 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, *, logits_all: bool = False):
         """Float32 logits (rows, vocab) of one scheduled step: one row per sequence that reaches its end (or
         every token with ``logits_all``)."""
+        try:
+            return self._run(batch, logits_all)
+        except Exception as e:
+            why = self.tp_failure() if self.tp_failure is not None else None
+            if why is not None:  # a collective aborted because another rank failed: say which and why
+                from .parallel import RankError
+
+                raise RankError(why) from e
+            raise
+
+    def _run(self, batch: ScheduledBatch, logits_all: bool):
         seqs, n, nd = batch.seqs, batch.num_tokens, batch.num_decode
         if self.graphs and nd == len(seqs) and nd <= self.max_graph_batch and not logits_all:
             return self._replay(batch)
@@ -145,6 +177,12 @@ class ModelRunner:
         # attention plan (its KV split depends on the width) and give identical tokens
         st = build_step(seqs, n, nd, self.block_size, logits_all=logits_all, table_width=self.table_width,
                         paged_prefill=self.prefill_mode == "paged")
+        return self.run_step(st)
+
+    def run_step(self, st: StepBatch):
+        """Float32 logits of one built step, run eagerly (every rank runs rank 0's steps through here)."""
+        if self.step_listener is not None:
+            self.step_listener("eager", st)
         with self.stream:
             g = _Step(self._upload(st.host), st.offsets)
             logits = self._forward(g, st.num_decode, st, logits_idx=g["logits_idx"])
@@ -241,6 +279,12 @@ class ModelRunner:
         mb = self._buckets[-1]
         st = build_step(batch.seqs, batch.num_tokens, B, self.block_size, graph_batch=mb, graph_rows=bs,
                         table_width=self.table_width)
+        return self.replay_step(st, B, bs)
+
+    def replay_step(self, st: StepBatch, B: int, bs: int):
+        """A decode step of ``B`` sequences on bucket ``bs``'s graph (its all-reduces and all-gather inside)."""
+        if self.step_listener is not None:
+            self.step_listener("replay", st, B, bs)
         self.graph_input[:st.host.size].set(st.host, stream=self.stream)  # the bucket's rows of the tables
         graph, logits = self.graphs[bs]
         graph.launch(self.stream)

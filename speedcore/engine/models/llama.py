@@ -4,6 +4,10 @@ Per-family switches: Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, Mistral
 Llama 3's rope scaling (in the cos/sin table), tied embeddings.  q/k/v and gate/up are fused at load (one GEMM
 each); weights stay in the checkpoint's layout otherwise.  Quantized checkpoints (AWQ, GPTQ, INT8: see
 engine/quantization.py) hold a :class:`QuantLinear` in place of each quantized float weight, prepacked at load.
+
+Tensor parallelism (engine/parallel.py): the model holds one rank's shard (``shard``, a :class:`ShardPlan`; tp = 1
+is the whole model as rank 0's shard) and calls ``comm`` for the collectives: an all-reduce after o and after down,
+an all-reduce of the vocab-parallel embedding and an all-gather of the lm_head's logit slices.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint, to_dtype_bits
 from ..config import ModelConfig
+from ..parallel import Communicator, ShardPlan, SingleRankCommunicator
 from ..quantization import LINEAR_GROUPS, QUANT_COPIES, QuantLinear, random_linear, read_quant_linear
 
 
@@ -52,48 +57,58 @@ class ForwardContext:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, dtype: str, quant_copies: str = "all"):
+    def __init__(self, cfg: ModelConfig, dtype: str, quant_copies: str = "all", shard: Optional[ShardPlan] = None,
+                 comm: Optional[Communicator] = None):
         import cupy
 
         self.cfg = cfg
+        self.shard = sh = shard if shard is not None else ShardPlan.whole(cfg)
+        self.comm = comm if comm is not None else SingleRankCommunicator()
+        if self.comm.size != sh.size:
+            raise ValueError(f"comm: a communicator of {self.comm.size} ranks for a shard of {sh.size}")
+        # this rank's sizes (the whole model's at tp = 1)
+        self.num_heads, self.num_kv_heads = sh.num_heads, sh.num_kv_heads
+        self.q_size, self.kv_size, self.intermediate_size = sh.q_size, sh.kv_size, sh.intermediate_size
         if quant_copies not in QUANT_COPIES:
             raise ValueError(f"quant_copies: expected one of {', '.join(QUANT_COPIES)}, got {quant_copies!r}")
         self.quant_copies = quant_copies  # the layout copies quantized linears keep (quantization.QUANT_COPIES)
         self.dtype_name = dtype
         self.dtype = compute_dtype(dtype)
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        qkv_rows = cfg.q_size + 2 * cfg.kv_size
+        h, i = cfg.hidden_size, sh.intermediate_size
+        qkv_rows = sh.q_size + 2 * sh.kv_size
         empty = lambda *shape: cupy.empty(shape, dtype=self.dtype)  # noqa: E731
-        self.embed = empty(cfg.vocab_size, h)
+        self.embed = empty(sh.vocab_rows, h)  # this rank's vocabulary rows
         self.norm = empty(h)
-        # GEMM sizes must be multiples of 8: a vocabulary that is not gets zero rows (sliced off the logits)
-        self.vocab_padded = -(-cfg.vocab_size // 8) * 8
-        self.lm_head = self.embed if cfg.tie_word_embeddings and self.vocab_padded == cfg.vocab_size else None
+        # GEMM sizes must be multiples of 8: a vocabulary that is not gets zero rows (sliced off the logits); at
+        # tp = N each rank's slice is vocab_per_rank rows, the vocabulary padded to N of them
+        self.vocab_padded = sh.vocab_per_rank * sh.size
+        self.lm_head = self.embed if cfg.tie_word_embeddings and sh.vocab_per_rank == sh.vocab_rows else None
         if self.lm_head is None:
-            self.lm_head = cupy.zeros((self.vocab_padded, h), dtype=self.dtype)
+            self.lm_head = cupy.zeros((sh.vocab_per_rank, h), dtype=self.dtype)
         # quantized linears: None until load / init_random builds their QuantLinear
         fl = lambda layer, group, *shape: None if cfg.quantized_group(layer, group) else empty(*shape)  # noqa: E731
         self.layers: List[LayerWeights] = [LayerWeights(
             in_norm=empty(h), post_norm=empty(h), qkv=fl(li, "qkv", qkv_rows, h),
-            qkv_bias=empty(qkv_rows) if cfg.qkv_bias else None, o=fl(li, "o", h, cfg.q_size),
+            qkv_bias=empty(qkv_rows) if cfg.qkv_bias else None, o=fl(li, "o", h, sh.q_size),
             q_norm=empty(cfg.head_dim) if cfg.qk_norm else None, k_norm=empty(cfg.head_dim) if cfg.qk_norm else None,
             gate_up=fl(li, "gate_up", 2 * i, h), down=fl(li, "down", h, i)) for li in range(cfg.num_layers)]
 
     # -- weights ------------------------------------------------------------------------------------------------
     def destination(self, name: str):
-        """(array, first row, last row) that checkpoint tensor ``name`` fills; None for a tensor the model skips."""
+        """(array, first row, last row) that checkpoint tensor ``name`` (this rank's slice of it,
+        ``self.shard.float_slice(name)``) fills; None for a tensor the model skips."""
         cfg = self.cfg
         if name == "model.embed_tokens.weight":
-            return self.embed, 0, cfg.vocab_size
+            return self.embed, 0, self.shard.vocab_rows
         if name == "model.norm.weight":
             return self.norm, 0, cfg.hidden_size
         if name == "lm_head.weight":
-            return self.lm_head, 0, cfg.vocab_size
+            return self.lm_head, 0, self.shard.vocab_rows
         if not name.startswith("model.layers."):
             return None
         idx, rest = name[len("model.layers."):].split(".", 1)
         L = self.layers[int(idx)]
-        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        q, kv, i = self.q_size, self.kv_size, self.intermediate_size
         table = {
             "input_layernorm.weight": (L.in_norm, 0, cfg.hidden_size),
             "post_attention_layernorm.weight": (L.post_norm, 0, cfg.hidden_size),
@@ -119,7 +134,8 @@ class LlamaModel:
         for _, group in ck.by_file(names).items():
             for name in group:
                 dst, a, b = self.destination(name)
-                host = to_dtype_bits(ck.read(name), ck.tensors[name].dtype, self.dtype_name)
+                rows, cols = self.shard.float_slice(name)  # this rank's rows / columns only
+                host = to_dtype_bits(ck.read_slice(name, rows, cols), ck.tensors[name].dtype, self.dtype_name)
                 dst.view(np.uint16)[a:b].set(np.ascontiguousarray(host).view(np.uint16))
                 if progress is not None:
                     progress(name)
@@ -138,9 +154,11 @@ class LlamaModel:
         """Each quantized linear: its parts read and fused on the host (one fused linear at a time), uploaded, and
         prepacked once; the raw upload is dropped unless prepack keeps it."""
         lin = self.cfg.linear_shapes()
+        qc, sh = self.cfg.quantization, self.shard
         for li, group, modules in self.quantized_linears():
             k = lin[LINEAR_GROUPS[group][0]][1]
-            host = read_quant_linear(ck, modules, self.cfg.quantization, k, self.dtype_name)
+            readers = [sh.quant_reader(ck, qc, m, k) for m in modules]  # this rank's slices of each part
+            host = read_quant_linear(ck, modules, qc, sh.local_k(modules[0], k), self.dtype_name, readers)
             setattr(self.layers[li], group, QuantLinear.from_host(host, self.quant_copies))
             if progress is not None:
                 progress(f"model.layers.{li}.{group}")
@@ -151,13 +169,13 @@ class LlamaModel:
 
     def _tie(self) -> None:
         if self.cfg.tie_word_embeddings and self.lm_head is not self.embed:
-            self.lm_head.view(np.uint16)[:self.cfg.vocab_size] = self.embed.view(np.uint16)
+            self.lm_head.view(np.uint16)[:self.shard.vocab_rows] = self.embed.view(np.uint16)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights (normal, std 0.02; norms 1), generated on the GPU: the bench presets."""
         import cupy
 
-        rng = cupy.random.default_rng(seed)
+        rng = cupy.random.default_rng(seed + 7919 * self.shard.rank)  # ranks: different random shards
         for name in self.cfg.weight_shapes():
             if self.destination(name) is None:  # quantized linears: below
                 continue
@@ -173,10 +191,12 @@ class LlamaModel:
                     np.uint16)
         self._tie()
         # quantized presets: random codes and scales made in the format on the GPU (no float weights to quantize)
-        lin = self.cfg.linear_shapes()
+        lin, sh = self.cfg.linear_shapes(), self.shard
+        local_n = {"qkv": sh.q_size + 2 * sh.kv_size, "o": self.cfg.hidden_size, "gate_up": 2 * sh.intermediate_size,
+                   "down": self.cfg.hidden_size}
         for li, group, _ in self.quantized_linears():
             mods = LINEAR_GROUPS[group]
-            n, k = sum(lin[m][0] for m in mods), lin[mods[0]][1]
+            n, k = local_n[group], sh.local_k(mods[0], lin[mods[0]][1])
             made = random_linear(self.cfg.quantization, n, k, cupy, rng, self.dtype_name, std)
             setattr(self.layers[li], group, QuantLinear.from_host(made, self.quant_copies))
 
@@ -214,12 +234,12 @@ class LlamaModel:
 
         import speedcore as sc
 
-        cfg = self.cfg
+        cfg, comm = self.cfg, self.comm
         eps = cfg.rms_norm_eps
-        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.q_size, cfg.kv_size
+        H, Hkv, D = self.num_heads, self.num_kv_heads, cfg.head_dim  # this rank's heads
+        q_size, kv_size = self.q_size, self.kv_size
         T = ctx.input_ids.shape[0]
-        x = self.embed.view(np.uint16)[ctx.input_ids].view(self.dtype)  # (T, hidden)
+        x = self._embed(cupy, ctx.input_ids)  # (T, hidden)
         residual = None
         for li, L in enumerate(self.layers):
             if residual is None:
@@ -237,14 +257,35 @@ class LlamaModel:
             sc.rotary_embedding(ctx.positions, q, k, cos_sin, is_neox=True)
             attn = cupy.empty((T, H, D), dtype=self.dtype)
             ctx.attend(li, q, k, v, attn)
-            o = _linear(sc, attn.reshape(T, q_size), L.o)
+            # row-parallel o and down: each rank's partial sum, one all-reduce each (on the engine's stream: a
+            # CUDA graph captured there captures the NCCL calls with the rest of the step)
+            o = comm.all_reduce(_linear(sc, attn.reshape(T, q_size), L.o))
             y, residual = sc.rms_norm(o, L.post_norm, eps, residual=residual)
-            x = _linear(sc, sc.silu_and_mul(_linear(sc, y, L.gate_up)), L.down)
+            x = comm.all_reduce(_linear(sc, sc.silu_and_mul(_linear(sc, y, L.gate_up)), L.down))
         y, _ = sc.rms_norm(x, self.norm, eps, residual=residual)
         if ctx.logits_idx is not None:
             y = y.view(np.uint16)[ctx.logits_idx].view(self.dtype)
-        logits = sc.linear(y, self.lm_head)
+        logits = sc.linear(y, self.lm_head)  # this rank's vocab_per_rank columns
+        if comm.size > 1:  # (size, rows, V') -> (rows, size V'): the ranks' slices side by side
+            parts = comm.all_gather(logits)
+            logits = cupy.ascontiguousarray(parts.view(np.uint16).transpose(1, 0, 2)).reshape(
+                logits.shape[0], -1).view(self.dtype)
         return logits if self.vocab_padded == cfg.vocab_size else logits[:, :cfg.vocab_size]
+
+    def _embed(self, cupy, ids):
+        """Embedding rows of ``ids``; vocab-parallel: rows outside this rank's slice are zeros, summed over the
+        ranks by an all-reduce."""
+        table = self.embed.view(np.uint16)
+        if self.comm.size == 1:
+            return table[ids].view(self.dtype)
+        local = ids - np.int32(self.shard.vocab_start)
+        mine = (local >= 0) & (local < self.shard.vocab_rows)
+        if self.shard.vocab_rows == 0:  # a vocabulary smaller than the ranks' padded slices
+            rows = cupy.zeros((ids.shape[0], self.cfg.hidden_size), np.uint16)
+        else:
+            rows = table[cupy.where(mine, local, 0)]
+            rows = cupy.where(mine[:, None], rows, np.uint16(0))  # +0.0 bits
+        return self.comm.all_reduce(cupy.ascontiguousarray(rows).view(self.dtype))
 
 
 def _linear(sc, x, w, bias=None):
