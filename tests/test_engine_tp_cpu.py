@@ -397,3 +397,32 @@ def env_rank(rank, size, recv, reply, on_abort):
     while recv()[0] != "close":
         reply({k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                               "NVSHMEM_DISABLE_NVLS")})
+
+
+def test_seventy_b_preset_and_the_tp_roofline():
+    from speedcore.engine.cli import roofline
+    from speedcore.engine.config import preset_config
+
+    cfg = preset_config("llama-3-70b")
+    assert 70e9 < cfg.num_params() < 71e9
+    for n in (2, 4, 8):
+        pc = parallel_config(cfg, n, device_count=lambda: 8)
+        p = pc.plan(cfg, n - 1)
+        assert (p.num_heads, p.num_kv_heads, p.intermediate_size) == (64 // n, 8 // n, 28672 // n)
+    w = cfg.num_params() * 2
+    one = roofline(cfg, w, 2, [128], [256], 1)
+    four = roofline(cfg, w // 4, 2, [128], [256], 1, 4, 2)  # one rank's bytes and KV heads
+    assert four["memory_s"] == pytest.approx(one["memory_s"] / 4, rel=1e-3)
+    assert four["compute_s"] == pytest.approx(one["compute_s"] / 4)
+
+
+def test_cli_takes_the_tensor_parallel_size():
+    import argparse
+
+    from speedcore.engine.cli import add_parsers
+
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    add_parsers(sub)
+    parser = sub.choices["bench-engine"]
+    assert parser.parse_args(["--preset", "llama-3-70b", "--tensor-parallel-size", "8"]).tensor_parallel_size == 8
+    assert sub.choices["generate"].parse_args(["--model", "m", "hi"]).tensor_parallel_size == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -24,11 +25,12 @@ def add_parsers(sub) -> dict:
     g.add_argument("--chat", action="store_true", help="render each prompt as a user turn with the chat template")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (one process each, NCCL)")
     b = sub.add_parser("bench-engine", help="offline throughput / latency of speedcore.LLM (random token ids)")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--model", help="model directory (default: --preset)")
     src.add_argument("--preset", default=None, help="random-weight model built on the GPU: llama-3-8b (default), "
-                                                    "llama-3.2-1b, tiny")
+                                                    "llama-3.2-1b, llama-3-70b, tiny")
     b.add_argument("--num-prompts", type=int, default=256)
     b.add_argument("--input-len", default="100:1024", help="A:B (uniform) or N")
     b.add_argument("--output-len", default="256", help="A:B (uniform) or N")
@@ -47,6 +49,8 @@ def add_parsers(sub) -> dict:
                         "format); a --model checkpoint's own quantization_config decides")
     b.add_argument("--quant-copies", choices=("all", "no-wgmma", "tile-only"), default="all",
                    help="layout copies the quantized linears keep (docs/quantization.md)")
+    b.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs to shard the model over (one process each, NCCL; docs/engine.md)")
     b.add_argument("--json", help="write the results to this JSON file")
     q = sub.add_parser("quantize", help="round-to-nearest quantization of a Hugging Face checkpoint into AutoAWQ / "
                                         "AutoGPTQ's format (or speedcore's INT8 layout); NumPy only, no GPU")
@@ -87,7 +91,7 @@ def generate_main(args) -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         seed=args.seed)
     with LLM(args.model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-             log=lambda m: print(m, file=sys.stderr)) as llm:
+             tensor_parallel_size=args.tensor_parallel_size, log=lambda m: print(m, file=sys.stderr)) as llm:
         if args.chat:
             prompts = []
             for p in args.prompt:
@@ -114,15 +118,18 @@ def _pct(xs, qs=(50, 90, 99)) -> dict:
     return {f"p{q}": float(np.percentile(xs, q)) for q in qs}
 
 
-def roofline(cfg, weight_bytes: int, itemsize: int, in_lens, out_lens, batch: int) -> dict:
+def roofline(cfg, weight_bytes: int, itemsize: int, in_lens, out_lens, batch: int, tensor_parallel_size: int = 1,
+             kv_heads: Optional[int] = None) -> dict:
     """Lower bounds for the workload: weights read once per step (the fewest steps: each wave of ``batch``
     requests needs its longest output's steps), KV read by every decode token and written once, at the copy
-    rate; GEMM and attention FLOPs at the GEMM rate.  The bound is the larger of the two."""
+    rate; GEMM and attention FLOPs at the GEMM rate.  The bound is the larger of the two.  Tensor parallelism:
+    ``weight_bytes`` and ``kv_heads`` are one rank's (every GPU reads its shard at the copy rate at once: the
+    aggregate read ceiling), the FLOPs split over the ranks."""
     in_lens, out_lens = np.asarray(in_lens, np.float64), np.asarray(out_lens, np.float64)
     n = len(in_lens)
     waves = [out_lens[i:i + batch].max() for i in range(0, n, batch)]
     steps = float(sum(waves))
-    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    kv_tok = 2 * cfg.num_layers * (kv_heads or cfg.num_kv_heads) * cfg.head_dim * itemsize
     total_tok = float((in_lens + out_lens).sum())
     # decode token t of a request reads in + t cached tokens
     kv_read = float((out_lens * in_lens + out_lens * (out_lens - 1) / 2).sum()) * kv_tok
@@ -131,7 +138,7 @@ def roofline(cfg, weight_bytes: int, itemsize: int, in_lens, out_lens, batch: in
     ctx_sum = float((in_lens * (in_lens + 1) / 2 + out_lens * in_lens + out_lens * (out_lens + 1) / 2).sum())
     flops = 2 * layer_params * total_tok + 2 * cfg.vocab_size * cfg.hidden_size * float(out_lens.sum()) + \
         4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx_sum
-    t_mem, t_flop = bytes_ / COPY_BYTES_PER_S, flops / GEMM_FLOPS_PER_S
+    t_mem, t_flop = bytes_ / COPY_BYTES_PER_S, flops / tensor_parallel_size / GEMM_FLOPS_PER_S
     return dict(bytes=bytes_, flops=flops, memory_s=t_mem, compute_s=t_flop, roofline_s=max(t_mem, t_flop),
                 min_steps=steps)
 
@@ -158,7 +165,8 @@ def bench_main(args) -> int:
     llm = LLM(model, max_model_len=max_len, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, skip_tokenizer_init=True,
-              log=lambda m: print(m, file=sys.stderr), quantization=args.quantization, quant_copies=args.quant_copies)
+              log=lambda m: print(m, file=sys.stderr), quantization=args.quantization, quant_copies=args.quant_copies,
+              tensor_parallel_size=args.tensor_parallel_size)
     startup = time.perf_counter() - t0
     try:
         V = llm.config.vocab_size
@@ -181,8 +189,11 @@ def bench_main(args) -> int:
                              [np.zeros(0)])
         itemsize = 2
         weight_bytes = llm.model.nbytes()
-        roof = roofline(llm.config, llm.model.streamed_bytes(), itemsize, in_lens, out_lens, args.batch)
-        res = dict(op="engine", model=model, num_prompts=n, input_len=args.input_len, output_len=args.output_len,
+        tp = args.tensor_parallel_size
+        roof = roofline(llm.config, llm.model.streamed_bytes(), itemsize, in_lens, out_lens, args.batch, tp,
+                        llm.model.num_kv_heads)  # rank 0's shard: every rank reads its own at once
+        res = dict(op="engine", case=f"{args.preset or 'model'}-tp{tp}-batch{args.batch}", tensor_parallel_size=tp,
+                   model=model, num_prompts=n, input_len=args.input_len, output_len=args.output_len,
                    batch=args.batch, max_model_len=llm.max_model_len, enforce_eager=args.enforce_eager,
                    elapsed_s=elapsed, input_tokens=n_in, output_tokens=n_out, output_tok_per_s=n_out / elapsed,
                    total_tok_per_s=(n_in + n_out) / elapsed, ttft_s=_pct(ttft), itl_s=_pct(itl),
@@ -199,7 +210,9 @@ def bench_main(args) -> int:
     ms = lambda d: " ".join(f"{k} {v * 1e3:.1f}" if v is not None else f"{k} -" for k, v in d.items())  # noqa: E731
     print(f"{model}: {n} prompts, {n_in} input + {n_out} output tokens in {elapsed:.2f} s")
     print(f"throughput: {res['output_tok_per_s']:.0f} output tok/s ({res['total_tok_per_s']:.0f} total tok/s)")
-    print(f"weights on the GPU: {weight_bytes / 1e9:.2f} GB ({res['quantization'] or 'bf16'})")
+    print(f"weights on the GPU: {weight_bytes / 1e9:.2f} GB ({res['quantization'] or 'bf16'})"
+          + (f" per rank, tensor_parallel_size {res['tensor_parallel_size']}" if res["tensor_parallel_size"] > 1
+             else ""))
     print(f"TTFT ms: {ms(res['ttft_s'])}; inter-token latency ms: {ms(res['itl_s'])}")
     st = res["startup_s"]
     print(f"start-up: {st['total']:.2f} s (load {st.get('load_s', 0):.2f}, profile {st.get('profile_s', 0):.2f}, "

@@ -272,6 +272,10 @@ PRESETS = {
                          tie_word_embeddings=True,
                          rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    # Llama 3 / 3.1 70B's shape (Llama 3's rope; 140 GB of bf16: tensor_parallel_size 2 and up on 141 GB GPUs)
+    "llama-3-70b": dict(architectures=["LlamaForCausalLM"], hidden_size=8192, intermediate_size=28672,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192),
     "tiny": dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096),
 }

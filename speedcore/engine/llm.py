@@ -82,8 +82,9 @@ class LLM:
     CUDA-graph decode, on speedcore's kernels and CuPy (torch is not needed).
 
     ``model``: a Hugging Face model directory (config.json, safetensors, tokenizer.json) or ``"preset:NAME"``
-    (random weights of a known shape, built on the GPU; NAME in llama-3-8b, llama-3.2-1b, tiny; no tokenizer:
-    prompts are token-id lists).
+    (random weights of a known shape, built on the GPU; NAME in llama-3-8b, llama-3.2-1b, llama-3-70b, tiny; no
+    tokenizer: prompts are token-id lists).  ``tensor_parallel_size`` N > 1 shards the model over GPUs 0..N-1, one
+    process each (engine/parallel.py, NCCL); rank 0 is this process.
     """
 
     def __init__(self, model: str, *, tokenizer: Optional[str] = None, dtype: str = "auto",
@@ -132,6 +133,9 @@ class LLM:
         # the loopback backend (threads of this process: the CPU check) needs no GPUs
         self.parallel = parallel_config(cfg, tensor_parallel_size, device_count=(
             (lambda: tensor_parallel_size) if _tp_backend == "loopback" else None))
+        if self.parallel.size > 1 and device != 0:
+            raise ValueError(f"device: tensor_parallel_size {self.parallel.size} runs rank r on GPU r (device 0 for "
+                             f"rank 0), got device {device}")
         self.config: ModelConfig = cfg
         self.tokenizer = None
         if not skip_tokenizer_init:
