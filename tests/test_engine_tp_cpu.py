@@ -426,3 +426,49 @@ def test_cli_takes_the_tensor_parallel_size():
     parser = sub.choices["bench-engine"]
     assert parser.parse_args(["--preset", "llama-3-70b", "--tensor-parallel-size", "8"]).tensor_parallel_size == 8
     assert sub.choices["generate"].parse_args(["--model", "m", "hi"]).tensor_parallel_size == 1
+
+
+def test_rank0_nccl_init_raises_when_a_rank_fails(fake_gpu, monkeypatch):
+    """ncclCommInitRank waits for every rank: rank 0 makes it on a helper thread and raises the group's failure."""
+    from speedcore.engine.parallel import NcclCommunicator
+
+    released = threading.Event()
+    monkeypatch.setattr(NcclCommunicator, "__init__", lambda self, *a: released.wait(30))
+
+    def rank_main(rank, recv, reply):
+        raise ValueError("no GPU for rank 1")
+
+    group = ThreadGroup(2, rank_main)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RankError, match="rank 1 failed: ValueError: no GPU for rank 1"):
+            NcclCommunicator.connect(2, None, 0, group, timeout=20)
+        assert time.monotonic() - t0 < 10
+    finally:
+        released.set()
+
+
+def test_rank0_failure_mid_step_stops_the_other_ranks(tmp_path, fake_gpu, monkeypatch):
+    import speedcore
+
+    _hf("llama", tmp_path)
+    from speedcore.engine.llm import LLM
+
+    tp = LLM(str(tmp_path), tensor_parallel_size=2, _tp_backend="loopback", **ENGINE_KW)
+    real = speedcore.silu_and_mul
+
+    def fails_on_rank0(x, **k):
+        if threading.current_thread() is threading.main_thread():
+            raise FloatingPointError("rank 0's kernel failed")
+        return real(x, **k)
+
+    monkeypatch.setattr(speedcore, "silu_and_mul", fails_on_rank0)
+    with pytest.raises(FloatingPointError):
+        tp._debug_logits([1, 2, 3, 4, 5], 4)
+    assert tp._tp_group.failure.startswith("tensor-parallel rank 0 failed: FloatingPointError")
+    for t in tp._tp_group.threads:
+        t.join(10)
+        assert not t.is_alive()  # rank 1 left its collective instead of waiting for rank 0
+    with pytest.raises(RankError, match="rank 0 failed"):
+        tp._debug_logits([1, 2, 3, 4, 5], 4)
+    tp.close()

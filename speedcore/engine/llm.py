@@ -213,6 +213,7 @@ class LLM:
                         group.gather()
                     self.runner.step_listener = lambda *msg: group.send_all(msg)
                     self.runner.tp_failure = lambda: group.failure
+                    self.runner.tp_abort = group.fail
         except BaseException:
             if self._tp_group is not None and self._tp_group.failure is None:
                 self._tp_group.fail("rank 0 failed while starting")
@@ -249,10 +250,12 @@ class LLM:
             self._tp_group = group = P.ThreadGroup(n, rank_main)
             group.on_failure.append(lambda: loop.abort(group.failure))
             return loop.communicator(0)
+        # NVLink multicast off for rank 0's NCCL too (read when the communicator is made), as for the spawned ranks
+        os.environ.update(P.NCCL_ENV)
         self._tp_group = group = P.ProcessGroup(n, P.nccl_rank_main, (spec,))
         uid = P.NcclCommunicator.unique_id()
         group.send_all(("nccl_id", uid))  # the unique id through the spawn pipes; then every rank joins
-        comm = P.NcclCommunicator(n, uid, 0)
+        comm = P.NcclCommunicator.connect(n, uid, 0, group)
         group.on_failure.append(comm.abort)
         return comm
 

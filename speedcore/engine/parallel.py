@@ -382,6 +382,35 @@ class NcclCommunicator(Communicator):
         self.rank, self.size = rank, size
         self.comm = nccl.NcclCommunicator(size, unique_id, rank)
 
+    @classmethod
+    def connect(cls, size: int, unique_id, rank: int, group: "RankGroup", device: int = 0,
+                timeout: float = 600.0) -> "NcclCommunicator":
+        """Rank 0's communicator, made on a helper thread: ncclCommInitRank waits for every rank, and a rank that
+        fails before it joins must raise here (the group's failure), not hang."""
+        out: dict = {}
+
+        def init():
+            try:
+                import cupy
+
+                cupy.cuda.Device(device).use()  # the current device is per thread
+                out["comm"] = cls(size, unique_id, rank)
+            except BaseException as e:  # noqa: BLE001
+                out["error"] = e
+
+        t = threading.Thread(target=init, daemon=True, name="tp-nccl-init")
+        t.start()
+        deadline = time.monotonic() + timeout
+        while t.is_alive():
+            t.join(0.2)
+            group.check()
+            if time.monotonic() > deadline:
+                group.fail(f"NCCL initialization did not finish within {timeout:.0f} s")
+                group.check()
+        if "error" in out:
+            raise out["error"]
+        return out["comm"]
+
     @staticmethod
     def unique_id():
         from cupy.cuda import nccl

@@ -74,6 +74,7 @@ class ModelRunner:
         # tensor parallelism (rank 0): step_listener(op, step, *args) gets every step before it runs
         self.step_listener = None
         self.tp_failure = None  # () -> why another rank failed, or None
+        self.tp_abort = None  # (why) -> stop the other ranks (rank 0 failed mid-step: they would wait for it)
         # attention of prefill chunks over cached tokens: "gather" (the stopgap, default) or "paged"
         # (speedcore.paged_prefill_attention straight from the pages)
         self.prefill_mode = os.environ.get("SPEEDCORE_ENGINE_PREFILL", "gather")
@@ -167,6 +168,8 @@ class ModelRunner:
                 from .parallel import RankError
 
                 raise RankError(why) from e
+            if self.tp_abort is not None:
+                self.tp_abort(f"tensor-parallel rank 0 failed: {type(e).__name__}: {e}")
             raise
 
     def _run(self, batch: ScheduledBatch, logits_all: bool):
