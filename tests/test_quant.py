@@ -1176,7 +1176,7 @@ def test_marlin_cost_segments_closed_form(tms, kc, p):
 
 
 def test_marlin_smem_matches_the_kernel_layout():
-    # Marlin<MT>::SMEM in kernels/quant.cu: stages x (4 x 4 KB weights + 4 x 192-byte records + 8 MT rows of 288 B)
+    # Marlin<MT>::SMEM in kernels/quant_marlin.cu: stages x (4 x 4 KB weights + 4 x 192 B records + 8 MT rows of 288 B)
     assert Q.marlin_smem_bytes(8) == 4 * (16384 + 768 + 64 * 288) == 142336
     assert Q.marlin_smem_bytes(4) == 6 * (16384 + 768 + 32 * 288) == 158208
     assert max(Q.marlin_smem_bytes(mt) for mt in Q.MARLIN_MT_CHOICES) <= 166912  # sm_80's opt-in limit
