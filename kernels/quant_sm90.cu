@@ -131,74 +131,48 @@ template <> __device__ __forceinline__ unsigned pack_rn<__half>(float lo, float 
 // The two ranks of a split-K cluster hand each other half of their fp32 partials through distributed shared memory,
 // whose rate on the H200 (about 11-16 bytes per clock per SM, benchmarks/_dsmem_probe.py: 40 KB each way ~3800
 // cycles, 20 KB ~1850) makes the bytes the epilogue's cost.  So the partials go packed, eight floats (four of row
-// group j, four of j + 1) at a time; W4_SPLIT_PACK (bits per float):
-// 24: each float's top three bytes (sign, exponent, 15 mantissa bits) in six words, the fourth float of each four
-//     spread over the low bytes of the other three's words; the receiver uses those words as they are (relative error
-//     below 2^-15 per partial, under y's rounding: 2^-9 for bf16, 2^-11 for fp16);
-// 16: bf16, rounded to nearest (half the bytes; relative error up to 2^-9 per partial);
-// 32: the fp32 bits.
-#ifndef W4_SPLIT_PACK
-#define W4_SPLIT_PACK 24
-#endif
+// group j, four of j + 1) at a time, W4_SPLIT_PACK = 24 bits per float: each float's top three bytes (sign,
+// exponent, 15 mantissa bits) in six words, the fourth float of each four spread over the low bytes of the other
+// three's words; the receiver uses those words as they are (relative error below 2^-15 per partial, under y's
+// rounding: 2^-9 for bf16, 2^-11 for fp16).  (bf16 partials raised the error 1.3x for bf16 and 6x for fp16 outputs,
+// fp32 ones were slower: 4096^2 M = 320 22.3 us pulled against 21.7 for 24-bit pushes; session 16 in
+// benchmarks/results/h200-ab-2026-11-30.md.  Both were removed.)
+constexpr int W4_SPLIT_PACK = 24;
 constexpr int W4_PACK_WORDS = W4_SPLIT_PACK / 4;  // words per thread for eight floats
-static_assert(W4_SPLIT_PACK == 16 || W4_SPLIT_PACK == 24 || W4_SPLIT_PACK == 32, "W4_SPLIT_PACK: 16, 24 or 32");
 
 __device__ __forceinline__ void w4_pack8(const float* a, const float* b, unsigned (&w)[W4_PACK_WORDS]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float* f = h ? b : a;
-    if constexpr (W4_SPLIT_PACK == 24) {
-      const unsigned d = __float_as_uint(f[3]);
-      w[3 * h + 0] = __byte_perm(__float_as_uint(f[0]), d, 0x3215);  // [d.b1, f0.b1, f0.b2, f0.b3]
-      w[3 * h + 1] = __byte_perm(__float_as_uint(f[1]), d, 0x3216);  // [d.b2, f1.b1 ..]
-      w[3 * h + 2] = __byte_perm(__float_as_uint(f[2]), d, 0x3217);  // [d.b3, f2.b1 ..]
-    } else if constexpr (W4_SPLIT_PACK == 16) {
-      w[2 * h + 0] = pack_rn<__nv_bfloat16>(f[0], f[1]);
-      w[2 * h + 1] = pack_rn<__nv_bfloat16>(f[2], f[3]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) w[4 * h + e] = __float_as_uint(f[e]);
-    }
+    const unsigned d = __float_as_uint(f[3]);
+    w[3 * h + 0] = __byte_perm(__float_as_uint(f[0]), d, 0x3215);  // [d.b1, f0.b1, f0.b2, f0.b3]
+    w[3 * h + 1] = __byte_perm(__float_as_uint(f[1]), d, 0x3216);  // [d.b2, f1.b1 ..]
+    w[3 * h + 2] = __byte_perm(__float_as_uint(f[2]), d, 0x3217);  // [d.b3, f2.b1 ..]
   }
 }
 __device__ __forceinline__ void w4_unpack8(const unsigned (&w)[W4_PACK_WORDS], float* a, float* b) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float* f = h ? b : a;
-    if constexpr (W4_SPLIT_PACK == 24) {
-      const unsigned w0 = w[3 * h], w1 = w[3 * h + 1], w2 = w[3 * h + 2];
-      f[0] = __uint_as_float(w0);
-      f[1] = __uint_as_float(w1);
-      f[2] = __uint_as_float(w2);
-      f[3] = __uint_as_float(__byte_perm(__byte_perm(w0, w1, 0x4000), w2, 0x4310));  // [., w0.b0, w1.b0, w2.b0]
-    } else if constexpr (W4_SPLIT_PACK == 16) {
-      f[0] = __uint_as_float(w[2 * h] << 16);
-      f[1] = __uint_as_float(w[2 * h] & 0xffff0000u);
-      f[2] = __uint_as_float(w[2 * h + 1] << 16);
-      f[3] = __uint_as_float(w[2 * h + 1] & 0xffff0000u);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) f[e] = __uint_as_float(w[4 * h + e]);
-    }
+    const unsigned w0 = w[3 * h], w1 = w[3 * h + 1], w2 = w[3 * h + 2];
+    f[0] = __uint_as_float(w0);
+    f[1] = __uint_as_float(w1);
+    f[2] = __uint_as_float(w2);
+    f[3] = __uint_as_float(__byte_perm(__byte_perm(w0, w1, 0x4000), w2, 0x4310));  // [., w0.b0, w1.b0, w2.b0]
   }
 }
 
-// A thread's W4_PACK_WORDS words of one pair slot: the first four at `first`, the rest (two or four) at `rest`; to
+// A thread's W4_PACK_WORDS words of one pair slot: the first four at `first`, the other two at `rest`; to
 // this CTA's shared memory, to a cluster CTA's (st.async, completing on its mbarrier `bar`), and back.
 __device__ __forceinline__ void w4_st_words(unsigned first, unsigned rest, const unsigned (&w)[W4_PACK_WORDS]) {
   sc::st_shared_v4(first, __uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]), __uint_as_float(w[3]));
-  if constexpr (W4_PACK_WORDS == 6) sc::st_shared_v2(rest, __uint_as_float(w[4]), __uint_as_float(w[5]));
-  if constexpr (W4_PACK_WORDS == 8)
-    sc::st_shared_v4(rest, __uint_as_float(w[4]), __uint_as_float(w[5]), __uint_as_float(w[6]), __uint_as_float(w[7]));
+  sc::st_shared_v2(rest, __uint_as_float(w[4]), __uint_as_float(w[5]));
 }
 __device__ __forceinline__ void w4_st_async_words(unsigned first, unsigned rest, const unsigned (&w)[W4_PACK_WORDS],
                                                   unsigned bar) {
   sc::st_async_v4(first, __uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]), __uint_as_float(w[3]),
                   bar);
-  if constexpr (W4_PACK_WORDS == 6) sc::st_async_v2(rest, __uint_as_float(w[4]), __uint_as_float(w[5]), bar);
-  if constexpr (W4_PACK_WORDS == 8)
-    sc::st_async_v4(rest, __uint_as_float(w[4]), __uint_as_float(w[5]), __uint_as_float(w[6]), __uint_as_float(w[7]),
-                    bar);
+  sc::st_async_v2(rest, __uint_as_float(w[4]), __uint_as_float(w[5]), bar);
 }
 __device__ __forceinline__ void w4_ld_cluster_words(unsigned first, unsigned rest, unsigned (&w)[W4_PACK_WORDS]) {
   const float4 v = sc::ld_cluster_v4(first);
@@ -206,18 +180,9 @@ __device__ __forceinline__ void w4_ld_cluster_words(unsigned first, unsigned res
   w[1] = __float_as_uint(v.y);
   w[2] = __float_as_uint(v.z);
   w[3] = __float_as_uint(v.w);
-  if constexpr (W4_PACK_WORDS == 6) {
-    const float2 u = sc::ld_cluster_v2(rest);
-    w[4] = __float_as_uint(u.x);
-    w[5] = __float_as_uint(u.y);
-  }
-  if constexpr (W4_PACK_WORDS == 8) {
-    const float4 u = sc::ld_cluster_v4(rest);
-    w[4] = __float_as_uint(u.x);
-    w[5] = __float_as_uint(u.y);
-    w[6] = __float_as_uint(u.z);
-    w[7] = __float_as_uint(u.w);
-  }
+  const float2 u = sc::ld_cluster_v2(rest);
+  w[4] = __float_as_uint(u.x);
+  w[5] = __float_as_uint(u.y);
 }
 __device__ __forceinline__ void w4_ld_words(const unsigned char* first, const unsigned char* rest,
                                             unsigned (&w)[W4_PACK_WORDS]) {
@@ -226,18 +191,9 @@ __device__ __forceinline__ void w4_ld_words(const unsigned char* first, const un
   w[1] = v.y;
   w[2] = v.z;
   w[3] = v.w;
-  if constexpr (W4_PACK_WORDS == 6) {
-    const uint2 u = *reinterpret_cast<const uint2*>(rest);
-    w[4] = u.x;
-    w[5] = u.y;
-  }
-  if constexpr (W4_PACK_WORDS == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(rest);
-    w[4] = u.x;
-    w[5] = u.y;
-    w[6] = u.z;
-    w[7] = u.w;
-  }
+  const uint2 u = *reinterpret_cast<const uint2*>(rest);
+  w[4] = u.x;
+  w[5] = u.y;
 }
 
 // Split-K over two ranks by pushes, where the receive buffer fits: each rank's buffer for the half of the tile it
@@ -249,11 +205,7 @@ constexpr int W4_SMEM_LIMIT = 232448;  // 227 KB per block on sm_90 (speedcore.q
 template <int MT, int BLK, int STAGES, int KS, int KIND> struct W4Rx {
   static constexpr int BYTES = (MT / 32) * BLK * 256 * 4 * W4_PACK_WORDS;
   static constexpr int RING_END = STAGES * (W4Tile<MT, BLK, KS, KIND>::STAGE + 16) + 16;
-#ifdef W4_NO_PUSH  // (A/B measurements: benchmarks/_quant_w4_pack_ab.py)
-  static constexpr bool FITS = false;
-#else
   static constexpr bool FITS = 1024 + RING_END + 16 + BYTES <= W4_SMEM_LIMIT;
-#endif
 };
 
 // Split-K epilogue of 3 to 8 ranks, owner side: row groups [j0, j0 + n) (n even) of every block summed over the
