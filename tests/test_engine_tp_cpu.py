@@ -472,3 +472,35 @@ def test_rank0_failure_mid_step_stops_the_other_ranks(tmp_path, fake_gpu, monkey
     with pytest.raises(RankError, match="rank 0 failed"):
         tp._debug_logits([1, 2, 3, 4, 5], 4)
     tp.close()
+
+
+def test_ranks_read_only_their_slices(tmp_path, fake_gpu, monkeypatch):
+    """Loading at tp = 2: every sharded tensor is read as the rank's rows / columns; whole reads are the norms."""
+    _hf("qwen2", tmp_path)
+    from speedcore.engine.llm import LLM
+
+    whole, sliced = [], []
+    real_read, real_slice = Checkpoint.read, Checkpoint.read_slice
+
+    def read(self, name):
+        whole.append(name)
+        return real_read(self, name)
+
+    def read_slice(self, name, rows=None, cols=None):
+        out = real_slice(self, name, rows, cols)
+        if rows is not None or cols is not None:
+            sliced.append((name, out.nbytes, self.tensors[name].nbytes))
+        return out
+
+    monkeypatch.setattr(Checkpoint, "read", read)
+    monkeypatch.setattr(Checkpoint, "read_slice", read_slice)
+    tp = LLM(str(tmp_path), tensor_parallel_size=2, _tp_backend="loopback", **ENGINE_KW)
+    tp.close()
+    assert whole and all(n.endswith("norm.weight") for n in whole)
+    assert {n for n, _, _ in sliced} == {n for n in tp.config.weight_shapes() if not n.endswith("norm.weight")}
+    per_tensor = {}
+    for name, got, full in sliced:  # each rank a part; both parts together: the tensor, once (no KV replication)
+        assert got < full, name
+        per_tensor[name] = per_tensor.get(name, 0) + got
+    assert all(per_tensor[n] == tp.config.weight_shapes()[n][0] * int(np.prod(tp.config.weight_shapes()[n][1:]))
+               * 4 for n in per_tensor)  # float32 on disk
