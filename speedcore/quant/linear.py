@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays as A
+from .. import _torch_hook
 from .._launch import device_info
 from . import gemv as _gemv
 from ._common import (_aligned_rows, _aligned_rows_x, _as_dtype, _check_aligned, _check_common, _finish, _row_stride,
@@ -99,6 +100,8 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
     The fast kernels need N % 64 == 0 and G == 32 or G % 64 == 0; other shapes take the dense path (torch, or CuPy
     float16).
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("awq_linear")(x, qweight, qzeros, scales, group_size=group_size, bias=bias)
     if isinstance(qweight, AWQWeight) and qweight.fast is not None and qzeros is None and scales is None:
         y = _fast_call(qweight.fast, x, bias)
         if y is not None:
@@ -161,6 +164,8 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
     -------
     (..., N) in x's dtype and library.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("gptq_linear")(x, qweight, qzeros, scales, g_idx, group_size=group_size, bias=bias)
     if (isinstance(qweight, GPTQWeight) and qweight.fast is not None and qzeros is None and scales is None
             and g_idx is None):
         y = _fast_call(qweight.fast, x, bias)
@@ -241,6 +246,8 @@ def int8_linear(x, weight, scales=None, *, bias=None):
     -------
     (..., N) in x's dtype and library.
     """
+    if _torch_hook.compiling():
+        return _torch_hook.op("int8_linear")(x, weight, scales, bias=bias)
     if isinstance(weight, Int8Weight) and weight.fast is not None and scales is None:
         y = _fast_call(weight.fast, x, bias)
         if y is not None:
