@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .report import _fmt  # one number format for the console table and the results page
+
 
 def benchmarks_dir() -> Path:
     here = Path(__file__).resolve().parent
@@ -161,14 +163,6 @@ class Bench:
             self.records.append(self._record(op, case, unit, ours, peer, value, ratio, frac))
         if not peers:
             self.records.append(self._record(op, case, unit, ours, "-", None, None, frac))
-
-
-def _fmt(v, digits=3):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
 
 
 def table(records: list) -> str:
