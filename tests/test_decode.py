@@ -340,7 +340,6 @@ def test_paged_decode_pair_merge_launch():
     outs = []
     for pair in (True, False):
         D.PAIR_MERGE = pair
-        D._DECODE_PLANS.clear()
         try:
             out = torch.full_like(q, float("nan"))
             wrapped = (A.wrap(q, "q"), A.wrap(k, "k_cache"), A.wrap(v, "v_cache"), A.wrap(table, "block_table"),
@@ -352,7 +351,6 @@ def test_paged_decode_pair_merge_launch():
             outs.append((out, lse))
         finally:
             D.PAIR_MERGE = True
-            D._DECODE_PLANS.clear()
     ref, ref_lse = reference_decode(torch, q, k, v, table, lens)
     for out, lse in outs:
         torch.testing.assert_close(out.float(), ref, atol=6e-3, rtol=6e-3)

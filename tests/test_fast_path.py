@@ -197,3 +197,21 @@ def test_check_indices_paged_prefill(monkeypatch):
                                           table, 4, 32)
     with pytest.raises(ValueError, match="max_seqlen_q"):
         speedcore.paged_prefill_attention(q, kc, kc, cu, used, table, 3, 32)
+
+
+@pytest.mark.gpu
+def test_paged_decode_out_may_be_q():
+    """out=q is allowed by the full check; the cached launch must allow it too (not fall through to a None)."""
+    torch = _torch()
+    import speedcore
+
+    bf = torch.bfloat16
+    kc = torch.randn(4, 16, 2, 64, device="cuda", dtype=bf)
+    table = torch.tensor([[0, 1], [2, 3]], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([20, 32], device="cuda", dtype=torch.int32)
+    for _ in range(3):  # checked call, then the cached launch
+        q = torch.randn(2, 4, 64, device="cuda", dtype=bf)
+        ref = speedcore.paged_decode_attention(q, kc, kc, table, lens)
+        got = speedcore.paged_decode_attention(q, kc, kc, table, lens, out=q)
+        assert got is q
+        _close(torch, got, ref, 1e-3)

@@ -30,7 +30,6 @@ SHAPES = [(64, 4096, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128
 LAYOUTS = os.environ.get("LAYOUTS", "rand,sorted,local,ident,contig").split(",")
 CLUSTERS = [int(c) for c in os.environ.get("CLUSTERS", "").split(",") if c]
 _PLAN = D._decode_plan
-PLANS: dict = {}
 
 
 def clustered(c):
@@ -89,7 +88,6 @@ def main():
             for c in [1] + (CLUSTERS if layout == "rand" else []):
                 def fn(wr=wr, c=c):
                     D._decode_plan = clustered(c) if c > 1 else _PLAN
-                    D._DECODE_PLANS = PLANS.setdefault(c, {})  # a plan cache per cluster size
                     D._paged_decode(*wr, None, 0.0, -1, False)
                 name = layout if c == 1 else f"{layout}/c{c}"
                 out.fill_(float("nan"))

@@ -83,7 +83,7 @@ def use(name):
     D.decode_num_splits.cache_clear()
     D._attn_kernel = lambda dtype, d, page16=True, pair=False: kernels(name, page16, pair)[0]
     D._merge_kernel = lambda dtype, d: kernels(name)[1]
-    D._DECODE_PLANS.clear()
+    D._FAST_DECODE.clear()  # launches cached with the previous variant's kernels
 
 
 def main():
