@@ -169,75 +169,52 @@ def _rms_norm_checked(x, weight, eps, residual, out, residual_out):
     if A.cacheable(key):
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        launch, given_out = bl.prepacked((int,) * 5, args[5:]), oa if out is not None else None
-        _PLANS[key] = (_plan(xa, wa, ra, given_out, launch) if hga is None
-                       else _plan_in_place(xa, wa, ra, given_out, hga, launch))
+        _PLANS[key] = _plan(xa, wa, ra, oa if out is not None else None, hga, bl.prepacked((int,) * 5, args[5:]))
     return result
 
 
-def _plan(xa, wa, ra, oa, launch):
-    """The launch of one validated call signature: per call only pointers, the output allocation, the stream and
-    (with ``out``) the overlap check; returns None where that check fails, so the full path raises."""
+def _overlap(a: int, a_ext: int, b: int, b_ext: int) -> bool:
+    return a < b + b_ext and b < a + a_ext
+
+
+def _plan(xa, wa, ra, oa, ha, launch):
+    """The launch of one validated call signature (``oa`` / ``ha``: the given out / residual_out, else None): per
+    call only pointers, the allocations, the overlap checks of given outputs, the stream and the launch; returns
+    None where an overlap check fails, so the full path raises."""
     lib = A.fast_lib(xa.lib)
     ptr, stream, empty_like = lib.ptr, lib.stream, lib.empty_like
     device = xa.device
-    w_ext = A.extent(wa)
+    x_ext, w_ext = A.extent(xa), A.extent(wa)
     r_ext = A.extent(ra) if ra is not None else 0
     o_ext = A.extent(oa) if oa is not None else 0
-    # out may be residual itself (same layout: each element is read before it is written), not a shifted view
+    h_ext = A.extent(ha) if ha is not None else 0
+    # out may be residual itself, h residual or x itself (same layout: each element is read before it is
+    # written), never a shifted view
     r_inplace_ok = ra is not None and oa is not None and ra.strides == oa.strides
+    h_may_be = (ha.strides == ra.strides, ha.strides == xa.strides) if ha is not None else (False, False)
 
     def run(x, weight, residual, out, residual_out):
-        if out is None:
-            o = empty_like(x)
-            op = ptr(o)
-        else:
-            o, op = out, ptr(out)
-            wp = ptr(weight)
-            if wp < op + o_ext and op < wp + w_ext:
-                return None
-            if residual is not None:
-                rp = ptr(residual)
-                if rp < op + o_ext and op < rp + r_ext and not (rp == op and r_inplace_ok):
-                    return None
-        if residual is None:
-            launch(stream(device), op, 0, ptr(x), 0, ptr(weight))
-            return o
-        h = empty_like(x)
-        launch(stream(device), op, ptr(h), ptr(x), ptr(residual), ptr(weight))
-        return o, h
-
-    return run
-
-
-def _plan_in_place(xa, wa, ra, oa, ha, launch):
-    """As :func:`_plan`, with ``residual_out`` given: per call the overlap checks of h against every operand (h
-    may be residual or x itself, in the same layout) and of out, then the launch; None where a check fails."""
-    lib = A.fast_lib(xa.lib)
-    ptr, stream, empty_like = lib.ptr, lib.stream, lib.empty_like
-    device = xa.device
-    w_ext, r_ext, x_ext, h_ext = A.extent(wa), A.extent(ra), A.extent(xa), A.extent(ha)
-    o_ext = A.extent(oa) if oa is not None else 0
-    h_may_be = tuple(a.strides == ha.strides for a in (ra, xa))  # h may be residual / x where laid out alike
-    r_inplace_ok = oa is not None and ra.strides == oa.strides
-
-    def run(x, weight, residual, out, residual_out):
-        xp, wp, rp, hp = ptr(x), ptr(weight), ptr(residual), ptr(residual_out)
-        if wp < hp + h_ext and hp < wp + w_ext:
-            return None
-        for ip, ie, same in ((rp, r_ext, h_may_be[0]), (xp, x_ext, h_may_be[1])):
-            if ip < hp + h_ext and hp < ip + ie and not (ip == hp and same):
+        xp, wp = ptr(x), ptr(weight)
+        rp = ptr(residual) if residual is not None else 0
+        if residual_out is not None:
+            hp = ptr(residual_out)
+            if (_overlap(wp, w_ext, hp, h_ext) or (_overlap(rp, r_ext, hp, h_ext) and not (rp == hp and h_may_be[0]))
+                    or (_overlap(xp, x_ext, hp, h_ext) and not (xp == hp and h_may_be[1]))):
                 return None
         if out is None:
             out = empty_like(x)
             op = ptr(out)
         else:
             op = ptr(out)
-            if (wp < op + o_ext and op < wp + w_ext) or (hp < op + o_ext and op < hp + h_ext):
+            if _overlap(wp, w_ext, op, o_ext) or (residual_out is not None and _overlap(hp, h_ext, op, o_ext)):
                 return None
-            if rp < op + o_ext and op < rp + r_ext and not (rp == op and r_inplace_ok):
+            if residual is not None and _overlap(rp, r_ext, op, o_ext) and not (rp == op and r_inplace_ok):
                 return None
-        launch(stream(device), op, hp, xp, rp, wp)
-        return out, residual_out
+        if residual is None:
+            launch(stream(device), op, 0, xp, 0, wp)
+            return out
+        h = residual_out if residual_out is not None else empty_like(x)
+        launch(stream(device), op, ptr(h), xp, rp, wp)
+        return out, h
 
     return run

@@ -215,3 +215,39 @@ def test_paged_decode_out_may_be_q():
         got = speedcore.paged_decode_attention(q, kc, kc, table, lens, out=q)
         assert got is q
         _close(torch, got, ref, 1e-3)
+
+
+def test_rms_norm_plan_overlap_rules_without_a_gpu(monkeypatch):
+    """The cached rms_norm launch refuses (None: the full check then raises) exactly the overlaps the full check
+    refuses: h and out may be residual / x themselves in the same layout, never shifted views or each other."""
+    from types import SimpleNamespace as NS
+
+    from speedcore import norm
+
+    calls = []
+    monkeypatch.setattr(A, "fast_lib", lambda lib: A.FastLib(lambda a: a.ptr, lambda d: 7, None, None,
+                                                             lambda x: NS(ptr=9000), None))
+
+    def arr(name, ptr, shape=(4, 64), strides=(64, 1)):
+        return A.Array(None, "torch", ptr, shape, strides, "float16", 0, name)
+
+    def obj(p):
+        return NS(ptr=p)
+
+    xa, wa, ra = arr("x", 0), arr("weight", 1000, (64,), (1,)), arr("residual", 2000)  # 512 / 128 / 512 bytes
+    launch = lambda stream, *p: calls.append(p)  # noqa: E731
+    run = norm._plan(xa, wa, ra, arr("out", 3000), arr("h", 2000), launch)
+    x, w, r = obj(0), obj(1000), obj(2000)
+    out, h = run(x, w, r, obj(3000), r)
+    assert h is r and calls[-1] == (3000, 2000, 0, 2000, 1000)     # h into residual itself
+    assert run(x, w, r, obj(3000), obj(2002)) is None               # h a shifted view of residual
+    assert run(x, w, r, obj(3000), obj(1064)) is None               # h over the weight
+    assert run(x, w, r, obj(1000), r) is None                       # out over the weight
+    assert run(x, w, r, obj(2000), r) is None                       # out and h the same array
+    assert run(x, w, r, obj(3000), x) is not None and calls[-1][1] == 0  # h into x itself
+    run2 = norm._plan(xa, wa, ra, arr("out", 2000), None, launch)
+    out, h = run2(x, w, r, r, None)
+    assert out is r and h.ptr == 9000 and calls[-1] == (2000, 9000, 0, 2000, 1000)  # out = residual, h allocated
+    assert run2(x, w, r, obj(2010), None) is None                  # out a shifted view of residual
+    run3 = norm._plan(xa, wa, None, None, None, launch)
+    assert run3(x, w, None, None, None).ptr == 9000 and calls[-1] == (9000, 0, 0, 0, 1000)
