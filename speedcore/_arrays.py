@@ -192,11 +192,6 @@ def cacheable(key: tuple) -> bool:
     return not any(k is _UNSUPPORTED for k in key)
 
 
-def extent(a: "Array") -> int:
-    """Bytes from ``a``'s pointer to one past its last element (0 when empty)."""
-    return _extent(a)
-
-
 class FastLib:
     """The per-call pieces of one library that a cached plan needs: ``ptr(x)``, ``stream(device)`` (raw
     cudaStream_t of the caller's current stream) and ``empty(shape, dtype_name, device)``."""
@@ -316,16 +311,17 @@ def check_shape(a: Array, shape: tuple) -> None:
 def check_no_overlap(out: Array, *inputs) -> None:
     """Outputs that partially overlap an input would be read after being written."""
     lo = out.ptr
-    hi = out.ptr + _extent(out)
+    hi = out.ptr + extent(out)
     for i in inputs:
         if i is None:
             continue
-        ilo, ihi = i.ptr, i.ptr + _extent(i)
+        ilo, ihi = i.ptr, i.ptr + extent(i)
         if ilo < hi and lo < ihi and not (ilo == lo and i.strides == out.strides and i.shape == out.shape):
             raise ValueError(f"{out.name}: overlaps {i.name} in memory")
 
 
-def _extent(a: Array) -> int:
+def extent(a: Array) -> int:
+    """Bytes from ``a``'s pointer to one past its last element (0 when empty)."""
     if a.numel == 0:
         return 0
     return (1 + sum((s - 1) * st for s, st in zip(a.shape, a.strides))) * a.itemsize

@@ -290,8 +290,7 @@ def _aligned_input(a):
 def _overlaps(a, b) -> bool:
     if a.numel == 0 or b.numel == 0:
         return False
-    ext = lambda x: (1 + sum((s - 1) * st for s, st in zip(x.shape, x.strides))) * x.itemsize  # noqa: E731
-    return a.ptr < b.ptr + ext(b) and b.ptr < a.ptr + ext(a)
+    return a.ptr < b.ptr + A.extent(b) and b.ptr < a.ptr + A.extent(a)
 
 
 def _check_out(oa, qa, ka, va):

@@ -394,8 +394,8 @@ def _out(out, ref: A.Array, shape: tuple, inputs) -> A.Array:
     A.check_shape(oa, shape)
     for i in inputs:
         if i is not None and i.numel and oa.numel:
-            lo, hi = oa.ptr, oa.ptr + A._extent(oa)
-            ilo, ihi = i.ptr, i.ptr + A._extent(i)
+            lo, hi = oa.ptr, oa.ptr + A.extent(oa)
+            ilo, ihi = i.ptr, i.ptr + A.extent(i)
             if ilo < hi and lo < ihi:
                 raise ValueError(f"out: overlaps {i.name} in memory")
     return oa
