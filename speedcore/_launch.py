@@ -271,14 +271,20 @@ class ArgLayout:
         self.maps = tuple(i for i, t in enumerate(types) if t is np.ndarray)  # passed as their bytes
         self.buffers: dict = {}  # thread id -> (buffer, pointer array): launches from two threads never share one
 
+    def new_buffer(self) -> tuple:
+        """(buffer, offset of the 64-byte aligned layout in it, kernelParams address, the pointer array): one
+        thread's argument storage, each pointer aimed at its argument's offset."""
+        buf = ctypes.create_string_buffer(self.size + 64)
+        off = (-ctypes.addressof(buf)) % 64
+        base = ctypes.addressof(buf) + off
+        params = (ctypes.c_void_p * max(1, len(self.offsets)))(*[base + o for o in self.offsets])
+        return buf, off, ctypes.addressof(params), params
+
     def _buffers(self) -> tuple:
         tid = threading.get_ident()
         b = self.buffers.get(tid)
         if b is None:
-            buf = ctypes.create_string_buffer(self.size + 64)
-            base = (ctypes.addressof(buf) + 63) & ~63
-            params = (ctypes.c_void_p * max(1, len(self.offsets)))(*[base + o for o in self.offsets])
-            b = self.buffers[tid] = (buf, base - ctypes.addressof(buf), params, ctypes.addressof(params))
+            b = self.buffers[tid] = self.new_buffer()
         return b
 
     def pack(self, args: tuple) -> int:
@@ -288,7 +294,7 @@ class ArgLayout:
             args = list(args)
             for i in self.maps:
                 args[i] = args[i].tobytes()
-        buf, off, _, params_addr = self._buffers()
+        buf, off, params_addr, _ = self._buffers()
         self.struct.pack_into(buf, off, *args)
         return params_addr
 
@@ -398,14 +404,10 @@ class PrepackedLaunch:
 
     def _buffers(self) -> tuple:
         lay = self.layout
-        buf = ctypes.create_string_buffer(lay.size + 64)
-        off = (-ctypes.addressof(buf)) % 64
-        base = ctypes.addressof(buf) + off
-        params = (ctypes.c_void_p * max(1, len(lay.offsets)))(*[base + o for o in lay.offsets])
+        b = self.buffers[threading.get_ident()] = lay.new_buffer()
         nvar = len(lay.offsets) - len(self.constants)
-        lay.struct.pack_into(buf, off, *((0,) * nvar + tuple(c.tobytes() if type(c) is np.ndarray else c
-                                                             for c in self.constants)))
-        b = self.buffers[threading.get_ident()] = (buf, off, ctypes.addressof(params), params)
+        lay.struct.pack_into(b[0], b[1], *((0,) * nvar + tuple(c.tobytes() if type(c) is np.ndarray else c
+                                                               for c in self.constants)))
         return b
 
     def __call__(self, stream_ptr: int, *pointers) -> None:

@@ -286,3 +286,31 @@ def test_cluster_launch_passes_each_argument_at_its_pointer(monkeypatch):
     assert seen["args"] == [m.tobytes(), (0xDEADBEEF12).to_bytes(8, "little"), np.int32(-7).tobytes(),
                             np.int64(1 << 40).tobytes(), np.float32(1.5).tobytes()]
     assert seen["args"][1] == (0xDEADBEEF12).to_bytes(8, "little") and seen["args"][2] == np.int32(-7).tobytes()
+
+
+def test_prepacked_launch_packs_constants_once_and_pointers_per_call():
+    """A PrepackedLaunch's buffer holds its constant trailing arguments from the start; each call rewrites only the
+    leading pointers, and every kernelParams entry reads its argument's bytes."""
+    import ctypes
+
+    import numpy as np
+
+    from speedcore import _launch
+
+    class Bound:  # what launch_packed receives: the kernelParams address
+        def launch_packed(self, stream_ptr, params_addr):
+            self.seen = (stream_ptr, params_addr)
+
+    def args(addr, sizes):
+        ptrs = ctypes.cast(addr, ctypes.POINTER(ctypes.c_void_p))
+        return [ctypes.string_at(ptrs[i], n) for i, n in enumerate(sizes)]
+
+    b = Bound()
+    consts = (np.int32(5), np.int64(-3), np.float32(1.5))
+    pl = _launch.PrepackedLaunch(b, (int, int), consts)
+    sizes = (8, 8, 4, 8, 4)
+    tail = [c.tobytes() for c in consts]
+    pl(0x77, 11, 22)
+    assert b.seen[0] == 0x77 and args(b.seen[1], sizes) == [(11).to_bytes(8, "little"), (22).to_bytes(8, "little")] + tail
+    pl(0x78, 33, 1 << 40)
+    assert args(b.seen[1], sizes) == [(33).to_bytes(8, "little"), (1 << 40).to_bytes(8, "little")] + tail
