@@ -216,13 +216,11 @@ def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
     return c, attrs
 
 
-def _launch_cluster(func_ptr: int, cfg: LaunchConfig, args: tuple, stream) -> None:
+def _launch_ex(func_ptr: int, cfg: LaunchConfig, stream_ptr: int, params_addr: int) -> None:
     """cuLaunchKernelEx with a cluster dimension and (cfg.overlap) programmatic stream serialization (CuPy launches
-    have no launch attributes), the arguments packed as for any launch (:func:`arg_layout`)."""
-    stream_ptr = getattr(stream, "ptr", stream)
+    have no launch attributes), the arguments packed as for any launch (:class:`ArgLayout`)."""
     c, _ = _config_ex(cfg, stream_ptr)
-    err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(func_ptr),
-                                     ctypes.c_void_p(arg_layout(_arg_types(args)).pack(args)), None)
+    err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(func_ptr), ctypes.c_void_p(params_addr), None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} (grid {cfg.grid}, cluster {cfg.cluster})")
 
@@ -366,12 +364,7 @@ class BoundLaunch:
 
     def _launch(self, stream_ptr: int, params_addr: int) -> None:
         if self.ex:
-            c, _ = _config_ex(self.cfg, stream_ptr)
-            err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(self.func_ptr),
-                                             ctypes.c_void_p(params_addr), None)
-            if err:
-                raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} (grid {self.cfg.grid}, cluster "
-                                   f"{self.cfg.cluster})")
+            _launch_ex(self.func_ptr, self.cfg, stream_ptr, params_addr)
         else:
             gx, gy, gz, bx, by, bz, smem = self.dims
             _launch_kernel(self.func_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_addr, 0)

@@ -256,7 +256,7 @@ def test_launch_packs_arguments_as_cupy_does():
 
 
 def test_cluster_launch_passes_each_argument_at_its_pointer(monkeypatch):
-    """_launch_cluster packs the arguments into one buffer: each kernelParams pointer reads that argument's bytes,
+    """A cluster launch (_launch_ex) gets the packed arguments: each kernelParams pointer reads that argument's bytes,
     and the launch config carries grid, block, shared memory, stream and cluster size."""
     import ctypes
 
@@ -279,8 +279,8 @@ def test_cluster_launch_passes_each_argument_at_its_pointer(monkeypatch):
     m = np.zeros(1, dtype=[("words", np.uint64, 16)])
     m["words"][0] = np.arange(16, dtype=np.uint64) * 3
     args = (m, 0xDEADBEEF12, np.int32(-7), np.int64(1 << 40), np.float32(1.5))
-    _launch._launch_cluster(0x1000, _launch.LaunchConfig((8,), (384,), 4096, cluster=4), args,
-                            type("S", (), {"ptr": 0x77})())
+    params = _launch.arg_layout(_launch._arg_types(args)).pack(args)
+    _launch._launch_ex(0x1000, _launch.LaunchConfig((8,), (384,), 4096, cluster=4), 0x77, params)
     assert seen["func"] == 0x1000
     assert seen["cfg"] == ([8, 1, 1], [384, 1, 1], 4096, 0x77, [4, 1, 1])
     assert seen["args"] == [m.tobytes(), (0xDEADBEEF12).to_bytes(8, "little"), np.int32(-7).tobytes(),
