@@ -220,34 +220,39 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) paged_prefill_sm90_kernel(
           sc::tma_load_4d(sQ + c * BM * 128, &tmap_q, c * 64, t.q_off + t.m0, t.head, bc, q_full);
         // key blocks from the last to the first: the blocks crossing the causal diagonal come first
         const int* const bt_row = block_table + (long long)t.batch * bt_stride;
-        // The page and slot of token tok: rows past the sequence come from page 0 (any page will do: their scores
-        // are masked and their V rows zeroed); min() keeps a corrupt block table from faulting.
-        auto page_of = [&](int tok, int& slot) {
-          const int blk = tok / block_size;
-          slot = tok - blk * block_size;
-          return tok < t.sk ? (int)min((unsigned)bt_row[blk], (unsigned)(num_blocks - 1)) : 0;
-        };
+        // A tile's BN keys are BN / page_rows boxes of page_rows rows: block blk0 + i from slot slot0 (slot0 = 0 when pages are
+        // at most BN rows, a multiple of them).  Every box's page is loaded before the first copy is issued, and
+        // once for K and V: one table latency per tile, not one per box and operand (page size 16: 8 boxes).
+        // Rows past the sequence come from page 0 (any page will do: their scores are masked and their V rows
+        // zeroed); min() keeps a corrupt block table from faulting.
+        constexpr int MAX_BOXES = BN / 16;
         for (int nb = t.n_end - 1; nb >= t.n_begin; --nb) {
           const int tok0 = nb * BN;
+          const int blk0 = tok0 / block_size, slot0 = tok0 - blk0 * block_size;
+          int pages[MAX_BOXES];
+#pragma unroll
+          for (int i = 0; i < MAX_BOXES; ++i)
+            pages[i] = i * page_rows < BN && tok0 + i * page_rows < t.sk
+                           ? (int)min((unsigned)bt_row[blk0 + i], (unsigned)(num_blocks - 1)) : 0;
           sc::mbar_wait(&k_empty[stage], phase ^ 1);
           sc::mbar_arrive_expect_tx(&k_full[stage], KV_BYTES);  // BN / page_rows boxes of page_rows x 128 bytes
-          for (int r = 0; r < BN; r += page_rows) {
-            int slot;
-            const int page = page_of(tok0 + r, slot);
+#pragma unroll
+          for (int i = 0; i < MAX_BOXES; ++i) {
+            if (i * page_rows >= BN) break;
 #pragma unroll
             for (int c = 0; c < DC; ++c)
-              sc::tma_load_4d(sK + stage * KV_BYTES + c * BN * 128 + r * 128, &tmap_k, c * 64, slot, kv_head, page,
-                              &k_full[stage]);
+              sc::tma_load_4d(sK + stage * KV_BYTES + c * BN * 128 + i * page_rows * 128, &tmap_k, c * 64, slot0,
+                              kv_head, pages[i], &k_full[stage]);
           }
           sc::mbar_wait(&v_empty[stage], phase ^ 1);
           sc::mbar_arrive_expect_tx(&v_full[stage], KV_BYTES);
-          for (int r = 0; r < BN; r += page_rows) {
-            int slot;
-            const int page = page_of(tok0 + r, slot);
+#pragma unroll
+          for (int i = 0; i < MAX_BOXES; ++i) {
+            if (i * page_rows >= BN) break;
 #pragma unroll
             for (int c = 0; c < DC; ++c)
-              sc::tma_load_4d(sV + stage * KV_BYTES + c * BN * 128 + r * 128, &tmap_v, c * 64, slot, kv_head, page,
-                              &v_full[stage]);
+              sc::tma_load_4d(sV + stage * KV_BYTES + c * BN * 128 + i * page_rows * 128, &tmap_v, c * 64, slot0,
+                              kv_head, pages[i], &v_full[stage]);
           }
           if (++stage == STAGES) {
             stage = 0;

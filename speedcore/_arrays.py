@@ -357,9 +357,26 @@ def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: i
             # A CUDA graph captured with the old buffer still reads and writes it on replay: keep it allocated.
             _retired_buffers.append(buf)
             _retired_keys.append(key)
-        buf = empty(ref, (max(min_n, 1 << max(0, n - 1).bit_length()),), dtype, kind, zeroed=zeroed)
+        shape = (max(min_n, 1 << max(0, n - 1).bit_length()),)
+        if ref.lib == "torch" and not _torch_capturing():
+            # Scratch outlives the call, so it comes from CuPy's pool, not torch's allocator: torch.compile's
+            # CUDA graphs (cudagraph trees) allocate into a private pool and refuse to replay while a tensor of
+            # theirs that no graph output holds is still alive.  Zeroing runs on CuPy's stream: wait for it.
+            buf = empty(scratch_ref("cupy", ref.device), shape, dtype, kind, zeroed=zeroed)
+            if zeroed:
+                _sync_device(ref.device)
+        else:  # inside a capture only the capturing library's allocator may run
+            buf = empty(ref, shape, dtype, kind, zeroed=zeroed)
         _stream_buffers[key] = buf
     return buf
+
+
+def _torch_capturing() -> bool:
+    return bool(_torch().cuda.is_current_stream_capturing())
+
+
+def _sync_device(device: int) -> None:
+    _cupy().cuda.Device(device).synchronize()
 
 
 def release_stream_buffers(stream) -> int:

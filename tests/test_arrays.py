@@ -80,10 +80,13 @@ def test_stream_buffer_grows_and_keeps_outgrown_buffers(monkeypatch):
     made = []
 
     def fake_empty(ref, shape, dtype, name, zeroed=False):
-        made.append(SimpleNamespace(numel=shape[0], zeroed=zeroed))
+        made.append(SimpleNamespace(numel=shape[0], zeroed=zeroed, lib=ref.lib))
         return made[-1]
 
+    capturing, synced = [False], []
     monkeypatch.setattr(A, "empty", fake_empty)
+    monkeypatch.setattr(A, "_torch_capturing", lambda: capturing[0])
+    monkeypatch.setattr(A, "_sync_device", synced.append)
     monkeypatch.setattr(A, "_stream_buffers", {})
     monkeypatch.setattr(A, "_retired_buffers", [])
     ref = SimpleNamespace(lib="torch", device=0)
@@ -94,6 +97,12 @@ def test_stream_buffer_grows_and_keeps_outgrown_buffers(monkeypatch):
     b = A.stream_buffer("ws", ref, s1, 129, "float32", min_n=16)
     assert b.numel == 256 and A._retired_buffers == [a]
     assert A.stream_buffer("ws", ref, s1, 64, "float32") is b                      # never shrinks
+    # torch's scratch comes from CuPy's pool (outside torch.compile's graph pools), zeroed before first use;
+    # inside a capture, from torch (the only allocator that may run there)
+    assert [m.lib for m in made] == ["cupy"] * 3 and synced == [0]
+    capturing[0] = True
+    assert A.stream_buffer("ws", ref, s1, 1000, "float32").lib == "torch"
+    A._retired_buffers.pop()
     monkeypatch.setattr(A, "_retired_keys", [("ws", "torch", 0, 1)])
     assert A.release_stream_buffers(s1) == 2 and not A._retired_buffers               # live + outgrown
     assert list(A._stream_buffers) == [("ws", "torch", 0, 2)]                          # the other stream's stays

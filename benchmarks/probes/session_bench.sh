@@ -5,7 +5,7 @@
 # BENCH: which of host hf paged_prefill engine serve (default all); ENGINE_QUANT=1 adds the AWQ / GPTQ / INT8 runs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR="${SPEEDCORE_CACHE_DIR:-/tmp/sc-cache}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR="${SPEEDCORE_CACHE_DIR:-/tmp/sc-cache}"
 out="${OUT:-/tmp/sc-out}"; mkdir -p "$out"
 want="${BENCH:-host hf paged_prefill engine serve}"
 res="$out/h200.json"

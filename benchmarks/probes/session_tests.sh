@@ -3,7 +3,7 @@
 # short summary last.  Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR=/tmp/sc-cache
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR=/tmp/sc-cache
 out="${OUT:-/tmp/sc-out}"; mkdir -p "$out"
 t0=$SECONDS
 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -n 8 -p no:cacheprovider ${TESTS:-tests} > "$out/tests.log" 2>&1

@@ -612,7 +612,7 @@ class ThreadGroup(RankGroup):
             t.join(timeout)
 
 
-def _process_main(rank, size, conn, abort_event, target, args, env):
+def _process_main(rank, size, conn, abort_flag, target, args, env):
     """Entry of a spawned rank: the environment, a watchdog (rank 0 gone or another rank failed: abort the
     communicator and exit with a message), then ``target(rank, size, recv, reply, on_abort, *args)``."""
     os.environ.update(env)
@@ -631,7 +631,8 @@ def _process_main(rank, size, conn, abort_event, target, args, env):
 
     def watchdog():
         while True:
-            if abort_event.wait(0.25):
+            time.sleep(0.25)
+            if abort_flag.value:
                 if failing.is_set():
                     return
                 stop("another rank failed")
@@ -658,7 +659,7 @@ def _process_main(rank, size, conn, abort_event, target, args, env):
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         except Exception:
             pass
-        abort_event.set()
+        abort_flag.value = 1
         print(f"speedcore tensor-parallel rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)
 
@@ -675,14 +676,19 @@ class ProcessGroup(RankGroup):
 
         super().__init__(size, timeout)
         ctx = mp.get_context("spawn")
-        self.abort_event = ctx.Event()
+        # A lock-free shared byte, not an Event: a multiprocessing Event's set() waits for every process that
+        # sleeps in wait() to wake, and hangs (holding the Event's lock) when one of them exited meanwhile.
+        self.abort_flag = ctx.RawValue("b", 0)
         self.grace = grace
         self._closing = False
+        # Process.join / exitcode from two threads race: one thread's waitpid reaps the child while the
+        # other's gets ECHILD and reports no exit code.  Every reap here takes this lock.
+        self._reap_lock = threading.Lock()
         env = dict(NCCL_ENV, **(env or {}))
         self.conns, self.procs = [None], [None]
         for r in range(1, size):
             parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(target=_process_main, args=(r, size, child_end, self.abort_event, target, args, env),
+            p = ctx.Process(target=_process_main, args=(r, size, child_end, self.abort_flag, target, args, env),
                             name=f"speedcore-tp-rank-{r}", daemon=True)
             p.start()
             child_end.close()
@@ -720,8 +726,7 @@ class ProcessGroup(RankGroup):
                         del live[obj]
                 else:
                     r = sentinels.pop(obj)
-                    self.procs[r].join(1.0)  # reaped here, so that its exit code is known
-                    code = self.procs[r].exitcode
+                    code = self._reap(self.procs[r], 1.0)  # reaped here, so that its exit code is known
                     if not self._closing and self.failure is None:
                         # a reply or error still in the pipe arrives first where there is one
                         time.sleep(0.2)
@@ -735,29 +740,42 @@ class ProcessGroup(RankGroup):
                         self.fail(f"tensor-parallel rank {r} exited (exit code {code})")
 
     def _stop_others(self):
-        self.abort_event.set()
+        self.abort_flag.value = 1
 
         def reap():
-            deadline = time.monotonic() + self.grace
+            self.exit_codes(self.grace)
             for p in self.procs[1:]:
-                p.join(max(0.0, deadline - time.monotonic()))
-            for p in self.procs[1:]:
-                if p.is_alive():
-                    p.terminate()
+                with self._reap_lock:
+                    if p.exitcode is None:
+                        p.terminate()
         threading.Thread(target=reap, daemon=True).start()
+
+    def _reap(self, p, timeout: float):
+        # join in short slices so that another thread's reap is never held up for long
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._reap_lock:
+                p.join(min(0.05, max(0.0, deadline - time.monotonic())))
+                code = p.exitcode
+            if code is not None or time.monotonic() >= deadline:
+                return code
+
+    def exit_codes(self, timeout: float = 0.0) -> list:
+        """Ranks 1..N-1's exit codes (None: still running), waiting up to ``timeout`` seconds in all."""
+        deadline = time.monotonic() + timeout
+        return [self._reap(p, max(0.0, deadline - time.monotonic())) for p in self.procs[1:]]
 
     def close(self, timeout: float = 10.0) -> None:
         self._closing = True
         if self.failure is None:
             for r in range(1, self.size):
                 self._send(r, ("close",))
-        deadline = time.monotonic() + timeout
+        self.exit_codes(timeout)
         for p in self.procs[1:]:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs[1:]:
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
+            with self._reap_lock:
+                if p.exitcode is None:
+                    p.terminate()
+            self._reap(p, 1.0)
 
 
 def nccl_rank_main(rank, size, recv, reply, on_abort, spec: RankSpec):

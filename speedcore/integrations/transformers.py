@@ -544,8 +544,9 @@ class SpeedcoreAttention(nn.Module):
         # views of the one GEMM output: (batch, q_len, heads, head_dim) with the token stride of the fused row
         q, k, v = qkv.view(batch, q_len, self.heads + 2 * self.kv_heads, hd).split(self.split_heads, 2)
         if self.q_norm is not None:  # per-head norms over views that do not collapse to rows: one copy each
-            q = self.q_norm(q.reshape(batch, q_len * self.heads, hd)).view(batch, q_len, self.heads, hd)
-            k = self.k_norm(k.reshape(batch, q_len * self.kv_heads, hd)).view(batch, q_len, self.kv_heads, hd)
+            # (rows, head_dim): reshape copies whenever the rows have no single stride (always, but at batch 1)
+            q = self.q_norm(q.reshape(-1, hd)).view(batch, q_len, self.heads, hd)
+            k = self.k_norm(k.reshape(-1, hd)).view(batch, q_len, self.kv_heads, hd)
         if self.rope_cos_sin is not None:
             if position_ids.shape[0] != batch:
                 position_ids = position_ids.expand(batch, q_len).contiguous()
