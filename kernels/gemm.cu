@@ -18,6 +18,7 @@
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/epilogue.cuh"
+#include "common/pdl.cuh"
 
 namespace {
 
@@ -280,6 +281,19 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
   const int KT = (K + BK - 1) / BK;
+  // Launched as the previous kernel's programmatic dependent (speedcore._launch.chained, decode-sized M): the
+  // weights are not that kernel's output, so the first of this CTA's rows are prefetched into L2 while it runs
+  // (L2 is the point of coherence: a prefetch never returns stale data), and nothing is read into shared memory
+  // or written before it has finished.  The next kernel may be scheduled at once.
+  if constexpr (B_KMAJOR && WK > 1) {
+    constexpr int PREFETCH_BYTES = 2 * STAGES * BK * 2;  // two rings' worth of each weight row
+    if (tid < BN && n0 + tid < N) {
+      const int bytes = min(PREFETCH_BYTES, K * 2) & ~15;
+      if (bytes > 0) sc::prefetch_l2_bulk(b + (long long)(n0 + tid) * ldb, bytes);
+    }
+  }
+  sc::grid_dependency_wait();
+  sc::launch_dependents();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < KT) load_stage(s, s);

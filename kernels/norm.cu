@@ -1,6 +1,7 @@
 // RMSNorm and fused add + RMSNorm.
 #include "common/types.cuh"
 #include "common/reduce.cuh"
+#include "common/pdl.cuh"
 
 // One block per row, 16-byte accesses.  Each thread holds its NV vectors of the row in registers (as raw
 // 16-byte words, not floats, to keep the register cost at 4 per vector) from the sum-of-squares pass to the
@@ -14,20 +15,29 @@ __global__ void __launch_bounds__(512) rms_norm_kernel(
     const T* __restrict__ weight, int hidden, long long x_stride, long long r_stride, long long o_stride,
     long long h_stride, float eps) {
   constexpr int VEC = 16 / sizeof(T);
+  // Launched as the stream's previous kernel's programmatic dependent (speedcore._launch.chained): nothing is
+  // read or written before that kernel has finished; the next kernel may be scheduled at once.
+  sc::grid_dependency_wait();
+  sc::launch_dependents();
   __shared__ float scratch[32];
   const long long row = blockIdx.x;
   const int nvec = hidden / VEC;
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * x_stride);
   const uint4* rr = reinterpret_cast<const uint4*>(residual + row * r_stride);
 
+  // The weight is loaded with the row: after the reduction it would be one more memory latency on the critical
+  // path (a decode step's norms run on one row, and the weights streamed since evict it from L2).
+  const uint4* wr = reinterpret_cast<const uint4*>(weight);
   uint4 a[NV];
   uint4 b[NV];
+  uint4 wv[NV];
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int idx = threadIdx.x + i * blockDim.x;
     if (idx < nvec) {
       a[i] = xr[idx];
       if constexpr (RESIDUAL) b[i] = rr[idx];
+      wv[i] = wr[idx];
     }
   }
 
@@ -55,7 +65,6 @@ __global__ void __launch_bounds__(512) rms_norm_kernel(
   ss = sc::block_sum(ss, scratch);
   const float rstd = rsqrtf(ss / (float)hidden + eps);
 
-  const uint4* wr = reinterpret_cast<const uint4*>(weight);
   uint4* orow = reinterpret_cast<uint4*>(out + row * o_stride);
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
@@ -63,7 +72,7 @@ __global__ void __launch_bounds__(512) rms_norm_kernel(
     if (idx < nvec) {
       float f[VEC], w[VEC];
       P::unpack(a[i], f);
-      P::unpack(wr[idx], w);
+      P::unpack(wv[i], w);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) f[j] = f[j] * rstd * w[j];
       orow[idx] = P::pack(f);

@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) paged_prefill_sm90_kernel(
           sc::tma_load_4d(sQ + c * BM * 128, &tmap_q, c * 64, t.q_off + t.m0, t.head, bc, q_full);
         // key blocks from the last to the first: the blocks crossing the causal diagonal come first
         const int* const bt_row = block_table + (long long)t.batch * bt_stride;
-        // A tile's BN keys are BN / page_rows boxes of page_rows rows: block blk0 + i from slot slot0 (slot0 = 0 when pages are
-        // at most BN rows, a multiple of them).  Every box's page is loaded before the first copy is issued, and
+        // A tile's BN keys are BN / page_rows boxes of page_rows rows: block blk0 + i from slot slot0 (slot0 = 0
+        // when pages are at most BN rows, a multiple of them).  Every box's page is loaded before the first copy is issued, and
         // once for K and V: one table latency per tile, not one per box and operand (page size 16: 8 boxes).
         // Rows past the sequence come from page 0 (any page will do: their scores are masked and their V rows
         // zeroed); min() keeps a corrupt block table from faulting.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -407,6 +408,31 @@ class PrepackedLaunch:
         b = self.buffers.get(threading.get_ident()) or self._buffers()
         self.prefix(b[0], b[1], *pointers)
         self.bound.launch_packed(stream_ptr, b[2])
+
+
+# Programmatic dependent launches of the decode chain (norms, decode-sized GEMMs, rotary, cache writes, paged
+# decode, gated activations): off by default, since cuLaunchKernelEx costs a little more host time per call than a
+# plain launch; an engine that replays CUDA graphs turns it on (speedcore.engine.runner).  Kernels that can be
+# chained wait for their predecessor in-kernel whether or not the launch was chained, so the setting never
+# changes a result, only when a kernel may start.
+_chain_launches = [os.environ.get("SPEEDCORE_CHAIN_LAUNCHES", "0") == "1"]
+
+
+def set_chained_launches(enabled: bool) -> bool:
+    """Launch the chainable kernels as programmatic dependents of the stream's previous kernel (compute capability
+    9.0): each may be scheduled while that one still runs, prefetch what does not depend on it (a GEMM's weights
+    into L2) and wait for it in-kernel, so no launch gap separates a decode step's ~400 kernels.  Takes effect for
+    launch plans made afterwards; returns the previous setting."""
+    prev = _chain_launches[0]
+    _chain_launches[0] = bool(enabled)
+    return prev
+
+
+def chained(cfg: LaunchConfig, device: int) -> LaunchConfig:
+    """``cfg`` as a programmatic dependent launch where chaining is on and the device supports it."""
+    if not _chain_launches[0] or cfg.overlap or device_info(device).cc < (9, 0):
+        return cfg
+    return LaunchConfig(cfg.grid, cfg.block, cfg.smem, cfg.cluster, overlap=True)
 
 
 def bind(kernel: Kernel, cfg: LaunchConfig, device: int) -> BoundLaunch:

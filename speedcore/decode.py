@@ -14,7 +14,7 @@ from . import _arrays as A
 from . import _torch_hook
 from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, bind, device_info
+from ._launch import LaunchConfig, bind, chained, device_info
 
 SOURCE = "decode.cu"
 
@@ -399,7 +399,7 @@ def _decode_launch(p, qa, ka, va, bta, sla, oa, return_lse: bool):
                         for a in (qa, ka, va, bta, sla))
     scratch = A.scratch_ref(qa.lib, device)
     if batch:
-        attn = bind(p["kernel"], p["cfg"], device).prepacked((int,) * 9, p["scalars"])
+        attn = bind(p["kernel"], chained(p["cfg"], device), device).prepacked((int,) * 9, p["scalars"])
         if merge:
             merge_launch = bind(p["merge_kernel"], p["merge_cfg"], device).prepacked((int,) * 4,
                                                                                     p["merge_scalars"])
@@ -509,8 +509,8 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
                np.int32(p["block_size"]), np.int64(p["num_slots"]), np.int64(p["k_strides"][0]),
                np.int64(p["k_strides"][1]), np.int64(p["v_strides"][0]), np.int64(p["v_strides"][1]),
                np.int64(p["c_strides"][0]), np.int64(p["c_strides"][1]), np.int64(p["c_strides"][2]))
-    launch = bind(_cache_kernel(p["word"]), LaunchConfig((p["tokens"], -(-per_token // 128)), (128,)),
-                  ka.device).prepacked((int,) * 5, scalars)
+    lcfg = chained(LaunchConfig((p["tokens"], -(-per_token // 128)), (128,)), ka.device)
+    launch = bind(_cache_kernel(p["word"]), lcfg, ka.device).prepacked((int,) * 5, scalars)
     launch(A.stream_of(ka).ptr, kca.ptr, vca.ptr, ka.ptr, va.ptr, sma.ptr)
     if A.cacheable(key):
         if len(_FAST_CACHE) >= _MAX_PLANS:
@@ -639,7 +639,7 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
                np.int64(p["k_strides"][0]), np.int64(p["k_strides"][1]), np.int32(p["tokens"]))
     kern = _rotary_kernel(qa.dtype, csa.dtype, bool(is_neox), p["vec"])
     is64 = np.int32(pa.dtype == "int64")
-    launch = bind(kern, LaunchConfig((-(-p["tasks"] // 256),), (256,)), qa.device).fixed(
+    launch = bind(kern, chained(LaunchConfig((-(-p["tasks"] // 256),), (256,)), qa.device), qa.device).fixed(
         (int, int, int, np.int32, int) + tuple(map(type, scalars)))
     launch(A.stream_of(qa).ptr, (qa.ptr, ka.ptr if ka is not None else 0, pa.ptr, is64, csa.ptr) + scalars)
     if key is not None and A.cacheable(key):
@@ -704,7 +704,7 @@ def _gated(x, out, act: str):
     if -(-cols // 256) >= 2 ** 16:
         raise ValueError(f"x: d = {d} is too large (at most {(2 ** 16 - 1) * 256 * (n if vec else 1)})")
     scalars = (np.int32(d), np.int64(p["x_stride"]), np.int64(o_stride))
-    launch = bind(_act_kernel(xa.dtype, act, vec), LaunchConfig((rows, -(-cols // 256)), (256,)),
+    launch = bind(_act_kernel(xa.dtype, act, vec), chained(LaunchConfig((rows, -(-cols // 256)), (256,)), xa.device),
                   xa.device).prepacked((int, int), scalars)
     launch(A.stream_of(xa).ptr, oa.ptr, xa.ptr)
     # a new output's alignment is the allocator's (256 bytes), so it is only cached for out= calls or aligned ones

@@ -24,7 +24,7 @@ from . import _arrays as A
 from . import _torch_hook
 from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, bind, device_info
+from ._launch import LaunchConfig, bind, chained, device_info
 
 SOURCE = "gemm.cu"
 SOURCE_SM90 = "gemm_sm90.cu"
@@ -323,7 +323,8 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
     act = _ACT_ARG[activation]
     cfg, kernel, lcfg, sizes = _plan(path, aa.dtype, m, n, k, b_kmajor, dev.sms, dev.smem_per_sm,
                                      dev.smem_per_block_optin)
-    bl = bind(kernel, lcfg, aa.device)
+    # decode-sized GEMMs prefetch their weights into L2 while the previous kernel runs (kernels/gemm.cu)
+    bl = bind(kernel, chained(lcfg, aa.device) if path == "skinny" else lcfg, aa.device)
     if path != "hopper":
         pl = bl.prepacked((int, int, int, int), sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act,
                                                          _GROUP_ARG))

@@ -9,7 +9,7 @@ from . import _arrays as A
 from . import _torch_hook
 from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, bind
+from ._launch import LaunchConfig, bind, chained
 
 SOURCE = "norm.cu"
 MAX_HIDDEN = 16384
@@ -163,7 +163,7 @@ def _rms_norm_checked(x, weight, eps, residual, out, residual_out):
     args = (oa.ptr, ha.ptr if ha is not None else 0, xa.ptr, ra.ptr if ra is not None else 0, wa.ptr,
             np.int32(hidden), np.int64(x_stride), np.int64(r_stride), np.int64(o_stride), np.int64(h_stride),
             np.float32(eps))
-    bl = bind(kernel, LaunchConfig((rows,), (threads,)), xa.device)
+    bl = bind(kernel, chained(LaunchConfig((rows,), (threads,)), xa.device), xa.device)
     bl(A.stream_of(xa).ptr, args)
     key = (sig(x), sig(weight), sig(residual), sig(out), sig(residual_out), eps)
     if A.cacheable(key):

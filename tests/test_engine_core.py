@@ -182,3 +182,20 @@ def test_missing_tokenizer(tmp_path):
 
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         Tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("vocab", [128256, 32000, 151936, 10007, 9000])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_argmax_rows_matches_argmax(vocab, rows):
+    """The two-pass argmax: the first index of the maximum, ties and NaN as numpy's, odd vocabularies padded."""
+    from speedcore.engine.sampler import argmax_rows
+
+    rng = np.random.default_rng(vocab + rows)
+    x = rng.standard_normal((rows, vocab)).astype(np.float32)
+    x[0, [7, vocab - 1]] = 50.0                  # a tie: the first wins
+    if rows > 1:
+        x[1, [vocab // 2, vocab - 3]] = np.nan   # NaN: the first NaN, as numpy
+    if rows > 2:
+        x[2, :] = -np.inf
+    got = argmax_rows(x, np)
+    assert got.tolist() == np.argmax(x, axis=1).tolist()

@@ -251,3 +251,23 @@ def test_rms_norm_plan_overlap_rules_without_a_gpu(monkeypatch):
     assert run2(x, w, r, obj(2010), None) is None                  # out a shifted view of residual
     run3 = norm._plan(xa, wa, None, None, None, launch)
     assert run3(x, w, None, None, None).ptr == 9000 and calls[-1] == (9000, 0, 0, 0, 1000)
+
+
+def test_chained_launches_only_where_enabled_and_supported(monkeypatch):
+    """Chaining (programmatic dependent launch) is off unless turned on, and never asked of a GPU before sm_90."""
+    from types import SimpleNamespace
+
+    from speedcore import _launch as L
+
+    cc = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(L, "device_info", lambda d: SimpleNamespace(cc=cc[d]))
+    cfg = L.LaunchConfig((4,), (128,), 1024)
+    prev = L.set_chained_launches(False)
+    try:
+        assert L.chained(cfg, 0) is cfg
+        assert L.set_chained_launches(True) is False
+        c = L.chained(cfg, 0)
+        assert c.overlap and (c.grid, c.block, c.smem, c.cluster) == (cfg.grid, cfg.block, cfg.smem, cfg.cluster)
+        assert L.chained(cfg, 1) is cfg
+    finally:
+        L.set_chained_launches(prev)
