@@ -285,6 +285,7 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
   // weights are not that kernel's output, so the first of this CTA's rows are prefetched into L2 while it runs
   // (L2 is the point of coherence: a prefetch never returns stale data), and nothing is read into shared memory
   // or written before it has finished.  The next kernel may be scheduled at once.
+#ifndef SC_GEMM_NO_L2_PREFETCH  // (an A/B switch of benchmarks/probes)
   if constexpr (B_KMAJOR && WK > 1) {
     constexpr int PREFETCH_BYTES = 2 * STAGES * BK * 2;  // two rings' worth of each weight row
     if (tid < BN && n0 + tid < N) {
@@ -292,6 +293,7 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
       if (bytes > 0) sc::prefetch_l2_bulk(b + (long long)(n0 + tid) * ldb, bytes);
     }
   }
+#endif
   sc::grid_dependency_wait();
   sc::launch_dependents();
 #pragma unroll
