@@ -323,7 +323,7 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
     act = _ACT_ARG[activation]
     cfg, kernel, lcfg, sizes = _plan(path, aa.dtype, m, n, k, b_kmajor, dev.sms, dev.smem_per_sm,
                                      dev.smem_per_block_optin)
-    # decode-sized GEMMs prefetch their weights into L2 while the previous kernel runs (kernels/gemm.cu)
+    # decode-sized GEMMs chain onto the previous kernel (speedcore._launch.chained)
     bl = bind(kernel, chained(lcfg, aa.device) if path == "skinny" else lcfg, aa.device)
     if path != "hopper":
         pl = bl.prepacked((int, int, int, int), sizes + (np.int64(lda), np.int64(ldb), np.int64(ldo), act,

@@ -19,14 +19,4 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// Starts fetching [p, p + bytes) into L2 (bytes a multiple of 16, p 16-byte aligned; otherwise nothing is
-// fetched): safe before grid_dependency_wait() since L2 is the point of coherence, so a later read sees the latest
-// writes whether or not the prefetched lines are still there.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, int bytes) {
-#if __CUDA_ARCH__ >= 900
-  if ((reinterpret_cast<unsigned long long>(p) & 15) == 0 && bytes > 0 && (bytes & 15) == 0)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 }  // namespace sc

@@ -52,7 +52,7 @@ class ModelRunner:
         from .._launch import set_chained_launches
 
         # The decode chain's kernels as programmatic dependents of one another (speedcore._launch): in a replayed
-        # graph no launch gap separates them and each GEMM prefetches its weights while the previous kernel runs.
+        # graph no launch gap separates them.
         # SPEEDCORE_CHAIN_LAUNCHES=0 keeps plain launches.
         if os.environ.get("SPEEDCORE_CHAIN_LAUNCHES") != "0":
             set_chained_launches(True)
