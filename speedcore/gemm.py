@@ -419,6 +419,19 @@ def matmul(a, b, *, out=None, _path=None):
     """
     if _torch_hook.compiling():
         return _torch_hook.op("matmul")(a, b, out=out)
+    plan = _MATMUL_PLANS.get((sig(a), sig(b), None if out is None else sig(out), _path))
+    if plan is not None:
+        result = plan(a, b, None, out)
+        if result is not None:
+            return result
+    return _matmul_checked(a, b, out, _path)
+
+
+# (a, b, out signatures, _path) -> the validated launch; see _arrays.sig
+_MATMUL_PLANS: dict = {}
+
+
+def _matmul_checked(a, b, out, _path):
     aa = A.wrap(a, "a")
     ba = A.wrap(b, "b")
     A.check_dtype(aa, A.HALF_DTYPES)
@@ -444,8 +457,14 @@ def matmul(a, b, *, out=None, _path=None):
         raise ValueError(f"out: the last dimension must be contiguous, got strides {oa.strides}")
     lda = aa.strides[0] if m > 1 else k
     run = _gemm(aa, m, k, lda, ba, n, ldb, b_kmajor, None, None, oa, ldo, _path)
-    if run is not None:
-        run(A.stream_of(aa).ptr, aa.ptr, ba.ptr, 0, oa.ptr)
+    if run is None:
+        return oa.obj  # M = 0: not cached, nothing to launch
+    run(A.stream_of(aa).ptr, aa.ptr, ba.ptr, 0, oa.ptr)
+    key = (sig(a), sig(b), sig(out), _path)
+    if A.cacheable(key):
+        if len(_MATMUL_PLANS) >= _MAX_PLANS:
+            _MATMUL_PLANS.clear()
+        _MATMUL_PLANS[key] = _cached_plan(run, (m, n), aa, ba, None, oa if out is not None else None)
     return oa.obj
 
 
@@ -524,16 +543,17 @@ def _linear_checked(x, weight, bias, activation, out, _path):
     if A.cacheable(key):
         if len(_LINEAR_PLANS) >= _MAX_PLANS:
             _LINEAR_PLANS.clear()
-        _LINEAR_PLANS[key] = _linear_plan(run, xa, wa, ba, oa if out is not None else None)
+        _LINEAR_PLANS[key] = _cached_plan(run, tuple(xa.shape[:-1]) + (n,), xa, wa, ba,
+                                          oa if out is not None else None)
     return oa.obj
 
 
-def _linear_plan(run, xa, wa, ba, oa):
-    """Per call: pointers, the output allocation (or, with ``out``, its overlap check: None where it fails, so
-    the full path raises), the stream and the launch."""
+def _cached_plan(run, out_shape, xa, wa, ba, oa):
+    """A linear's or a matmul's cached launch: per call, the pointers, the output allocation (or, with ``out``,
+    its overlap check: None where it fails, so the full path raises), the stream and the launch."""
     lib = A.fast_lib(xa.lib)
     ptr, stream, new_empty = lib.ptr, lib.stream, lib.new_empty
-    out_shape, device = tuple(xa.shape[:-1]) + (wa.shape[0],), xa.device
+    device = xa.device
     exts = (A.extent(xa), A.extent(wa), A.extent(ba) if ba is not None else 0)
     o_ext = A.extent(oa) if oa is not None else 0
 

@@ -31,7 +31,8 @@ from . import _arrays as A
 from . import _torch_hook
 from . import _tma
 from ._compile import Kernel
-from ._launch import LaunchConfig, device_info, launch
+from ._arrays import sig
+from ._launch import LaunchConfig, bind, device_info
 
 SOURCE = "paged_prefill.cu"  # paged_prefill_kernel (mma.sync, sm_80 on)
 SOURCE_SM90 = "paged_prefill_sm90.cu"  # paged_prefill_sm90_kernel (wgmma / TMA, sm_90a)
@@ -454,7 +455,11 @@ def _choose_path(device: int, p: dict, path) -> str:
     return path
 
 
-def _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta, config=None):
+# Each builder returns run(stream_ptr, o, lse, q, k, v, cu_seqlens_q, seqused_k, block_table) (pointers; lse 0 when
+# not returned) for the layouts it was built from: the checked call runs it once, and a call signature seen again
+# runs it with no checks but the pointer overlaps (_paged_plan).
+
+def _prefill_runner(p, oa, lse, qa, ka, va, cqa, sua, bta, config=None):
     dev = device_info(qa.device)
     cfg = config or prefill_config(p["head_dim"], p["block_size"], dev.smem_per_block_optin)
     d, bn, mt, warps, ctas, q_ks, rowsum_mma, stages, page_tile = cfg
@@ -467,15 +472,15 @@ def _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta, config=None):
     # the diagonal of the last query sees the most keys: heavy tiles first balances the tail
     reverse = 1 if right >= 0 else 0
     i32, i64 = np.int32, np.int64
-    args = (oa.ptr, lse.ptr if lse is not None else 0, qa.ptr, ka.ptr, va.ptr, cqa.ptr, sua.ptr, bta.ptr,
-            i64(qa.strides[0]), i64(qa.strides[1]), i64(oa.strides[0]), i64(oa.strides[1]),
-            i64(ka.strides[0]), i64(ka.strides[1]), i64(ka.strides[2]), i64(bta.strides[0]),
-            i32(p["total_q"]), i32(p["capacity"]), i32(p["block_size"]), i32(p["num_blocks"]), i32(p["head_dim"]),
-            i32(p["heads"] // p["heads_kv"]), i32(left if left >= 0 else UNBOUNDED),
-            i32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(cap_pre),
-            np.float32(cap_post), i32(reverse))
+    scalars = (i64(qa.strides[0]), i64(qa.strides[1]), i64(oa.strides[0]), i64(oa.strides[1]),
+               i64(ka.strides[0]), i64(ka.strides[1]), i64(ka.strides[2]), i64(bta.strides[0]),
+               i32(p["total_q"]), i32(p["capacity"]), i32(p["block_size"]), i32(p["num_blocks"]), i32(p["head_dim"]),
+               i32(p["heads"] // p["heads_kv"]), i32(left if left >= 0 else UNBOUNDED),
+               i32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(cap_pre),
+               np.float32(cap_post), i32(reverse))
     lc = LaunchConfig((num_m, p["heads"], p["batch"]), (32 * warps,), smem_bytes(d, bn, mt, warps, stages))
-    launch(_prefill_kernel(qa.dtype, *cfg, p["softcap"] > 0), lc, args, device=qa.device, stream=A.stream_of(qa))
+    launch = bind(_prefill_kernel(qa.dtype, *cfg, p["softcap"] > 0), lc, qa.device).prepacked((int,) * 8, scalars)
+    return launch
 
 
 def _tile_counter(ref, stream):
@@ -484,7 +489,7 @@ def _tile_counter(ref, stream):
     return A.stream_buffer("paged_attention_tiles", ref, stream, 2, "int32", min_n=2, zeroed=True)
 
 
-def _launch_prefill_sm90(p, oa, lse, qa, ka, va, cqa, sua, bta):
+def _prefill_sm90_runner(p, oa, lse, qa, ka, va, cqa, sua, bta):
     dev = device_info(qa.device)
     head_dim, heads, batch, total_q = p["head_dim"], p["heads"], p["batch"], p["total_q"]
     d, bn, stages, nc, pingpong = prefill_sm90_config(head_dim, p["softcap"] > 0)
@@ -496,29 +501,38 @@ def _launch_prefill_sm90(p, oa, lse, qa, ka, va, cqa, sua, bta):
                                                                (a.strides[0], a.strides[1], 0)))
     cache_dims = (head_dim, p["block_size"], p["heads_kv"], p["num_blocks"])
     cache_strides = _tma_view(cache_dims, (ka.strides[1], ka.strides[2], ka.strides[0]))
-    maps = [_tma.tile_map(qa.ptr, qa.dtype, *rows(qa), (64, bm, 1, 1)),
-            _tma.tile_map(ka.ptr, ka.dtype, cache_dims, cache_strides, (64, page_rows, 1, 1)),
-            _tma.tile_map(va.ptr, va.dtype, cache_dims, cache_strides, (64, page_rows, 1, 1)),
-            _tma.tile_map(oa.ptr, oa.dtype, *rows(oa), (64, 64, 1, 1))]
+    # (dims, strides, box, swizzle) of q, k, v and out's tensor maps, encoded per pointer (cached by _tma)
+    maps = [(*rows(qa), (64, bm, 1, 1)), (cache_dims, cache_strides, (64, page_rows, 1, 1)),
+            (cache_dims, cache_strides, (64, page_rows, 1, 1)), (*rows(oa), (64, 64, 1, 1))]
+    for a, (dims, strides, box) in zip((qa, ka, va, oa), maps):
+        _tma.check_nd(a.ptr, a.dtype, dims, strides, box)
+    qm, km, vm, om = (m + (_tma.SWIZZLE_128B,) for m in maps)
     if p["softcap"] > 0:
         scale_log2, cap_pre, cap_post = 1.0, 2.0 * _LOG2E * p["scale"] / p["softcap"], p["softcap"] * _LOG2E
     else:
         scale_log2, cap_pre, cap_post = p["scale"] * _LOG2E, 0.0, 0.0
     left, right = p["left"], p["right"]
-    stream = A.stream_of(qa)
     i32, i64 = np.int32, np.int64
-    args = (*maps, oa.ptr, lse.ptr if lse is not None else 0, cqa.ptr, sua.ptr, bta.ptr, i64(oa.strides[0]),
-            i64(oa.strides[1]), i64(bta.strides[0]), i32(total_q), i32(p["capacity"]), i32(p["block_size"]),
-            i32(p["num_blocks"]), i32(page_rows), i32(head_dim), i32(heads), i32(heads // p["heads_kv"]), i32(num_m),
-            i32(num_tiles), i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED),
-            np.float32(scale_log2), np.float32(cap_pre), np.float32(cap_post), i32(1 if right >= 0 else 0), i32(0),
-            _tile_counter(qa, stream).ptr)
+    scalars = (i64(oa.strides[0]), i64(oa.strides[1]), i64(bta.strides[0]), i32(total_q), i32(p["capacity"]),
+               i32(p["block_size"]), i32(p["num_blocks"]), i32(page_rows), i32(head_dim), i32(heads),
+               i32(heads // p["heads_kv"]), i32(num_m), i32(num_tiles), i32(left if left >= 0 else UNBOUNDED),
+               i32(right if right >= 0 else UNBOUNDED), np.float32(scale_log2), np.float32(cap_pre),
+               np.float32(cap_post), i32(1 if right >= 0 else 0), i32(0))
     cfg = LaunchConfig((min(num_tiles, dev.sms),), (128 * (nc + 1),), smem_bytes_sm90(d, bn, stages, nc))
-    launch(_prefill_sm90_kernel(qa.dtype, d, bn, stages, nc, pingpong, p["softcap"] > 0), cfg, args,
-           device=qa.device, stream=stream)
+    launch = bind(_prefill_sm90_kernel(qa.dtype, d, bn, stages, nc, pingpong, p["softcap"] > 0), cfg,
+                  qa.device).fixed((bytes,) * 4 + (int,) * 5 + tuple(map(type, scalars)) + (int,))
+    dtype, tile_map = qa.dtype, _tma._tile_map_bytes
+    scratch = A.scratch_ref(qa.lib, qa.device)
+
+    def run(stream_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, cq_ptr, su_ptr, bt_ptr):
+        launch(stream_ptr, (tile_map(q_ptr, dtype, *qm), tile_map(k_ptr, dtype, *km), tile_map(v_ptr, dtype, *vm),
+                            tile_map(o_ptr, dtype, *om), o_ptr, lse_ptr, cq_ptr, su_ptr, bt_ptr) + scalars
+               + (_tile_counter(scratch, stream_ptr).ptr,))
+
+    return run
 
 
-def _launch_verify(p, oa, lse, qa, ka, va, cqa, sua, bta, num_splits=None):
+def _verify_runner(p, oa, lse, qa, ka, va, cqa, sua, bta, num_splits=None):
     dev = device_info(qa.device)
     d, heads, heads_kv, batch, total_q = p["head_dim"], p["heads"], p["heads_kv"], p["batch"], p["total_q"]
     group = heads // heads_kv
@@ -536,29 +550,72 @@ def _launch_verify(p, oa, lse, qa, ka, va, cqa, sua, bta, num_splits=None):
     else:
         scale_a, cap_log2 = p["scale"] * _LOG2E, 0.0
     left, right = p["left"], p["right"]
-    stream = A.stream_of(qa)
-    part_o = part_l = 0
-    if num_splits > 1:
-        # one workspace: the fp32 partial outputs, then the partial log2-sum-exps (16-byte aligned: d % 64 == 0)
-        partial = total_q * heads * num_splits
-        ws = A.empty(qa, (partial * d + partial,), "float32", "workspace")
-        part_o, part_l = ws.ptr, ws.ptr + 4 * partial * d
     i32, i64 = np.int32, np.int64
-    direct_lse = lse.ptr if lse is not None and num_splits == 1 else 0
-    args = (oa.ptr, direct_lse, part_o, part_l, qa.ptr, ka.ptr, va.ptr, cqa.ptr, sua.ptr, bta.ptr,
-            i32(total_q), i32(heads), i32(group), i32(qgroups), i32(units), i32(num_splits), i32(p["block_size"]),
-            i32(p["num_blocks"]), i32(p["capacity"]), i64(qa.strides[0]), i64(qa.strides[1]), i64(oa.strides[0]),
-            i64(oa.strides[1]), i64(ka.strides[0]), i64(ka.strides[1]), i64(ka.strides[2]), i64(bta.strides[0]),
-            np.float32(scale_a), np.float32(cap_log2), i32(p["softcap"] > 0), i32(left if left >= 0 else UNBOUNDED),
-            i32(right if right >= 0 else UNBOUNDED))
+    scalars = (i32(total_q), i32(heads), i32(group), i32(qgroups), i32(units), i32(num_splits), i32(p["block_size"]),
+               i32(p["num_blocks"]), i32(p["capacity"]), i64(qa.strides[0]), i64(qa.strides[1]), i64(oa.strides[0]),
+               i64(oa.strides[1]), i64(ka.strides[0]), i64(ka.strides[1]), i64(ka.strides[2]), i64(bta.strides[0]),
+               np.float32(scale_a), np.float32(cap_log2), i32(p["softcap"] > 0),
+               i32(left if left >= 0 else UNBOUNDED), i32(right if right >= 0 else UNBOUNDED))
     kernel = _verify_kernel(qa.dtype, d, warps, stages, nt, p["block_size"] % VERIFY_TILE == 0)
-    launch(kernel, LaunchConfig((batch * units * num_splits,), (32 * warps,), smem), args, device=qa.device,
-           stream=stream)
-    if num_splits > 1:
-        margs = (oa.ptr, lse.ptr if lse is not None else 0, part_o, part_l, cqa.ptr, i32(batch), i32(total_q),
-                 i32(heads), i32(num_splits), i64(oa.strides[0]), i64(oa.strides[1]))
-        launch(_verify_merge_kernel(qa.dtype, d), LaunchConfig((total_q, -(-heads // 4)), (128,)), margs,
-               device=qa.device, stream=stream)
+    attn = bind(kernel, LaunchConfig((batch * units * num_splits,), (32 * warps,), smem),
+                qa.device).prepacked((int,) * 10, scalars)
+    if num_splits == 1:
+        return lambda s, o, lse_ptr, q, k, v, cq, su, bt: attn(s, o, lse_ptr, 0, 0, q, k, v, cq, su, bt)
+    # one stream workspace: the fp32 partial outputs, then the partial log2-sum-exps (16-byte aligned: d % 64 == 0)
+    partial = total_q * heads * num_splits
+    merge = bind(_verify_merge_kernel(qa.dtype, d), LaunchConfig((total_q, -(-heads // 4)), (128,)),
+                 qa.device).prepacked((int,) * 5, (i32(batch), i32(total_q), i32(heads), i32(num_splits),
+                                                   i64(oa.strides[0]), i64(oa.strides[1])))
+    scratch = A.scratch_ref(qa.lib, qa.device)
+
+    def run(stream_ptr, o_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, cq_ptr, su_ptr, bt_ptr):
+        ws = A.stream_buffer("paged_verify_workspace", scratch, stream_ptr, partial * d + partial, "float32").ptr
+        part_o, part_l = ws, ws + 4 * partial * d
+        attn(stream_ptr, o_ptr, 0, part_o, part_l, q_ptr, k_ptr, v_ptr, cq_ptr, su_ptr, bt_ptr)
+        merge(stream_ptr, o_ptr, lse_ptr, part_o, part_l, cq_ptr)
+
+    return run
+
+
+def _paged_plan(run, qa, ka, va, cqa, sua, bta, oa, lse_shape):
+    """A cached call signature: per call the pointers, the outputs (or, with ``out``, its overlap checks: None where
+    one fails, so the full path raises), the stream and the launch."""
+    lib = A.fast_lib(qa.lib)
+    ptr, stream, empty = lib.ptr, lib.stream, lib.empty
+    shape, dtype, device = qa.shape, qa.dtype, qa.device
+    ins = (qa, ka, va, cqa, sua, bta)
+    exts = tuple(A.extent(a) for a in ins)
+    o_ext = A.extent(oa) if oa is not None else 0
+    # out may alias an input of its very layout (q itself), as A.check_no_overlap allows
+    same = tuple(oa is not None and a.shape == oa.shape and a.strides == oa.strides for a in ins)
+
+    def plan(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out):
+        ps = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(cu_seqlens_q), ptr(seqused_k), ptr(block_table))
+        if out is None:
+            out = empty(shape, dtype, device)
+            op = ptr(out)
+        else:
+            op = ptr(out)
+            if o_ext:
+                for ip, ie, sm in zip(ps, exts, same):
+                    if ie and ip < op + o_ext and op < ip + ie and not (ip == op and sm):
+                        return None
+        s = stream(device)
+        if lse_shape is None:
+            if run is not None:
+                run(s, op, 0, *ps)
+            return out
+        lse = empty(lse_shape, "float32", device)
+        if run is not None:
+            run(s, op, ptr(lse), *ps)
+        return out, lse
+
+    return plan
+
+
+# paged_prefill_attention call signatures -> their launch; see _arrays.sig
+_PAGED_PLANS: dict = {}
+_MAX_PLANS = 1024
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
@@ -608,6 +665,17 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
         return _torch_hook.op("paged_prefill_attention")(
             q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, return_lse=return_lse, out=out)
+    try:
+        key = (sig(q), sig(k_cache), sig(v_cache), sig(cu_seqlens_q), sig(seqused_k), sig(block_table), sig(out),
+               type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, causal, softmax_scale,
+               window_size, softcap, return_lse is True, _kernel, _num_splits, _path)
+        plan = _PAGED_PLANS.get(key)
+    except TypeError:  # an unhashable option: the full check names it
+        key = plan = None
+    if plan is not None and not A.CHECK_INDICES:
+        result = plan(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out)
+        if result is not None:
+            return result
     qa, ka, va = A.wrap(q, "q"), A.wrap(k_cache, "k_cache"), A.wrap(v_cache, "v_cache")
     cqa, sua, bta = A.wrap(cu_seqlens_q, "cu_seqlens_q"), A.wrap(seqused_k, "seqused_k"), A.wrap(block_table,
                                                                                                  "block_table")
@@ -615,8 +683,10 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
     p = _plan(qa, ka, va, cqa, sua, bta, oa, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap)
     if A.CHECK_INDICES:
         _check_indices(cqa, sua, bta, ka.shape[0], ka.shape[1], int(max_seqlen_q), qa.shape[0])
-    if not _rows_ok(qa):
+    copied = not _rows_ok(qa)
+    if copied:
         qa = _contiguous_copy(qa)
+    given_out = oa
     if oa is None:
         oa = A.empty(qa, qa.shape, qa.dtype, "out")
     lse = A.empty(qa, (p["heads"], p["total_q"]), "float32", "lse") if return_lse else None
@@ -628,13 +698,21 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
         choice = _kernel
     if _num_splits is not None and not (isinstance(_num_splits, int) and 1 <= _num_splits <= VERIFY_MAX_SPLITS):
         raise ValueError(f"_num_splits: expected 1 to {VERIFY_MAX_SPLITS}, got {_num_splits!r}")
+    run = None
     if p["total_q"] > 0 and p["batch"] > 0 and p["max_seqlen_q"] > 0:
         if choice == "verify":
-            _launch_verify(p, oa, lse, qa, ka, va, cqa, sua, bta, _num_splits)
+            run = _verify_runner(p, oa, lse, qa, ka, va, cqa, sua, bta, _num_splits)
         elif _choose_path(qa.device, p, _path) == "sm90":
-            _launch_prefill_sm90(p, oa, lse, qa, ka, va, cqa, sua, bta)
+            run = _prefill_sm90_runner(p, oa, lse, qa, ka, va, cqa, sua, bta)
         else:
-            _launch_prefill(p, oa, lse, qa, ka, va, cqa, sua, bta)
+            run = _prefill_runner(p, oa, lse, qa, ka, va, cqa, sua, bta)
+        run(A.stream_of(qa).ptr, oa.ptr, lse.ptr if lse is not None else 0, qa.ptr, ka.ptr, va.ptr, cqa.ptr,
+            sua.ptr, bta.ptr)
+    if key is not None and not copied and A.cacheable(key):  # a plan skips the copy: not cached then
+        if len(_PAGED_PLANS) >= _MAX_PLANS:
+            _PAGED_PLANS.clear()
+        _PAGED_PLANS[key] = _paged_plan(run, qa, ka, va, cqa, sua, bta, given_out,
+                                        (p["heads"], p["total_q"]) if return_lse else None)
     return (oa.obj, lse.obj) if return_lse else oa.obj
 
 

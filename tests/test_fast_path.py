@@ -56,7 +56,13 @@ def test_repeated_calls_take_the_plan_and_stay_correct():
         out = torch.full((5, 1024), float("nan"), device="cuda", dtype=bf)
         assert speedcore.linear(x, wl, out=out) is out
         _close(torch, out, x.float() @ wl.float().t())
-    assert norm._PLANS and gemm._LINEAR_PLANS and decode._FAST_GATED
+        bm = torch.randn(4096, 520, device="cuda", dtype=bf) / 64  # N-major, and K-major through .t()
+        _close(torch, speedcore.matmul(x, bm), x.float() @ bm.float())
+        _close(torch, speedcore.matmul(x, wl.t()), x.float() @ wl.float().t())
+        out = torch.full((5, 520), float("nan"), device="cuda", dtype=bf)
+        assert speedcore.matmul(x, bm, out=out) is out
+        _close(torch, out, x.float() @ bm.float())
+    assert norm._PLANS and gemm._LINEAR_PLANS and gemm._MATMUL_PLANS and decode._FAST_GATED
 
 
 @pytest.mark.gpu
@@ -78,6 +84,9 @@ def test_plans_still_check_pointer_overlap():
     speedcore.linear(big, wl, out=o)
     with pytest.raises(ValueError, match="overlaps"):
         speedcore.linear(big, wl, out=big.view(-1)[:512].view(2, 256))
+    speedcore.matmul(big, wl.t(), out=o)
+    with pytest.raises(ValueError, match="overlaps"):
+        speedcore.matmul(big, wl.t(), out=big.view(-1)[:512].view(2, 256))
     g = torch.randn(2, 512, device="cuda", dtype=bf)
     speedcore.silu_and_mul(g, out=torch.empty(2, 256, device="cuda", dtype=bf))
     with pytest.raises(ValueError, match="overlaps"):

@@ -715,9 +715,47 @@ def test_sm90_serves_the_default_prefill_path(monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 paged prefill kernel needs an H100/H200")
     launched = []
-    real = P._launch_prefill_sm90
-    monkeypatch.setattr(P, "_launch_prefill_sm90", lambda p, *a: (launched.append(p["block_size"]), real(p, *a)))
+    real = P._prefill_sm90_runner
+    monkeypatch.setattr(P, "_prefill_sm90_runner", lambda p, *a: (launched.append(p["block_size"]), real(p, *a))[1])
+    monkeypatch.setattr(P, "_PAGED_PLANS", {})  # every call takes the checked path, which picks the kernel
     for bs in (16, 256, 7):
         run_case([100, 30], [300, 30], block_size=bs, seed=bs)
     assert launched == [16, 256]  # block size 7 runs paged_prefill_kernel
     del speedcore
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["prefill", "verify", None])
+def test_repeated_calls_take_the_plan_and_stay_correct(kernel):
+    """The second and third calls of a signature run its cached plan on fresh data (pages, lengths, queries), with
+    the same results as the checked path; an out that overlaps an input still raises."""
+    import speedcore
+
+    torch = _torch()
+    dev, bf = "cuda", torch.bfloat16
+    heads, kv_heads, d, bs, nblk = 8, 2, 128, 16, 64
+    P._PAGED_PLANS.clear()
+    for call in range(3):
+        g = torch.Generator(device="cpu").manual_seed(40 + call)
+        sq = [5, 3] if kernel == "verify" else [40, 17]
+        sk = [200 + 9 * call, 90 + call]
+        cu = torch.tensor([0, sq[0], sq[0] + sq[1]], dtype=torch.int32, device=dev)
+        used = torch.tensor(sk, dtype=torch.int32, device=dev)
+        table = torch.randperm(nblk, generator=g)[:2 * 16].view(2, 16).to(torch.int32).to(dev)
+        kc = torch.randn(nblk, bs, kv_heads, d, generator=g).to(dev, bf)
+        vc = torch.randn(nblk, bs, kv_heads, d, generator=g).to(dev, bf)
+        q = torch.randn(sum(sq), heads, d, generator=g).to(dev, bf)
+        kw = dict(causal=True, return_lse=True, _kernel=kernel)
+        got, lse = speedcore.paged_prefill_attention(q, kc, vc, cu, used, table, max(sq), 16 * bs, **kw)
+        saved = dict(P._PAGED_PLANS)
+        P._PAGED_PLANS.clear()
+        want, want_lse = speedcore.paged_prefill_attention(q, kc, vc, cu, used, table, max(sq), 16 * bs, **kw)
+        P._PAGED_PLANS.update(saved)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    assert len(P._PAGED_PLANS) == 1
+    o = torch.empty_like(q)
+    assert speedcore.paged_prefill_attention(q, kc, vc, cu, used, table, max(sq), 16 * bs, out=o) is o  # cached
+    with pytest.raises(ValueError, match="overlaps"):  # same layout, so the plan's own check must refuse it
+        speedcore.paged_prefill_attention(q, kc, vc, cu, used, table, max(sq), 16 * bs,
+                                          out=kc.view(-1)[:q.numel()].view(q.shape))
