@@ -1477,3 +1477,27 @@ def test_marlin_gptq_act_order_small(dtype, m):
         assert any("quant_marlin_kernel" in nm for nm in names), names
     err, finite = _rel_err(y, _ref(x, ref_w))
     assert finite and err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_prepacked_plans_replay_on_fresh_inputs(m):
+    """A decode-sized call of a prepacked layer is cached per call signature: the later calls (fresh x, with and
+    without bias) run the plan and match the checked path bit for bit."""
+    torch = _torch()
+    rng = np.random.default_rng(70 + m)
+    k, n, g = 4096, 1024, 128
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    q, z = rng.integers(0, 16, (k, n)), rng.integers(0, 16, (k // g, n))
+    s = (rng.random((k // g, n)) * 0.01 + 0.005).astype(np.float16)
+    layer = Q.prepack_awq(t(Q.pack_awq(q)), t(Q.pack_awq(z)), t(s), group_size=g, dtype="bfloat16")
+    import dataclasses
+
+    plain = dataclasses.replace(layer, fast=None)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for call in range(3):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for b in (None, bias):
+            torch.testing.assert_close(Q.awq_linear(x, layer, bias=b), Q.awq_linear(x, plain, bias=b), atol=0, rtol=0)
+    if Q.use_stream(Q.KIND_INT4, m, n, k, g) or Q.use_bulk(Q.KIND_INT4, m, n, k, g, (9, 0)):
+        assert len(layer.fast.plans) == 2

@@ -5,8 +5,11 @@ import numpy as np
 
 from .. import _arrays as A
 from .. import _torch_hook
+from .._arrays import sig
 from .._launch import device_info
+from . import bulk as _bulk_mod
 from . import gemv as _gemv
+from . import stream as _stream_mod
 from ._common import (_aligned_rows, _aligned_rows_x, _as_dtype, _check_aligned, _check_common, _finish, _row_stride,
                       _rows_copy, _validate_awq, _validate_gptq, _x_rows)
 from .bulk import _launch_bulk, use_bulk
@@ -21,32 +24,63 @@ from .stream import _launch_stream, use_stream
 from .w4wgmma import _launch_w4wgmma, _w4_applies
 
 
+def _choose(gemv, xa, rows: int, n: int, k: int) -> str:
+    """The kernel family of a quantized linear's call (see _launch_linear)."""
+    if rows and _w4_applies(gemv, xa, rows, n, k):
+        return "w4wgmma"
+    if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
+            and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
+        return "marlin"
+    if (gemv is not None and gemv.w_ptr and 0 < rows <= GEMV_MAX_M
+            and (gemv.dtype is None or gemv.dtype == xa.dtype)):
+        if use_bulk(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K, device_info(xa.device).cc):
+            return "bulk"
+        if use_stream(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K):
+            return "stream"
+        mode = _gemv._GEMV_MODE
+        if mode == "on" or (mode == "auto" and use_gemv(gemv.kind, rows, n, k)):
+            return "gemv"
+    return "mma"
+
+
 def _launch_linear(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds, bias_ptr, n, group,
                    packed: bool, gemv=None):
     """Allocate y (rows, N) and run quant_mma_kernel, or, when the layer has the fragment-major copy (``gemv``)
     for x's dtype, quant_marlin_kernel (use_marlin: INT4, 17 <= M <= 128) or a streaming
     kernel for M <= 16; returns y (the caller's library).  Before all of these: w4_wgmma_kernel where
     _w4_applies (use_w4wgmma: sm_90, 17 <= M <= 1024 by default, to 8192 from N = 4096)."""
-    if rows and _w4_applies(gemv, xa, rows, n, k):
+    how = _choose(gemv, xa, rows, n, k)
+    if how == "w4wgmma":
         return _launch_w4wgmma(gemv, xa, rows, k, ldx, bias_ptr, n, scales_ptr)
-    if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
-            and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
+    if how == "marlin":
         return _launch_marlin(gemv, xa, rows, k, ldx, bias_ptr, n)
-    if (gemv is not None and gemv.w_ptr and 0 < rows <= GEMV_MAX_M
-            and (gemv.dtype is None or gemv.dtype == xa.dtype)):
-        if use_bulk(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K, device_info(xa.device).cc):
-            return _launch_bulk(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
-        if use_stream(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K):
-            return _launch_stream(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
-        mode = _gemv._GEMV_MODE
-        if mode == "on" or (mode == "auto" and use_gemv(gemv.kind, rows, n, k)):
-            return _launch_gemv(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
+    if how == "bulk":
+        return _launch_bulk(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
+    if how == "stream":
+        return _launch_stream(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
+    if how == "gemv":
+        return _launch_gemv(gemv, xa, rows, k, ldx, scales_ptr, bias_ptr, n)
     return _launch_mma(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, lds, bias_ptr, n, group, packed)
+
+
+def _dispatch_state() -> tuple:
+    """What a cached plan's kernel choice depends on besides the call signature: the measurement switches."""
+    return (_gemv._GEMV_MODE, _stream_mod._STREAM_MODE, _bulk_mod._BULK_MODE,
+            tuple(sorted(_stream_mod._STREAM_OVERRIDE.items())), tuple(sorted(_bulk_mod._BULK_OVERRIDE.items())))
 
 
 def _fast_call(f: _FastLayer, x, bias):
     """The prepacked path with per-call checks reduced to x and bias.  Returns None for anything unusual
-    (dtype or device mismatch, wrong K, dense-path sizes, odd bias): the general path then converts or raises."""
+    (dtype or device mismatch, wrong K, dense-path sizes, odd bias): the general path then converts or raises.
+    Decode-sized calls that take a streaming kernel are cached per call signature (f.plans): a signature seen
+    before launches with no checks at all."""
+    try:
+        key = (sig(x), sig(bias), _dispatch_state())
+        plan = f.plans.get(key)
+    except TypeError:  # not an array: the checks below name it
+        key = plan = None
+    if plan is not None:
+        return plan(x, bias)
     xa = A.wrap(x, "x")
     if xa.dtype != f.dtype or xa.lib != f.lib or xa.device != f.device or xa.ndim == 0 or xa.shape[-1] != f.k:
         return None
@@ -64,9 +98,29 @@ def _fast_call(f: _FastLayer, x, bias):
     if rows and not _aligned_rows_x(xa, ldx):
         xa = _rows_copy(xa, rows, f.k)
         ldx = f.k
+    elif key is not None and A.cacheable(key) and (how := _choose(f.gemv, xa, rows, f.n, f.k)) in ("bulk", "stream"):
+        plan_fn, override = ((_bulk_mod._bulk_plan, _bulk_mod._BULK_OVERRIDE) if how == "bulk"
+                             else (_stream_mod._stream_plan, _stream_mod._STREAM_OVERRIDE))
+        run = _stream_mod._chunks_runner(plan_fn, override, f.gemv, xa, rows, f.k, ldx, f.scales_ptr, f.n)
+        if len(f.plans) >= 64:
+            f.plans.clear()
+        f.plans[key] = _chunks_plan(run, xa, out_shape)  # from the next call of this signature on
     y = _launch_linear(f.fmt, xa, rows, f.k, ldx, f.qw_ptr, f.ldq, f.qz_ptr, f.ldz, f.scales_ptr, f.lds, bias_ptr, f.n,
                        f.group, True, f.gemv)
     return y.reshape(out_shape)
+
+
+def _chunks_plan(run, xa, out_shape):
+    """A cached call of a prepacked layer: a new output, the stream, the launch."""
+    lib = A.fast_lib(xa.lib)
+    ptr, stream, new_empty, device = lib.ptr, lib.stream, lib.new_empty, xa.device
+
+    def plan(x, bias):
+        y = new_empty(x, out_shape)
+        run(stream(device), ptr(y), ptr(x), ptr(bias) if bias is not None else 0)
+        return y
+
+    return plan
 
 
 def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, bias=None):

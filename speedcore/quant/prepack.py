@@ -167,6 +167,8 @@ class _FastLayer:
     scales_ptr: int
     lds: int
     gemv: object = None
+    # call signature -> cached launch (quant.linear._fast_call); not part of the layer's identity
+    plans: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 def _make_fast(fmt, packed_obj, qa, za, sa, k, n, g, gemv=None):

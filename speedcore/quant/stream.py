@@ -175,13 +175,27 @@ def _launch_chunks(plan, override: dict, gl, xa, rows, k, ldx, scales_ptr, bias_
     """gemv_stream_kernel or gemv_bulk_kernel (bulk.py): the same arguments, each with its own plan (``plan``, with
     the keyword overrides ``override``)."""
     y, y_ptr = _alloc_out(xa, rows, n)
+    run = _chunks_runner(plan, override, gl, xa, rows, k, ldx, scales_ptr, n)
+    run(A.stream_of(xa).ptr, y_ptr, xa.ptr, bias_ptr)
+    return y
+
+
+def _chunks_runner(plan, override: dict, gl, xa, rows, k, ldx, scales_ptr, n):
+    """run(stream_ptr, y_ptr, x_ptr, bias_ptr) of _launch_chunks' kernel for x's layout (cached per call signature
+    by a prepacked layer: quant.linear._fast_call)."""
     cfg, kernel, lcfg, scalars = plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng, device_info(xa.device).sms,
                                       tuple(sorted(override.items())), _STREAM_DEFINES)
-    stream = A.stream_of(xa)
-    ws_ptr = tickets_ptr = 0
-    if cfg.splits > 1:
-        ws_ptr, tickets_ptr = _gemv_scratch(xa, stream, rows * n, cfg.blocks)
-    args = (y_ptr, ws_ptr, tickets_ptr, xa.ptr, gl.w_ptr, gl.g_ptr,
-            scales_ptr if gl.kind == KIND_INT8 else 0, bias_ptr) + scalars + (np.int64(ldx),)
-    launch(kernel, lcfg, args, device=xa.device, stream=stream)
-    return y
+    tail = tuple(scalars) + (np.int64(ldx),)
+    w_ptr, g_ptr, s_ptr = gl.w_ptr, gl.g_ptr, scales_ptr if gl.kind == KIND_INT8 else 0
+    splits, floats, blocks, device = cfg.splits, rows * n, cfg.blocks, xa.device
+    scratch = A.scratch_ref(xa.lib, xa.device)
+
+    def run(stream_ptr, y_ptr, x_ptr, bias_ptr):
+        ws_ptr = tickets_ptr = 0
+        if splits > 1:
+            ws_ptr, tickets_ptr = _gemv_scratch(scratch, stream_ptr, floats, blocks)
+        # the module's launch (not a prepacked one): the tests' fakes and kernel spies replace it
+        launch(kernel, lcfg, (y_ptr, ws_ptr, tickets_ptr, x_ptr, w_ptr, g_ptr, s_ptr, bias_ptr) + tail,
+               device=device, stream=stream_ptr)
+
+    return run
