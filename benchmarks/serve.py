@@ -49,7 +49,8 @@ def _build(opts):
     max_len = max(opts.max_model_len or 0, in_hi + out_hi + 64)
     if opts.fake:
         return make_fake_llm(vocab_size=4096, max_model_len=max_len, max_num_seqs=opts.max_num_seqs,
-                             max_num_batched_tokens=opts.max_num_batched_tokens, step_delay=0.0), "fake"
+                             max_num_batched_tokens=opts.max_num_batched_tokens,
+                             step_delay=opts.fake_step_ms / 1e3), "fake"
     from speedcore.engine import LLM
 
     llm = LLM(f"preset:{opts.preset}", max_model_len=max_len, max_num_seqs=opts.max_num_seqs,
@@ -320,6 +321,8 @@ def _parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-3.2-1b", help="llama-3.2-1b (default), llama-3-8b, tiny")
     p.add_argument("--fake", action="store_true", help="the CPU stand-in engine (no GPU): checks the script itself")
+    p.add_argument("--fake-step-ms", type=float, default=0.0,
+                   help="with --fake: a sleep per engine step (the interpreter lock released, as in a GPU wait)")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=256)
     # enough client processes that parsing 256 streams is not what the benchmark measures; the server's process
