@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 
@@ -43,10 +44,24 @@ def _range(s):
 
 
 def _build(opts):
+    """(the engine: a speedcore.LLM, or with --engine-process a RemoteBackend over one, its name)."""
     from speedcore.server.fake_engine import attach_number_tokenizer, make_fake_llm
 
     in_hi, out_hi = _range(opts.input_len)[1], _range(opts.output_len)[1]
     max_len = max(opts.max_model_len or 0, in_hi + out_hi + 64)
+    if opts.engine_process:  # the CLI's own factory, in a spawned process
+        import functools
+
+        from speedcore.server.cli import _engine_of
+        from speedcore.server.engine_process import RemoteBackend
+
+        ns = argparse.Namespace(fake_engine=opts.fake, preset=None if opts.fake else opts.preset, model=None,
+                                max_model_len=max_len, max_num_seqs=opts.max_num_seqs,
+                                max_num_batched_tokens=opts.max_num_batched_tokens, block_size=16,
+                                fake_step_delay=opts.fake_step_ms / 1e3, enable_prefix_caching=True, seed=opts.seed,
+                                dtype="auto", gpu_memory_utilization=opts.gpu_memory_utilization,
+                                enforce_eager=False, served_model_name=None)
+        return RemoteBackend(functools.partial(_engine_of, ns)), "fake" if opts.fake else opts.preset
     if opts.fake:
         return make_fake_llm(vocab_size=4096, max_model_len=max_len, max_num_seqs=opts.max_num_seqs,
                              max_num_batched_tokens=opts.max_num_batched_tokens,
@@ -60,44 +75,31 @@ def _build(opts):
     return llm, opts.preset
 
 
-def _gpu_used(llm):
-    try:
-        import cupy
-
-        if getattr(llm, "_cp", None) is cupy:
-            return int(cupy.get_default_memory_pool().used_bytes())
-    except Exception:
-        pass
-    return 0
-
-
 def _words(ids):
     return " ".join(f"t{int(i)}" for i in ids)
 
 
-def _identity(llm, server, name, rng, n_prompts, failures):
+def _identity(server, name, rng, n_prompts, failures):
     """Greedy server output == offline output, one request at a time, the prefix cache emptied before each run
     (a cache hit takes another prefill path, which may differ in the last bits)."""
+    import functools
+
     import openai
 
-    from speedcore.engine import SamplingParams
+    from speedcore.server import loadgen
 
-    tok = llm.tokenizer
-    hi = tok.first_special
+    engine = server.engine
+    hi = engine.backend.tokenizer.first_special
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    sp = SamplingParams(temperature=0.0, max_tokens=32)
-    reset = (lambda b: b.llm.block_manager.reset_prefix_cache())
     checked = mismatched = 0
     for k in range(n_prompts):
-        text = _words(rng.integers(0, hi, int(rng.integers(8, min(200, llm.max_model_len - 64)))))
+        text = _words(rng.integers(0, hi, int(rng.integers(8, min(200, engine.backend.max_model_len - 64)))))
         msgs = [dict(role="system", content=_words(rng.integers(0, hi, 6))), dict(role="user", content=text)]
-        llm.block_manager.reset_prefix_cache()
-        ref_c = llm.generate([text], sp, use_tqdm=False)[0].outputs[0]
-        llm.block_manager.reset_prefix_cache()
-        ref_chat = llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0]
+        ref_c, ref_chat = (types.SimpleNamespace(token_ids=ids, text=t) for ids, t in engine.call(
+            functools.partial(loadgen.offline_references, text=text, messages=msgs, max_tokens=32)).result(600))
         for kind in ("completion", "chat"):
             for stream in (False, True):
-                server.engine.call(reset).result(60)
+                engine.call(loadgen.reset_prefix_cache).result(60)
                 kw = dict(model=name, max_tokens=32, temperature=0, extra_body=dict(return_token_ids=True))
                 if kind == "completion":
                     ref = ref_c
@@ -199,7 +201,9 @@ def _prober(url, stop, failures, counts):
 
 
 def run(opts) -> dict:
-    from speedcore.engine import SamplingParams
+    import functools
+
+    from speedcore.server import loadgen
     from speedcore.server.loadgen import run_clients
     from speedcore.server.runner import ServerThread, make_app
 
@@ -207,38 +211,32 @@ def run(opts) -> dict:
     t_all = time.perf_counter()
     llm, name = _build(opts)
     res = dict(op="serve", model=name, requests=opts.requests, concurrency=opts.concurrency,
-               input_len=opts.input_len, output_len=opts.output_len, max_num_seqs=opts.max_num_seqs)
+               input_len=opts.input_len, output_len=opts.output_len, max_num_seqs=opts.max_num_seqs,
+               engine_process=bool(opts.engine_process))
     try:
-        V = llm.tokenizer.first_special
-        rng = np.random.default_rng(opts.seed)
-        in_lo, in_hi = _range(opts.input_len)
-        out_lo, out_hi = _range(opts.output_len)
-        n = opts.requests
-        prompts = [rng.integers(0, V, int(L)).tolist() for L in rng.integers(in_lo, in_hi + 1, n)]
-        out_lens = rng.integers(out_lo, out_hi + 1, n)
-        # warm-up on a batch of the workload's shapes: compile what start-up did not (else the offline run, first,
-        # would pay for it)
-        llm.generate(prompts[:opts.max_num_seqs], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-
-        # offline reference throughput on the same prompts
-        _log(f"offline generate: {n} prompts ...")
-        llm.block_manager.reset_prefix_cache()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, [SamplingParams(max_tokens=int(o), ignore_eos=True, temperature=0)
-                                      for o in out_lens], use_tqdm=False)
-        offline_s = time.perf_counter() - t0
-        offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        res.update(offline_s=offline_s, offline_tok_s=offline_tokens / offline_s)
-        _log(f"offline: {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.0f} tok/s")
-        del outs
-
         app = make_app(llm, served_model_name=name, api_key=API_KEY, max_queue=max(opts.requests, 256))
         with ServerThread(app) as server:
             engine = server.engine
-            res["identity"] = _identity(llm, server, name, rng, opts.check_prompts, failures)
+            V = engine.backend.tokenizer.first_special
+            rng = np.random.default_rng(opts.seed)
+            in_lo, in_hi = _range(opts.input_len)
+            out_lo, out_hi = _range(opts.output_len)
+            n = opts.requests
+            prompts = [rng.integers(0, V, int(L)).tolist() for L in rng.integers(in_lo, in_hi + 1, n)]
+            out_lens = rng.integers(out_lo, out_hi + 1, n)
+            # offline reference throughput on the same prompts, on the engine (its thread, or its process) while
+            # the server is idle, after a warm-up on a batch of the workload's shapes (compiling what start-up did
+            # not: else the offline run, first, would pay for it)
+            _log(f"offline generate: {n} prompts ...")
+            offline_tokens, offline_s = engine.call(functools.partial(
+                loadgen.offline_generate, prompts=prompts, max_tokens=[int(o) for o in out_lens],
+                warmup_rows=opts.max_num_seqs)).result(3600)
+            res.update(offline_s=offline_s, offline_tok_s=offline_tokens / offline_s)
+            _log(f"offline: {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.0f} tok/s")
+            res["identity"] = _identity(server, name, rng, opts.check_prompts, failures)
 
             _log(f"throughput: {n} streaming requests, {opts.concurrency} concurrent ...")
-            engine.call(lambda b: b.llm.block_manager.reset_prefix_cache()).result(60)
+            engine.call(loadgen.reset_prefix_cache).result(60)
             jobs = _jobs(prompts, out_lens, name)
             tokens0 = engine.metrics.generation_tokens.value()
             engine.reset_window()
@@ -263,7 +261,7 @@ def run(opts) -> dict:
                  f"last token in the engine); TTFT p50 {res['ttft_ms']['p50']:.1f} ms p99 "
                  f"{res['ttft_ms']['p99']:.1f} ms; inter-chunk p50 {res['chunk_gap_ms']['p50']:.2f} ms p99 "
                  f"{res['chunk_gap_ms']['p99']:.2f} ms")
-            gpu_idle = _gpu_used(llm)
+            gpu_idle = engine.call(loadgen.idle_state).result(60)[4]
 
             m = max(32, n // 4)
             _log(f"robustness: {m} streaming requests, every 10th client disconnecting, bad inputs alongside ...")
@@ -281,9 +279,7 @@ def run(opts) -> dict:
             completed, dropped = _check_records(recs, jobs, failures, "robustness")
             deadline = time.monotonic() + 30
             while True:  # aborts land before the engine's next step; the last ones may still be in the queue
-                idle = engine.call(lambda b: (b.has_unfinished(), b.llm.scheduler.has_unfinished(),
-                                              b.llm.block_manager.num_free_blocks,
-                                              b.llm.block_manager.num_blocks)).result(60)
+                idle = engine.call(loadgen.idle_state).result(60)
                 if (not idle[0] and not idle[1] and idle[2] == idle[3] and engine.num_in_flight == 0) or \
                         time.monotonic() > deadline:
                     break
@@ -296,7 +292,7 @@ def run(opts) -> dict:
             if aborted + finished != m or aborted > dropped:  # a client may leave just after its last token
                 failures.append(f"robustness: {m} requests, {finished} finished and {aborted} aborted in the "
                                 f"engine, {dropped} clients disconnected")
-            gpu_after = _gpu_used(llm)
+            gpu_after = idle[4]
             if abs(gpu_after - gpu_idle) > 64 << 20:
                 failures.append(f"GPU memory in use {gpu_after / 2**20:.0f} MiB after the load, "
                                 f"{gpu_idle / 2**20:.0f} MiB before")
@@ -323,6 +319,8 @@ def _parser():
     p.add_argument("--fake", action="store_true", help="the CPU stand-in engine (no GPU): checks the script itself")
     p.add_argument("--fake-step-ms", type=float, default=0.0,
                    help="with --fake: a sleep per engine step (the interpreter lock released, as in a GPU wait)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the engine in a process of its own (speedcore serve --engine-process)")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=256)
     # enough client processes that parsing 256 streams is not what the benchmark measures; the server's process
@@ -342,14 +340,18 @@ def _parser():
 
 def cases(b):
     """Suite mode: SPEEDCORE_SERVE_PRESETS (default llama-3.2-1b,llama-3-8b), SPEEDCORE_SERVE_REQUESTS (default
-    2000; 300 with --quick; the 8B preset gets half)."""
+    2000; 300 with --quick; the 8B preset gets half), SPEEDCORE_SERVE_ENGINE_PROCESS=1 (--engine-process)."""
     presets = os.environ.get("SPEEDCORE_SERVE_PRESETS", "llama-3.2-1b,llama-3-8b").split(",")
     n = int(os.environ.get("SPEEDCORE_SERVE_REQUESTS", 300 if b.quick else 2000))
 
+    process = os.environ.get("SPEEDCORE_SERVE_ENGINE_PROCESS", "0") == "1"
+
     def case(b, preset):
-        opts = _parser().parse_args(["--preset", preset, "--requests", str(n // 2 if "8b" in preset else n)])
+        opts = _parser().parse_args(["--preset", preset, "--requests", str(n // 2 if "8b" in preset else n)]
+                                    + (["--engine-process"] if process else []))
         r = run(opts)
-        what = f"{preset}, {opts.requests} streaming requests, {opts.concurrency} clients"
+        what = (f"{preset}, {opts.requests} streaming requests, {opts.concurrency} clients"
+                + (", engine process" if process else ""))
         b.add("serve", f"{what}: output tok/s", "tok/s", r["server_tok_s"],
               {"offline LLM.generate": r["offline_tok_s"]})
         b.add("serve", f"{what}: output tok/s, engine side", "tok/s", r["server_engine_tok_s"],

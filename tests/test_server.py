@@ -18,13 +18,23 @@ MODEL = "fake-model"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server():
-    llm = make_fake_llm(max_model_len=128, max_num_seqs=8)
+@pytest.fixture(scope="module", params=["engine thread", "engine process"])
+def server(request):
+    """Every test below twice: the engine on a thread of the server's process, and in a process of its own
+    (speedcore/server/engine_process.py)."""
+    import functools
+
+    from speedcore.server.engine_process import RemoteBackend
+
+    factory = functools.partial(make_fake_llm, max_model_len=128, max_num_seqs=8)
+    llm = factory() if request.param == "engine thread" else RemoteBackend(factory, start_timeout=120)
     app = make_app(llm, served_model_name=MODEL, api_key=KEY, max_queue=16, max_request_bytes=64 << 10,
                    max_prompt_chars=8000)
-    with ServerThread(app) as s:
-        yield s
+    try:
+        with ServerThread(app) as s:
+            yield s
+    finally:
+        llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +338,44 @@ def test_chat_with_a_hugging_face_tokenizer_and_jinja_template(tmp_path):
         assert "roles must alternate" in str(e.value) and e.value.body["param"] == "messages"
         r = c.completions.create(model=MODEL, prompt="t7 t8", max_tokens=2, temperature=0)
         assert r.choices[0].text == " t9 t10" and r.usage.prompt_tokens == 2  # this tokenizer adds no BOS
+
+
+def _boom():
+    raise ValueError("no such checkpoint: /nowhere")
+
+
+def test_engine_process_start_failure_names_the_cause():
+    from speedcore.server.engine_process import EngineProcessError, RemoteBackend
+
+    with pytest.raises(EngineProcessError, match="ValueError: no such checkpoint: /nowhere"):
+        RemoteBackend(_boom, start_timeout=120)
+
+
+def _free_blocks(backend):
+    return backend.llm.block_manager.num_free_blocks
+
+
+def test_engine_process_calls_and_a_dead_engine():
+    """Calls run in the engine process (picklable functions only, with a clear error otherwise); once the engine
+    process dies, requests get a 500 naming it and the server itself keeps answering."""
+    import functools
+
+    from speedcore.server.engine_process import EngineProcessError, RemoteBackend
+
+    backend = RemoteBackend(functools.partial(make_fake_llm, max_model_len=64, max_num_seqs=4), start_timeout=120)
+    try:
+        with ServerThread(make_app(backend, served_model_name=MODEL)) as s:
+            body = {"model": MODEL, "prompt": "t5 t6", "max_tokens": 3, "temperature": 0}
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == " t7 t8 t9"
+            idle = s.engine.call(_free_blocks).result(30)
+            assert idle == backend.stats()["free_blocks"] > 0
+            with pytest.raises(EngineProcessError, match="picklable"):
+                s.engine.call(lambda b: 1).result(30)
+            backend.process.kill()
+            backend.process.join(10)
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 500 and "engine process died" in r.text
+            assert httpx.get(s.url + "/v1/models", timeout=30).status_code == 200
+    finally:
+        backend.close()

@@ -6,7 +6,9 @@ request's new tokens and text.  ``AsyncEngine`` runs the backend in one backgrou
 touches the engine (and the GPU).  The asyncio handlers talk to it through a thread-safe command queue (add,
 abort, call); the engine thread hands back each step's output in one ``call_soon_threadsafe`` per step, onto one
 asyncio queue per request.  New requests join the running batch at the next step; an abort (a client that went
-away) is applied before the next step, which gives the request's KV blocks back.
+away) is applied before the next step, which gives the request's KV blocks back.  With
+``engine_process.RemoteBackend`` in place of ``LLMBackend`` the engine runs in a process of its own, and the
+engine thread here only exchanges one message per step with it.
 """
 from __future__ import annotations
 
@@ -140,6 +142,10 @@ class LLMBackend:
             out.append(Delta(rid, [], "", None, True, "error", None, req.seq.num_prompt_tokens,
                              req.seq.num_output_tokens, 0, why, now))
         return out
+
+    def run_call(self, fn):
+        """``fn(self)`` (AsyncEngine.call); the engine-process backend runs it in that process."""
+        return fn(self)
 
     def stats(self) -> dict:
         sch, bm = self.llm.scheduler, self.llm.block_manager
@@ -339,7 +345,7 @@ class AsyncEngine:
                 elif kind == "call":
                     fn, fut = arg
                     try:
-                        fut.set_result(fn(backend))
+                        fut.set_result(backend.run_call(fn))
                     except BaseException as e:  # noqa: B902 - handed to the caller
                         fut.set_exception(e)
                 elif kind == "stop":

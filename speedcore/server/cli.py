@@ -37,6 +37,9 @@ def add_parser(sub) -> dict:
     s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--fake-step-delay", type=float, default=0.02, help="with --fake-engine: seconds per step")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own (the HTTP side and the engine then do not share "
+                        "one interpreter lock)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(enable_prefix_caching=True)
     return {"serve": main}
@@ -75,6 +78,11 @@ def build_llm(args):
     return llm, args.served_model_name or model
 
 
+def _engine_of(args):
+    """The engine alone (engine_process's factory: runs in the engine process)."""
+    return build_llm(args)[0]
+
+
 def main(args) -> int:
     for name in ("max_queue", "max_request_bytes", "max_prompt_chars"):
         if getattr(args, name) < (0 if name == "max_queue" else 1):
@@ -91,7 +99,18 @@ def main(args) -> int:
         print(f"speedcore serve: WARNING: binding {args.host} without --api-key: anyone who reaches this address "
               f"can use the model", file=sys.stderr, flush=True)
     try:
-        llm, name = build_llm(args)
+        if args.engine_process:
+            import functools
+
+            from .engine_process import EngineProcessError, RemoteBackend
+
+            try:
+                llm = RemoteBackend(functools.partial(_engine_of, args))
+            except EngineProcessError as e:
+                raise SystemExit(f"speedcore serve: {e}") from None
+            name = args.served_model_name or ("fake" if args.fake_engine else args.model or f"preset:{args.preset}")
+        else:
+            llm, name = build_llm(args)
     except (FileNotFoundError, ValueError, MemoryError) as e:  # a bad checkpoint, config, tokenizer or option
         raise SystemExit(f"speedcore serve: {type(e).__name__}: {e}") from None
     try:

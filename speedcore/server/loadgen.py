@@ -101,3 +101,52 @@ async def _one(client, job) -> dict:
     finally:
         rec["end"] = time.monotonic()
     return rec
+
+
+# -- engine-side steps of benchmarks/serve.py: run through AsyncEngine.call (on the engine thread, or in the engine
+# process: hence module-level functions, picklable with functools.partial) -------------------------------------
+def reset_prefix_cache(backend) -> None:
+    backend.llm.block_manager.reset_prefix_cache()
+
+
+def offline_generate(backend, prompts, max_tokens, warmup_rows: int = 0) -> tuple:
+    """(output tokens, seconds) of ``LLM.generate`` over token-id prompts, greedy, no early stop, the prefix
+    cache emptied first; ``warmup_rows`` prompts run 4 tokens each before (compiling what start-up did not)."""
+    from ..engine import SamplingParams
+
+    llm = backend.llm
+    if warmup_rows:
+        llm.generate(prompts[:warmup_rows], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.block_manager.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0)
+                                  for m in max_tokens], use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+
+
+def offline_references(backend, text: str, messages: list, max_tokens: int) -> tuple:
+    """Greedy offline (token ids, text) of a completion and of a chat, each from an empty prefix cache."""
+    from ..engine import SamplingParams
+
+    llm = backend.llm
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm.block_manager.reset_prefix_cache()
+    c = llm.generate([text], sp, use_tqdm=False)[0].outputs[0]
+    llm.block_manager.reset_prefix_cache()
+    ch = llm.chat(messages, sp, use_tqdm=False)[0].outputs[0]
+    return (list(c.token_ids), c.text), (list(ch.token_ids), ch.text)
+
+
+def idle_state(backend) -> tuple:
+    """(requests unfinished in the backend, in the scheduler, free KV blocks, KV blocks, GPU bytes in use)."""
+    llm = backend.llm
+    gpu = 0
+    try:
+        import cupy
+
+        if getattr(llm, "_cp", None) is cupy:
+            gpu = int(cupy.get_default_memory_pool().used_bytes())
+    except Exception:
+        pass
+    return (backend.has_unfinished(), llm.scheduler.has_unfinished(), llm.block_manager.num_free_blocks,
+            llm.block_manager.num_blocks, gpu)

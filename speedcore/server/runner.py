@@ -12,8 +12,12 @@ from .async_engine import AsyncEngine, LLMBackend
 
 
 def make_app(llm, *, served_model_name: str, api_key: Optional[str] = None, max_queue: int = 256, **config):
-    """The ASGI app serving ``llm`` (a speedcore.LLM, GPU or fake_engine's); its engine is ``app.state.engine``."""
-    engine = AsyncEngine(LLMBackend(llm), max_queue=max_queue)
+    """The ASGI app serving ``llm`` (a speedcore.LLM, GPU or fake_engine's, or an engine_process.RemoteBackend:
+    the engine in its own process); its engine is ``app.state.engine``."""
+    from .engine_process import RemoteBackend
+
+    backend = llm if isinstance(llm, RemoteBackend) else LLMBackend(llm)
+    engine = AsyncEngine(backend, max_queue=max_queue)
     return build_app(engine, ServerConfig(served_model_name, api_key=api_key, **config))
 
 
