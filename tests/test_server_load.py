@@ -19,19 +19,25 @@ from speedcore.server.runner import ServerThread, make_app  # noqa: E402
 MODEL = "fake"
 
 
-def serve(step_delay, max_num_seqs, max_queue, max_model_len=256):
-    llm = make_fake_llm(max_model_len=max_model_len, max_num_seqs=max_num_seqs, step_delay=step_delay)
+def serve(step_delay, max_num_seqs, max_queue, max_model_len=256, engine_process=False):
+    import functools
+
+    from speedcore.server.engine_process import RemoteBackend
+
+    factory = functools.partial(make_fake_llm, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                step_delay=step_delay)
+    llm = RemoteBackend(factory, start_timeout=120) if engine_process else factory()
     return ServerThread(make_app(llm, served_model_name=MODEL, max_queue=max_queue)), llm
 
 
 def wait_idle(server, timeout=10.0):
-    """Until no request is in flight and every KV block is free, as the engine thread sees it."""
+    """Until no request is in flight and every KV block is free, as the engine sees it."""
+    from speedcore.server.loadgen import idle_state
+
     deadline = time.monotonic() + timeout
     while True:
-        st = server.engine.call(lambda b: (b.has_unfinished(), b.llm.block_manager.num_free_blocks,
-                                           b.llm.block_manager.num_blocks,
-                                           b.llm.scheduler.has_unfinished())).result(timeout)
-        if server.engine.num_in_flight == 0 and not st[0] and st[1] == st[2] and not st[3]:
+        st = server.engine.call(idle_state).result(timeout)
+        if server.engine.num_in_flight == 0 and not st[0] and st[2] == st[3] and not st[1]:
             return
         assert time.monotonic() < deadline, f"not idle after {timeout} s: {st}, {server.engine.num_in_flight} in flight"
         time.sleep(0.02)
@@ -129,14 +135,15 @@ def test_engine_failure_fails_requests_and_serving_goes_on(slow):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " t2 t3"
 
 
-def test_load_concurrent_streams_with_disconnects():
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine thread", "engine process"])
+def test_load_concurrent_streams_with_disconnects(engine_process):
     """64 concurrent streaming clients, 300 requests of mixed lengths, every 7th disconnecting after 2 events:
     each finished stream has exactly its tokens, a usage chunk and one [DONE]; none lost or duplicated; the
-    engine is idle and every KV block free afterwards."""
+    engine is idle and every KV block free afterwards (the engine on a thread, or in its own process)."""
     n_req, conc = 300, 64
     rng = random.Random(0)
     jobs = [dict(i=i, start=rng.randrange(0, 800), n=rng.randrange(4, 40), drop=(i % 7 == 3)) for i in range(n_req)]
-    s, llm = serve(step_delay=0.001, max_num_seqs=32, max_queue=64)
+    s, llm = serve(step_delay=0.001, max_num_seqs=32, max_queue=64, engine_process=engine_process)
     results = {}
 
     async def one(client, job):
@@ -168,6 +175,7 @@ def test_load_concurrent_streams_with_disconnects():
         m = s.engine.metrics
         assert m.requests_aborted.value() + m.requests_finished.value(finished_reason="length") == n_req
         assert m.requests_rejected.value() == 0
+    llm.close()  # the engine process, if any
     assert sorted(results) == list(range(n_req)) and all(len(v) == 1 for v in results.values())
     completed = 0
     for job in jobs:
