@@ -6,6 +6,10 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SPEEDCORE_CACHE_DIR=/tmp/sc-cache
 out="${OUT:-/tmp/sc-out}"; mkdir -p "$out"
 t0=$SECONDS
+if [ -n "${CANARY:-}" ]; then  # kernels changed since their last GPU run, alone first with a short limit (a hang)
+  timeout "${CANARY_TIMEOUT:-120}" python3 -m pytest -q -x -p no:cacheprovider $CANARY > "$out/canary.log" 2>&1
+  echo "canary exit $? ($((SECONDS - t0)) s)" | tee -a "$out/canary.log"
+fi
 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -n 8 -p no:cacheprovider ${TESTS:-tests} > "$out/tests.log" 2>&1
 echo "tests exit $? ($((SECONDS - t0)) s)" >> "$out/tests.log"
 if [ -n "${MEMCHECK:-}" ]; then
