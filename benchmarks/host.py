@@ -145,3 +145,16 @@ def _host(b):
     layer = quant.prepack_awq(qw, qz, sc.to(bf16), group_size=128)
     add("awq_linear 1x4096x4096 g128 (prepacked)", lambda: speedcore.awq_linear(x1, layer), "F.linear (bf16)",
         lambda: F.linear(x1, wl))
+
+    # chained launches (cuLaunchKernelEx with programmatic stream serialization, what speedcore.LLM's graphs use):
+    # their host cost decides whether eager callers could have them too
+    from speedcore import _launch
+
+    prev = _launch.set_chained_launches(True)
+    try:
+        add("rms_norm 1x4096 (decode), chained launch", lambda: speedcore.rms_norm(x1, w, 1e-6),
+            "F.rms_norm", lambda: F.rms_norm(x1, (4096,), w, 1e-6))
+        add("linear 1x4096x4096 (decode), chained launch", lambda: speedcore.linear(x1, wl), "F.linear",
+            lambda: F.linear(x1, wl))
+    finally:
+        _launch.set_chained_launches(prev)

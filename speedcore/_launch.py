@@ -217,10 +217,11 @@ def _config_ex(cfg: LaunchConfig, stream_ptr) -> tuple:
     return c, attrs
 
 
-def _launch_ex(func_ptr: int, cfg: LaunchConfig, stream_ptr: int, params_addr: int) -> None:
+def _launch_ex(func_ptr: int, cfg: LaunchConfig, stream_ptr: int, params_addr: int, config=None) -> None:
     """cuLaunchKernelEx with a cluster dimension and (cfg.overlap) programmatic stream serialization (CuPy launches
-    have no launch attributes), the arguments packed as for any launch (:class:`ArgLayout`)."""
-    c, _ = _config_ex(cfg, stream_ptr)
+    have no launch attributes), the arguments packed as for any launch (:class:`ArgLayout`); ``config``: this
+    (cfg, stream)'s ``_config_ex`` where the caller keeps it."""
+    c = (config or _config_ex(cfg, stream_ptr))[0]
     err = _driver().cuLaunchKernelEx(ctypes.byref(c), ctypes.c_void_p(func_ptr), ctypes.c_void_p(params_addr), None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} (grid {cfg.grid}, cluster {cfg.cluster})")
@@ -326,7 +327,7 @@ class BoundLaunch:
     """A loaded variant at one checked launch configuration.  ``bl(stream_ptr, args)`` launches it on the stream
     (a raw ``cudaStream_t``) with the current device switched to the variant's for the call if it differs."""
 
-    __slots__ = ("func_ptr", "cfg", "dims", "device", "ex")
+    __slots__ = ("func_ptr", "cfg", "dims", "device", "ex", "_ex_configs")
 
     def __init__(self, lk: LoadedKernel, cfg: LaunchConfig):
         if _launch_kernel is None:
@@ -338,6 +339,7 @@ class BoundLaunch:
         self.dims = grid + block + (cfg.smem,)
         self.device = lk.device.index
         self.ex = cfg.cluster != 1 or cfg.overlap
+        self._ex_configs: dict = {}  # stream pointer -> (CUlaunchConfig, its attributes): built once per stream
 
     def __call__(self, stream_ptr: int, args: tuple) -> None:
         self.launch_packed(stream_ptr, arg_layout(tuple(map(type, args))).pack(args))
@@ -365,7 +367,10 @@ class BoundLaunch:
 
     def _launch(self, stream_ptr: int, params_addr: int) -> None:
         if self.ex:
-            _launch_ex(self.func_ptr, self.cfg, stream_ptr, params_addr)
+            c = self._ex_configs.get(stream_ptr)
+            if c is None:
+                c = self._ex_configs[stream_ptr] = _config_ex(self.cfg, stream_ptr)
+            _launch_ex(self.func_ptr, self.cfg, stream_ptr, params_addr, c)
         else:
             gx, gy, gz, bx, by, bz, smem = self.dims
             _launch_kernel(self.func_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_addr, 0)
@@ -418,13 +423,28 @@ class PrepackedLaunch:
 _chain_launches = [os.environ.get("SPEEDCORE_CHAIN_LAUNCHES", "0") == "1"]
 
 
+_plan_caches: list = []
+
+
+def plan_cache() -> dict:
+    """A dict of cached launch plans (call signature -> launch) of an op module: emptied whenever chaining is
+    switched, since a plan holds its launch configuration."""
+    d: dict = {}
+    _plan_caches.append(d)
+    return d
+
+
 def set_chained_launches(enabled: bool) -> bool:
     """Launch the chainable kernels as programmatic dependents of the stream's previous kernel (compute capability
     9.0): each may be scheduled while that one still runs and waits for it in-kernel, so no launch gap separates
     a decode step's ~400 kernels (engine, Llama-3-8B batch 1 on an H200: 4.55 ms per token against 4.85).  Takes
-    effect for launch plans made afterwards; returns the previous setting."""
+    effect at once (the op modules' cached plans are dropped when the setting changes); returns the previous
+    setting."""
     prev = _chain_launches[0]
     _chain_launches[0] = bool(enabled)
+    if prev != _chain_launches[0]:
+        for d in _plan_caches:
+            d.clear()
     return prev
 
 

@@ -20,7 +20,7 @@ from . import _arrays as A
 from . import _tma, _torch_hook
 from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, bind, device_info
+from ._launch import LaunchConfig, bind, device_info, plan_cache
 
 SOURCE = "attention.cu"
 # The kernel's head dims; any multiple of 8 up to 256 runs on the next one up (zero-padded in shared memory).
@@ -581,7 +581,7 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
 
 
 # flash_attn / flash_attn_varlen call signatures -> their launch; see _arrays.sig
-_FAST_ATTN: dict = {}
+_FAST_ATTN: dict = plan_cache()
 _MAX_PLANS = 1024
 
 

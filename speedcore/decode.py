@@ -14,7 +14,7 @@ from . import _arrays as A
 from . import _torch_hook
 from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, bind, chained, device_info
+from ._launch import LaunchConfig, bind, chained, device_info, plan_cache
 
 SOURCE = "decode.cu"
 
@@ -314,7 +314,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softma
 
 
 # paged_decode_attention's arguments (signatures and scalars) -> its launch; see _arrays.sig
-_FAST_DECODE: dict = {}
+_FAST_DECODE: dict = plan_cache()
 
 
 _MAX_PLANS = 256
@@ -519,7 +519,7 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     return None
 
 
-_FAST_CACHE: dict = {}  # reshape_and_cache's argument signatures -> its launch
+_FAST_CACHE: dict = plan_cache()  # reshape_and_cache's argument signatures -> its launch
 
 
 def _cache_plan(launch, scalars, ka, va, kca, vca, sma):
@@ -649,7 +649,7 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
     return q, k
 
 
-_FAST_ROTARY: dict = {}  # rotary_embedding's argument signatures -> its launch
+_FAST_ROTARY: dict = plan_cache()  # rotary_embedding's argument signatures -> its launch
 
 
 def _rotary_plan(launch, is64, scalars, pa, qa, ka, csa):
@@ -715,7 +715,7 @@ def _gated(x, out, act: str):
     return oa.obj
 
 
-_FAST_GATED: dict = {}  # (x, out signatures, activation) -> the launch
+_FAST_GATED: dict = plan_cache()  # (x, out signatures, activation) -> the launch
 
 
 def _gated_plan(launch, xa, oa, out_shape):

@@ -24,7 +24,7 @@ from . import _arrays as A
 from . import _torch_hook
 from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, bind, chained, device_info
+from ._launch import LaunchConfig, bind, chained, device_info, plan_cache
 
 SOURCE = "gemm.cu"
 SOURCE_SM90 = "gemm_sm90.cu"
@@ -428,7 +428,7 @@ def matmul(a, b, *, out=None, _path=None):
 
 
 # (a, b, out signatures, _path) -> the validated launch; see _arrays.sig
-_MATMUL_PLANS: dict = {}
+_MATMUL_PLANS: dict = plan_cache()
 
 
 def _matmul_checked(a, b, out, _path):
@@ -502,7 +502,7 @@ def linear(x, weight, bias=None, *, activation=None, out=None, _path=None):
 
 
 # (x, weight, bias, out signatures, activation, _path) -> the validated launch; see _arrays.sig
-_LINEAR_PLANS: dict = {}
+_LINEAR_PLANS: dict = plan_cache()
 _MAX_PLANS = 1024
 
 

@@ -9,7 +9,7 @@ from . import _arrays as A
 from . import _torch_hook
 from ._arrays import sig
 from ._compile import Kernel
-from ._launch import LaunchConfig, bind, chained
+from ._launch import LaunchConfig, bind, chained, plan_cache
 
 SOURCE = "norm.cu"
 MAX_HIDDEN = 16384
@@ -99,7 +99,7 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None, residual_
 
 
 # (x, weight, residual, out, residual_out signatures, eps) -> the validated launch for that call signature; see _arrays.sig
-_PLANS: dict = {}
+_PLANS: dict = plan_cache()
 _MAX_PLANS = 1024
 
 

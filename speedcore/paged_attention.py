@@ -32,7 +32,7 @@ from . import _torch_hook
 from . import _tma
 from ._compile import Kernel
 from ._arrays import sig
-from ._launch import LaunchConfig, bind, device_info
+from ._launch import LaunchConfig, bind, device_info, plan_cache
 
 SOURCE = "paged_prefill.cu"  # paged_prefill_kernel (mma.sync, sm_80 on)
 SOURCE_SM90 = "paged_prefill_sm90.cu"  # paged_prefill_sm90_kernel (wgmma / TMA, sm_90a)
@@ -614,7 +614,7 @@ def _paged_plan(run, qa, ka, va, cqa, sua, bta, oa, lse_shape):
 
 
 # paged_prefill_attention call signatures -> their launch; see _arrays.sig
-_PAGED_PLANS: dict = {}
+_PAGED_PLANS: dict = plan_cache()
 _MAX_PLANS = 1024
 
 

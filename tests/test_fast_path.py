@@ -280,3 +280,24 @@ def test_chained_launches_only_where_enabled_and_supported(monkeypatch):
         assert L.chained(cfg, 1) is cfg
     finally:
         L.set_chained_launches(prev)
+
+
+def test_switching_chained_launches_drops_cached_plans():
+    """A plan holds its launch configuration: switching chaining empties every op module's plan cache."""
+    from speedcore import _launch as L
+    from speedcore import attention, decode, gemm, norm, paged_attention
+
+    caches = (norm._PLANS, gemm._LINEAR_PLANS, gemm._MATMUL_PLANS, decode._FAST_DECODE, decode._FAST_CACHE,
+              decode._FAST_ROTARY, decode._FAST_GATED, attention._FAST_ATTN, paged_attention._PAGED_PLANS)
+    prev = L.set_chained_launches(False)
+    try:
+        for d in caches:
+            d["k"] = "plan"
+        L.set_chained_launches(False)  # no change: kept
+        assert all(d == {"k": "plan"} for d in caches)
+        L.set_chained_launches(True)
+        assert not any(caches)
+    finally:
+        L.set_chained_launches(prev)
+        for d in caches:
+            d.pop("k", None)
