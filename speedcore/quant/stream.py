@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._compile import Kernel
-from .._launch import LaunchConfig, device_info, launch
+from .._launch import LaunchConfig, chained, device_info, launch
 from .formats import KIND_INT4, KIND_INT8
 from ._common import _alloc_out
 from .gemv import GEMV_MAX_M, GEMV_STEP_K, _gemv_scratch, gemv_block_n, gemv_supported
@@ -185,6 +185,7 @@ def _chunks_runner(plan, override: dict, gl, xa, rows, k, ldx, scales_ptr, n):
     by a prepacked layer: quant.linear._fast_call)."""
     cfg, kernel, lcfg, scalars = plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng, device_info(xa.device).sms,
                                       tuple(sorted(override.items())), _STREAM_DEFINES)
+    lcfg = chained(lcfg, xa.device)  # the decode chain's GEMVs (speedcore._launch.set_chained_launches)
     tail = tuple(scalars) + (np.int64(ldx),)
     w_ptr, g_ptr, s_ptr = gl.w_ptr, gl.g_ptr, scales_ptr if gl.kind == KIND_INT8 else 0
     splits, floats, blocks, device = cfg.splits, rows * n, cfg.blocks, xa.device
