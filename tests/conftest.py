@@ -25,3 +25,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _chained_launches_per_test():
+    """speedcore.LLM turns chained launches on for the whole process (speedcore._launch): each test gets the
+    setting it started with back, so no test depends on which engine test ran before it."""
+    from speedcore import _launch
+
+    prev = _launch._chain_launches[0]
+    yield
+    if _launch._chain_launches[0] != prev:
+        _launch.set_chained_launches(prev)
