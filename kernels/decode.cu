@@ -102,8 +102,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   // On sm_90 the merge is this kernel's programmatic dependent (speedcore.decode): it may be scheduled as soon as
   // every CTA here has started, and waits in-kernel for the partials, so no launch gap separates the two.  This
   // kernel may itself be its predecessor's dependent (speedcore._launch.chained): it waits for it first.
-  sc::grid_dependency_wait();
-  sc::launch_dependents();
+  sc::chain_after_previous();
 #ifdef DECODE_TRACE
   auto gtime = sc::globaltimer_ns;
   unsigned long long* trace = reinterpret_cast<unsigned long long*>(lse_out) + (long long)blockIdx.x * 8;
@@ -591,10 +590,7 @@ __global__ void __launch_bounds__(128) reshape_and_cache_kernel(
     const void* __restrict__ slot_mapping, int slot_is_64, int words_per_head, int heads, int block_size,
     long long num_slots, long long k_stride_tok, long long k_stride_head, long long v_stride_tok,
     long long v_stride_head, long long c_stride_block, long long c_stride_tok, long long c_stride_head) {
-  // Launched as the stream's previous kernel's programmatic dependent (speedcore._launch.chained): nothing is
-  // read or written before that kernel has finished; the next kernel may be scheduled at once.
-  sc::grid_dependency_wait();
-  sc::launch_dependents();
+  sc::chain_after_previous();
   const long long t = blockIdx.x;
   const int i = blockIdx.y * 128 + threadIdx.x;
   if (i >= heads * words_per_head) return;
@@ -654,10 +650,7 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     const CS* __restrict__ cos_sin, long long cs_stride, int rot_dim, int max_pos, int q_heads, int k_heads,
     long long q_stride_tok, long long q_stride_head, long long k_stride_tok, long long k_stride_head,
     int num_tokens) {
-  // Launched as the stream's previous kernel's programmatic dependent (speedcore._launch.chained): nothing is
-  // read or written before that kernel has finished; the next kernel may be scheduled at once.
-  sc::grid_dependency_wait();
-  sc::launch_dependents();
+  sc::chain_after_previous();
   constexpr int N = VEC ? 16 / sizeof(T) : 1;
   const int half = rot_dim / 2;
   // tasks per head: VEC NEOX half/N words, VEC GPT-J rot/N words, scalar half pairs
@@ -735,10 +728,7 @@ template <int ACT> __device__ __forceinline__ float act(float x) {
 template <typename T, int ACT, bool VEC>
 __global__ void __launch_bounds__(256) gated_act_kernel(T* __restrict__ out, const T* __restrict__ x, int d,
                                                         long long x_stride, long long o_stride) {
-  // Launched as the stream's previous kernel's programmatic dependent (speedcore._launch.chained): nothing is
-  // read or written before that kernel has finished; the next kernel may be scheduled at once.
-  sc::grid_dependency_wait();
-  sc::launch_dependents();
+  sc::chain_after_previous();
   const long long r = blockIdx.x;
   const T* xr = x + r * x_stride;
   T* orow = out + r * o_stride;

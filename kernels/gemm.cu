@@ -281,12 +281,10 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
   const int KT = (K + BK - 1) / BK;
-  // Launched as the previous kernel's programmatic dependent (speedcore._launch.chained, decode-sized M): nothing
-  // is read or written before that kernel has finished; the next kernel may be scheduled at once.  (Prefetching
-  // this CTA's first weight rows into L2 before the wait was measured: engine batch-1 decode 4.8 ms per token
-  // with it against 4.55 without, same H200 run.)
-  sc::grid_dependency_wait();
-  sc::launch_dependents();
+  // Decode-sized M runs chained (speedcore._launch.chained).  (Prefetching this CTA's first weight rows into L2
+  // before the wait was measured: engine batch-1 decode 4.8 ms per token with it against 4.55 without, same H200
+  // run.)
+  sc::chain_after_previous();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < KT) load_stage(s, s);

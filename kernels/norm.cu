@@ -15,10 +15,7 @@ __global__ void __launch_bounds__(512) rms_norm_kernel(
     const T* __restrict__ weight, int hidden, long long x_stride, long long r_stride, long long o_stride,
     long long h_stride, float eps) {
   constexpr int VEC = 16 / sizeof(T);
-  // Launched as the stream's previous kernel's programmatic dependent (speedcore._launch.chained): nothing is
-  // read or written before that kernel has finished; the next kernel may be scheduled at once.
-  sc::grid_dependency_wait();
-  sc::launch_dependents();
+  sc::chain_after_previous();
   __shared__ float scratch[32];
   const long long row = blockIdx.x;
   const int nvec = hidden / VEC;

@@ -31,10 +31,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1) gemv_bulk_kernel(
     const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int stages, int order,
     long long ldx) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched as the stream's previous kernel's programmatic dependent (speedcore._launch.chained, the engine's
-  // decode chain): nothing is read or written before that kernel has finished; the next may be scheduled at once.
-  sc::grid_dependency_wait();
-  sc::launch_dependents();
+  sc::chain_after_previous();
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, U = kStreamChunkSteps;
   constexpr int G_OFF = 4096, X_OFF = 4096 + (INT4 ? 192 : 0);

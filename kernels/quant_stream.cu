@@ -69,10 +69,7 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
     const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
     const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int prefetch,
     int order, unsigned zero, long long ldx) {
-  // Launched as the stream's previous kernel's programmatic dependent (speedcore._launch.chained, the engine's
-  // decode chain): nothing is read or written before that kernel has finished; the next may be scheduled at once.
-  sc::grid_dependency_wait();
-  sc::launch_dependents();
+  sc::chain_after_previous();
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
   extern __shared__ __align__(16) float red[];

@@ -19,4 +19,12 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// The start of a kernel of the decode chain (speedcore._launch.chained): launched as the stream's previous kernel's
+// programmatic dependent, it reads and writes nothing before that kernel has finished, and lets the next kernel be
+// scheduled at once.  Without a chained launch both halves are no-ops.
+__device__ __forceinline__ void chain_after_previous() {
+  grid_dependency_wait();
+  launch_dependents();
+}
+
 }  // namespace sc

@@ -6,6 +6,7 @@ history, so the same seed gives the same tokens (and no generator state lives on
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -38,6 +39,7 @@ def _gumbel(seeds, steps, vocab: int):
     return _gumbel_kernel(seeds[:, None], steps[:, None], np.int64(vocab), out)
 
 
+@lru_cache(maxsize=None)
 def _chunks(vocab: int) -> int:
     """The number of equal chunks argmax_rows splits a row of ``vocab`` into: a divisor of it in [64, 1024]
     (Llama 3's 128256 = 256 x 501), 0 when there is none (the row is padded instead)."""

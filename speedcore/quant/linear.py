@@ -64,9 +64,11 @@ def _launch_linear(fmt, xa, rows, k, ldx, qw_ptr, ldq, qz_ptr, ldz, scales_ptr, 
 
 
 def _dispatch_state() -> tuple:
-    """What a cached plan's kernel choice depends on besides the call signature: the measurement switches."""
+    """What a cached plan's kernel choice depends on besides the call signature: the measurement switches (on the
+    per-call path: the overrides are empty but in measurements)."""
+    so, bo = _stream_mod._STREAM_OVERRIDE, _bulk_mod._BULK_OVERRIDE
     return (_gemv._GEMV_MODE, _stream_mod._STREAM_MODE, _bulk_mod._BULK_MODE,
-            tuple(sorted(_stream_mod._STREAM_OVERRIDE.items())), tuple(sorted(_bulk_mod._BULK_OVERRIDE.items())))
+            tuple(sorted(so.items())) if so else (), tuple(sorted(bo.items())) if bo else ())
 
 
 def _fast_call(f: _FastLayer, x, bias):

@@ -113,6 +113,10 @@ class LLMBackend:
     def has_unfinished(self) -> bool:
         return bool(self._reqs)
 
+    def abort_all(self) -> None:
+        for rid in list(self._reqs):
+            self.abort(rid)
+
     def step(self) -> List[Delta]:
         reqs = self.llm._step(self._by_seq)
         now = time.perf_counter()

@@ -61,8 +61,7 @@ def _engine_main(conn, factory) -> None:
                 except BaseException as e:  # noqa: B902 - handed to the caller
                     conn.send(("call", False, f"{type(e).__name__}: {e}"))
             elif kind == "stop":
-                for rid in list(backend._reqs):
-                    backend.abort(rid)
+                backend.abort_all()
                 conn.send(("stopped",))
                 return
     except (EOFError, OSError):  # the parent went away
