@@ -3,6 +3,8 @@
 "t5 t6" continues " t7 t8 t9 ...").  Protocol, parameters, errors, auth, metrics."""
 import json
 
+import time
+
 import pytest
 
 pytest.importorskip("starlette")
@@ -353,6 +355,52 @@ def test_engine_process_start_failure_names_the_cause():
 
 def _free_blocks(backend):
     return backend.llm.block_manager.num_free_blocks
+
+
+def _unpicklable(backend):
+    return lambda: None
+
+
+def test_engine_process_runs_ahead_without_deadlock():
+    """The engine process steps on its own while the parent reads nothing; the parent then sends a batch of long
+    prompts larger than any pipe buffer.  Were the engine to block sending its deltas (the pipe to the parent
+    full) while the parent blocks sending commands, both would wait forever; every request must finish."""
+    import functools
+    import threading
+
+    from speedcore.engine.sampling_params import SamplingParams
+    from speedcore.server.engine_process import EngineProcessError, RemoteBackend
+
+    backend = RemoteBackend(functools.partial(make_fake_llm, max_model_len=4096, max_num_seqs=256,
+                                              max_num_batched_tokens=512), start_timeout=120)
+    result = {}
+
+    def drive():
+        params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
+        for i in range(64):
+            backend.add(f"a{i}", None, [5 + i % 7] * 8, params)
+        backend.step()
+        time.sleep(1.0)  # the engine fills the pipe back with deltas meanwhile
+        for i in range(200):
+            backend.add(f"b{i}", None, list(range(5, 5 + 3000)), SamplingParams(max_tokens=1, temperature=0))
+        done = set()
+        while backend.has_unfinished():
+            done.update(d.request_id for d in backend.step() if d.finished)
+        result["done"] = done
+
+    t = threading.Thread(target=drive, daemon=True)
+    t.start()
+    t.join(120)
+    try:
+        assert not t.is_alive(), "the engine process and its parent deadlocked"
+        assert len(result["done"]) == 264
+        with pytest.raises(EngineProcessError, match="could not be sent back"):
+            backend.run_call(_unpicklable)
+        assert backend.run_call(_free_blocks) == backend.stats()["free_blocks"] > 0  # still serving
+    finally:
+        if t.is_alive():
+            backend.process.kill()
+        backend.close()
 
 
 def test_engine_process_calls_and_a_dead_engine():

@@ -123,13 +123,18 @@ class ModelRunner:
             s = Sequence([i % self.cfg.vocab_size] * n, _PROFILE_PARAMS)
             s.block_table = [far] * (-(-n // self.block_size))
             seqs.append(s)
-        from .sampler import sample
+        from .sampler import argmax_rows, sample
 
         try:
             with self.stream:
                 logits = self.run(ScheduledBatch(seqs, lens, 0))
                 sample(logits, [_PROFILE_PARAMS] * len(seqs), [0] * len(seqs), [0] * len(seqs))
                 del logits
+                # argmax over fewer than 32 rows takes two passes of their own reductions (CuPy compiles one per
+                # shape rank: one row collapses to another): compiled here, not in the first request's step
+                # (2.8 s in the first prefill of a 256-sequence benchmark)
+                for rows in (1, 2, 32):
+                    argmax_rows(cp.zeros((rows, self.cfg.vocab_size), cp.float32), cp)
             self.stream.synchronize()
         finally:
             self.step_listener = listener

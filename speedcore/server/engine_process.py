@@ -1,18 +1,23 @@
 """The engine in a process of its own: the HTTP side (event loop, SSE encoding, JSON) and the engine (scheduling,
 the step's Python, sampling, detokenizing) then no longer share one interpreter lock.
 
-``RemoteBackend`` duck-types :class:`~speedcore.server.async_engine.LLMBackend` for ``AsyncEngine``: adds and
-aborts are queued here and sent with the next step, one message each way per step over a pipe (the engine
-thread of ``AsyncEngine`` waits in ``recv`` with the lock released while the child steps).  The child
+``RemoteBackend`` duck-types :class:`~speedcore.server.async_engine.LLMBackend` for ``AsyncEngine``.  The child
 (``_engine_main``, spawned) builds the engine from a picklable ``factory`` (``factory()`` returns a
-``speedcore.LLM``, GPU or fake_engine's) and serves one message at a time: ``step`` (apply the queued commands,
-run a step), ``call`` (run ``fn(LLMBackend)`` between steps: ``fn`` must be picklable, a module-level function or
-a ``functools.partial`` of one) and ``stop``.  A child that dies fails the requests in flight and every later
-step with its exit code.
+``speedcore.LLM``, GPU or fake_engine's) and runs free: while it has requests it steps back to back and sends
+each step's deltas as one message, taking the commands that arrived meanwhile (adds, aborts) between steps
+without waiting for them; idle, it sleeps in ``recv``.  The engine so never waits for the HTTP process: a
+lock-step exchange (one request, one reply per step) left the GPU idle while the HTTP side, busy with its
+streams, got round to asking for the next step.  The parent sends adds and aborts as they come (``flush``) and
+``step`` returns every delta that arrived, waiting for the next message only while a request is unfinished.
+``call`` runs ``fn(LLMBackend)`` between two steps (``fn`` picklable: a module-level function or a
+``functools.partial`` of one).  A child that dies fails the requests in flight and every later step with its
+exit code.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
+import threading
 import time
 import traceback
 from typing import Callable, List, Optional
@@ -36,41 +41,68 @@ def _engine_main(conn, factory) -> None:
     conn.send(("ready", dict(tokenizer=backend.tokenizer, max_model_len=backend.max_model_len,
                              vocab_size=backend.vocab_size, max_num_seqs=backend.max_num_seqs,
                              stats=backend.stats())))
+    # Replies go out from a thread of their own: were the step loop to block in send (the parent not reading,
+    # the pipe full) while the parent blocks sending it commands, neither would ever read again.
+    outbox: "queue.SimpleQueue" = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_all, args=(conn, outbox), name="speedcore-engine-sender", daemon=True)
+    sender.start()
+    send = outbox.put
     try:
         while True:
-            msg = conn.recv()
-            kind = msg[0]
-            if kind == "step":
-                out: List[Delta] = []
-                for cmd in msg[1]:
-                    if cmd[0] == "add":
-                        failed = backend.add(*cmd[1:])
-                        if failed is not None:
-                            out.append(failed)
-                    else:  # ("abort", request_id)
-                        backend.abort(cmd[1])
-                if backend.has_unfinished():
+            out: List[Delta] = []
+            # idle: sleep until a message comes; busy: only what has already arrived, then the next step
+            while not backend.has_unfinished() or conn.poll():
+                msg = conn.recv()
+                kind = msg[0]
+                if kind == "cmds":
+                    for cmd in msg[1]:
+                        if cmd[0] == "add":
+                            failed = backend.add(*cmd[1:])
+                            if failed is not None:
+                                out.append(failed)
+                        else:  # ("abort", request_id)
+                            backend.abort(cmd[1])
+                elif kind == "call":
                     try:
-                        out += backend.step()
-                    except Exception as e:
-                        out += backend.fail_all(f"the engine step failed: {type(e).__name__}: {e}")
-                conn.send(("step", out, backend.stats()))
-            elif kind == "call":
+                        reply = ("call", True, msg[1](backend))
+                    except BaseException as e:  # noqa: B902 - handed to the caller
+                        reply = ("call", False, f"{type(e).__name__}: {e}")
+                    send(reply)
+                elif kind == "stop":
+                    backend.abort_all()
+                    send(("stopped",))
+                    return
+                if out and not backend.has_unfinished():
+                    break  # refused requests only: answer them now
+            if backend.has_unfinished():
                 try:
-                    conn.send(("call", True, msg[1](backend)))
-                except BaseException as e:  # noqa: B902 - handed to the caller
-                    conn.send(("call", False, f"{type(e).__name__}: {e}"))
-            elif kind == "stop":
-                backend.abort_all()
-                conn.send(("stopped",))
-                return
+                    out += backend.step()
+                except Exception as e:
+                    out += backend.fail_all(f"the engine step failed: {type(e).__name__}: {e}")
+            send(("deltas", out, backend.stats()))
     except (EOFError, OSError):  # the parent went away
         return
     finally:
+        outbox.put(None)
+        sender.join(10)
         try:
             llm.close()
         except Exception:
             pass
+
+
+def _send_all(conn, outbox) -> None:
+    while True:
+        msg = outbox.get()
+        if msg is None:
+            return
+        try:
+            conn.send(msg)
+        except (OSError, BrokenPipeError):  # the parent went away; the step loop sees it in recv
+            return
+        except Exception as e:  # pickling: a call's result that cannot cross (pickled before anything is written)
+            conn.send(("call", False, f"its result could not be sent back: {type(e).__name__}: {e}") if msg[0] ==
+                      "call" else ("deltas", [], {}))
 
 
 class RemoteBackend:
@@ -100,26 +132,49 @@ class RemoteBackend:
         self.vocab_size = info["vocab_size"]
         self.max_num_seqs = info["max_num_seqs"]
         self._stats = info["stats"]
-        self._pending: list = []  # ("add", ...) / ("abort", rid) for the next step
-        self._unfinished: set = set()  # request ids added and not yet finished
+        self._pending: list = []  # ("add", ...) / ("abort", rid) not sent yet
+        self._unfinished: set = set()  # request ids added and not yet finished (nor aborted)
+        self._inbox: List[Delta] = []  # deltas received and not yet handed out by step()
         self._dead: Optional[str] = None
 
-    def _exchange(self, msg):
+    def _died(self):
+        self.process.join(5)
+        self._dead = f"the engine process died (exit code {self.process.exitcode})"
+        return EngineProcessError(self._dead)
+
+    def _send(self, msg) -> None:
         if self._dead is not None:
             raise EngineProcessError(self._dead)
         try:
             self._conn.send(msg)
-            return self._conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            self.process.join(5)
-            self._dead = f"the engine process died (exit code {self.process.exitcode})"
-            raise EngineProcessError(self._dead) from None
+        except (OSError, BrokenPipeError):
+            raise self._died() from None
+
+    def _recv(self, kind: str):
+        """The next message of ``kind``; the steps' deltas that come before it are kept for ``step``."""
+        while True:
+            try:
+                msg = self._conn.recv()  # the lock is released while it waits
+            except (EOFError, OSError):
+                raise self._died() from None
+            if msg[0] == "deltas":
+                self._inbox += msg[1]
+                self._stats = msg[2]
+                if kind == "deltas":
+                    return msg
+            elif msg[0] == kind:
+                return msg
+
+    def _flush(self) -> None:
+        if self._pending:
+            cmds, self._pending = self._pending, []
+            self._send(("cmds", cmds))
 
     # -- LLMBackend's interface ---------------------------------------------------------------------------------
     def add(self, request_id: str, prompt, prompt_token_ids, params) -> Optional[Delta]:
         self._pending.append(("add", request_id, prompt, list(prompt_token_ids), params))
         self._unfinished.add(request_id)
-        return None  # a refused request comes back as a finished Delta from the next step
+        return None  # a refused request comes back as a finished Delta from a later step
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self._unfinished:
@@ -129,11 +184,19 @@ class RemoteBackend:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._unfinished) or bool(self._pending)
+        return bool(self._unfinished) or bool(self._pending) or bool(self._inbox)
 
     def step(self) -> List[Delta]:
-        cmds, self._pending = self._pending, []
-        _, deltas, self._stats = self._exchange(("step", cmds))
+        """Every delta the engine sent since the last call (waiting for its next step if none came yet and a
+        request is unfinished); the queued adds and aborts go out first."""
+        self._flush()
+        if self._dead is not None:
+            raise EngineProcessError(self._dead)
+        if not self._inbox and self._unfinished:
+            self._recv("deltas")
+        while self._conn.poll():  # steps that finished meanwhile: hand them over at once
+            self._recv("deltas")
+        deltas, self._inbox = [d for d in self._inbox if d.request_id in self._unfinished], []
         for d in deltas:
             if d.finished:
                 self._unfinished.discard(d.request_id)
@@ -144,6 +207,7 @@ class RemoteBackend:
         out = [Delta(rid, [], "", None, True, "error", error=why, time=now) for rid in self._unfinished]
         self._unfinished.clear()
         self._pending = [c for c in self._pending if c[0] != "add"]
+        self._inbox = []
         return out
 
     def stats(self) -> dict:
@@ -151,8 +215,10 @@ class RemoteBackend:
 
     def run_call(self, fn):
         """``fn(LLMBackend)`` in the engine process (``fn`` picklable); its result, or EngineProcessError."""
+        self._flush()
         try:
-            _, ok, value = self._exchange(("call", fn))
+            self._send(("call", fn))
+            _, ok, value = self._recv("call")
         except (TypeError, AttributeError) as e:  # pickling fn: a lambda or a local function
             raise EngineProcessError(f"engine calls in another process need a picklable function (a module-level "
                                      f"function or functools.partial of one), got {fn!r}: {e}") from None
@@ -163,7 +229,9 @@ class RemoteBackend:
     def close(self, timeout: float = 30.0) -> None:
         if self.process.is_alive() and self._dead is None:
             try:
-                self._exchange(("stop",))
+                self._flush()
+                self._send(("stop",))
+                self._recv("stopped")
             except EngineProcessError:
                 pass
         self.process.join(timeout)
