@@ -319,8 +319,9 @@ def _parser():
     p.add_argument("--fake", action="store_true", help="the CPU stand-in engine (no GPU): checks the script itself")
     p.add_argument("--fake-step-ms", type=float, default=0.0,
                    help="with --fake: a sleep per engine step (the interpreter lock released, as in a GPU wait)")
-    p.add_argument("--engine-process", action="store_true",
-                   help="the engine in a process of its own (speedcore serve --engine-process)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine in a process of its own (default, as speedcore serve; --no-engine-process: in "
+                        "a thread of the server)")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=256)
     # enough client processes that parsing 256 streams is not what the benchmark measures; the server's process
@@ -340,15 +341,15 @@ def _parser():
 
 def cases(b):
     """Suite mode: SPEEDCORE_SERVE_PRESETS (default llama-3.2-1b,llama-3-8b), SPEEDCORE_SERVE_REQUESTS (default
-    2000; 300 with --quick; the 8B preset gets half), SPEEDCORE_SERVE_ENGINE_PROCESS=1 (--engine-process)."""
+    2000; 300 with --quick; the 8B preset gets half), SPEEDCORE_SERVE_ENGINE_PROCESS=0 (--no-engine-process)."""
     presets = os.environ.get("SPEEDCORE_SERVE_PRESETS", "llama-3.2-1b,llama-3-8b").split(",")
     n = int(os.environ.get("SPEEDCORE_SERVE_REQUESTS", 300 if b.quick else 2000))
 
-    process = os.environ.get("SPEEDCORE_SERVE_ENGINE_PROCESS", "0") == "1"
+    process = os.environ.get("SPEEDCORE_SERVE_ENGINE_PROCESS", "1") == "1"
 
     def case(b, preset):
         opts = _parser().parse_args(["--preset", preset, "--requests", str(n // 2 if "8b" in preset else n)]
-                                    + (["--engine-process"] if process else []))
+                                    + ([] if process else ["--no-engine-process"]))
         r = run(opts)
         what = (f"{preset}, {opts.requests} streaming requests, {opts.concurrency} clients"
                 + (", engine process" if process else ""))

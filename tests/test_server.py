@@ -286,7 +286,8 @@ def test_cli_builds_the_fake_engine_and_tokenizer_for_presets():
     handlers = cli.add_parser(p.add_subparsers(dest="cmd"))
     assert set(handlers) == {"serve"}
     args = p.parse_args(["serve", "--fake-engine", "--max-model-len", "64", "--max-num-seqs", "3"])
-    assert args.host == "127.0.0.1" and args.port == 8000 and args.enable_prefix_caching
+    assert args.host == "127.0.0.1" and args.port == 8000 and args.enable_prefix_caching and args.engine_process
+    assert p.parse_args(["serve", "--fake-engine", "--no-engine-process"]).engine_process is False
     llm, name = cli.build_llm(args)
     assert name == "fake" and llm.max_model_len == 64 and llm.scheduler.max_num_seqs == 3
     assert p.parse_args(["serve", "--preset", "tiny", "--no-prefix-caching"]).enable_prefix_caching is False

@@ -2,6 +2,8 @@
 Starlette, uvicorn and the engine load when the command runs."""
 from __future__ import annotations
 
+import argparse
+
 import ipaddress
 import os
 import sys
@@ -37,9 +39,10 @@ def add_parser(sub) -> dict:
     s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--fake-step-delay", type=float, default=0.02, help="with --fake-engine: seconds per step")
-    s.add_argument("--engine-process", action="store_true",
-                   help="run the engine in a process of its own (the HTTP side and the engine then do not share "
-                        "one interpreter lock)")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own (default; the HTTP side and the engine then do not "
+                        "share one interpreter lock: 0.84x offline throughput under load against 0.55x in one "
+                        "process, H200, 1B preset); --no-engine-process keeps it in a thread of the server")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(enable_prefix_caching=True)
     return {"serve": main}

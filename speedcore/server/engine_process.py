@@ -49,7 +49,7 @@ def _engine_main(conn, factory) -> None:
     send = outbox.put
     try:
         while True:
-            out: List[Delta] = []
+            out: List[tuple] = []  # Delta rows
             # idle: sleep until a message comes; busy: only what has already arrived, then the next step
             while not backend.has_unfinished() or conn.poll():
                 msg = conn.recv()
@@ -59,7 +59,7 @@ def _engine_main(conn, factory) -> None:
                         if cmd[0] == "add":
                             failed = backend.add(*cmd[1:])
                             if failed is not None:
-                                out.append(failed)
+                                out.append(failed.row())
                         else:  # ("abort", request_id)
                             backend.abort(cmd[1])
                 elif kind == "call":
@@ -76,9 +76,9 @@ def _engine_main(conn, factory) -> None:
                     break  # refused requests only: answer them now
             if backend.has_unfinished():
                 try:
-                    out += backend.step()
+                    out += backend.step_rows()
                 except Exception as e:
-                    out += backend.fail_all(f"the engine step failed: {type(e).__name__}: {e}")
+                    out += [d.row() for d in backend.fail_all(f"the engine step failed: {type(e).__name__}: {e}")]
             send(("deltas", out, backend.stats()))
     except (EOFError, OSError):  # the parent went away
         return
@@ -158,7 +158,7 @@ class RemoteBackend:
             except (EOFError, OSError):
                 raise self._died() from None
             if msg[0] == "deltas":
-                self._inbox += msg[1]
+                self._inbox += [Delta(*row) for row in msg[1]]
                 self._stats = msg[2]
                 if kind == "deltas":
                     return msg
