@@ -172,8 +172,11 @@ def bench_main(args) -> int:
         V = llm.config.vocab_size
         prompts = [rng.integers(0, V, int(L)).tolist() for L in in_lens]
         params = [SamplingParams(max_tokens=int(o), ignore_eos=True, temperature=args.temperature) for o in out_lens]
-        # a short warm-up request compiles whatever the start-up did not (sampling kernels, prefill shapes)
-        llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        # a warm-up request compiles whatever the start-up did not (sampling kernels, the prefill of the workload's
+        # prompt length: a quantized model's kernels for 128 rows differ from those of 16; its own random ids, so
+        # that the prefix cache gives the measured prompts nothing)
+        warm = rng.integers(0, V, int(min(in_hi, max_len - 4))).tolist()
+        llm.generate([warm], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         llm.step_stats.clear()
         llm.profile = args.profile
         t1 = time.perf_counter()
