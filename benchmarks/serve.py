@@ -75,6 +75,17 @@ def _build(opts):
     return llm, opts.preset
 
 
+def _steps(engine, what, wall_s):
+    """Log and return the engine's steps of the run just done: how many, the time inside them against the run's
+    wall time (what the engine loop spends between steps: commands, results), by kind and phase."""
+    from speedcore.server import loadgen
+
+    report, steps, busy = engine.call(loadgen.take_step_report).result(60)
+    _log(f"{what}: {steps} engine steps, {1e3 * busy / max(1, steps):.2f} ms each inside the step, "
+         f"{1e3 * wall_s / max(1, steps):.2f} ms of wall time each\n{report}")
+    return dict(steps=steps, busy_s=busy, wall_s=wall_s, report=report)
+
+
 def _words(ids):
     return " ".join(f"t{int(i)}" for i in ids)
 
@@ -233,12 +244,14 @@ def run(opts) -> dict:
                 warmup_rows=opts.max_num_seqs)).result(3600)
             res.update(offline_s=offline_s, offline_tok_s=offline_tokens / offline_s)
             _log(f"offline: {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.0f} tok/s")
+            res["offline_steps"] = _steps(engine, "offline", offline_s)
             res["identity"] = _identity(server, name, rng, opts.check_prompts, failures)
 
             _log(f"throughput: {n} streaming requests, {opts.concurrency} concurrent ...")
             engine.call(loadgen.reset_prefix_cache).result(60)
             jobs = _jobs(prompts, out_lens, name)
             tokens0 = engine.metrics.generation_tokens.value()
+            engine.call(loadgen.take_step_report).result(60)  # the identity check's steps: not this run's
             engine.reset_window()
             recs = run_clients(server.url, jobs, concurrency=opts.concurrency, processes=opts.client_processes,
                                api_key=API_KEY)
@@ -261,6 +274,7 @@ def run(opts) -> dict:
                  f"last token in the engine); TTFT p50 {res['ttft_ms']['p50']:.1f} ms p99 "
                  f"{res['ttft_ms']['p99']:.1f} ms; inter-chunk p50 {res['chunk_gap_ms']['p50']:.2f} ms p99 "
                  f"{res['chunk_gap_ms']['p99']:.2f} ms")
+            res["server_steps"] = _steps(engine, "server", engine.last_token_time - engine.first_arrival)
             gpu_idle = engine.call(loadgen.idle_state).result(60)[4]
 
             m = max(32, n // 4)

@@ -428,3 +428,15 @@ def test_engine_process_calls_and_a_dead_engine():
             assert httpx.get(s.url + "/v1/models", timeout=30).status_code == 200
     finally:
         backend.close()
+
+
+def test_take_step_report_counts_the_steps_since_the_last_call():
+    from speedcore.engine.sampling_params import SamplingParams
+    from speedcore.server import loadgen
+    from speedcore.server.async_engine import LLMBackend
+
+    backend = LLMBackend(make_fake_llm(max_model_len=64, max_num_seqs=4))
+    backend.llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    report, steps, busy = loadgen.take_step_report(backend)
+    assert steps == 5 and busy > 0 and "decode" in report and "prefill" in report
+    assert loadgen.take_step_report(backend)[1:] == (0, 0)  # cleared

@@ -118,10 +118,22 @@ def offline_generate(backend, prompts, max_tokens, warmup_rows: int = 0) -> tupl
     if warmup_rows:
         llm.generate(prompts[:warmup_rows], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.block_manager.reset_prefix_cache()
+    llm.step_stats.clear()  # take_step_report then gives this run's steps alone
     t0 = time.perf_counter()
     outs = llm.generate(prompts, [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0)
                                   for m in max_tokens], use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+
+
+def take_step_report(backend) -> tuple:
+    """(the engine's step report since the last call, steps, seconds inside them): what the steps of a run cost, by
+    kind and phase (LLM.step_report), to set beside the run's wall time; the counts start again from zero."""
+    llm = backend.llm
+    stats = llm.step_stats
+    steps, busy = sum(v[0] for v in stats.values()), sum(sum(v[2:6]) for v in stats.values())
+    report = llm.step_report()
+    stats.clear()
+    return report, steps, busy
 
 
 def offline_references(backend, text: str, messages: list, max_tokens: int) -> tuple:
