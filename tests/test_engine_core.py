@@ -177,6 +177,61 @@ def test_incremental_detokenizer_never_splits_characters(tok_dir):
     assert all("\ufffd" not in p for p in pieces) and "".join(pieces) == text == det.text
 
 
+def _metaspace_dir(tmp_path):
+    """A SentencePiece-style tokenizer (Metaspace, byte fallback): the one that drops a leading space when a token
+    is decoded alone (Llama 2, Mistral)."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(["hello world, the quick brown fox", "héllo wörld"] * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"] + bytes_))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_incremental_detokenizer_stream_path_matches_the_window_path(kind, tok_dir, tmp_path):
+    """The DecodeStream path gives the same pieces as the two-decode window path, token by token, special tokens
+    skipped or kept, through ids past the vocabulary (ignored by both, as decode does) and through a fall-back to
+    the window path mid-stream."""
+    from speedcore.engine import tokenizer as T
+
+    if T._DecodeStream is None:
+        pytest.skip("tokenizers < 0.21: no DecodeStream")
+    t = T.Tokenizer(tok_dir if kind == "byte-level" else _metaspace_dir(tmp_path))
+    rng = np.random.default_rng(0)
+    text = "hello 😀 wörld 日本語 fox, the  quick"
+    script = t.encode(text, add_special_tokens=False) + [1, 2] + rng.integers(0, t.vocab_size, 200).tolist()
+    prompt = t.encode("the quick")
+    for skip in (True, False):
+        fast, slow = T.IncrementalDetokenizer(t, prompt, skip), T.IncrementalDetokenizer(t, prompt, skip)
+        slow._stream = None
+        assert fast._stream is not None
+        for i in script:
+            assert fast.add(i) == slow.add(i)
+        if kind == "byte-level":  # Metaspace's Strip decoder can make a window's text no prefix of the next
+            assert fast._stream is not None  # one: DecodeStream raises, and the window path takes over
+        assert fast.flush() == slow.flush() and fast.text == slow.text
+        assert "wörld" in fast.text and "fox, the  quick" in fast.text
+    det, ref = T.IncrementalDetokenizer(t, prompt), T.IncrementalDetokenizer(t, prompt)
+    ref._stream = None
+    pieces = [det.add(i) for i in script[:5]]
+    class Broken:  # what DecodeStream raises on (e.g. a window whose text is no prefix of the next one)
+        def step(self, tok, i):
+            raise Exception("DecodeStreamError")
+
+    det._stream = Broken()  # the window path continues from the same offsets
+    pieces += [det.add(i) for i in script[5:]] + [det.flush()]
+    assert det._stream is None
+    assert pieces == [ref.add(i) for i in script] + [ref.flush()]
+
+
 def test_missing_tokenizer(tmp_path):
     from speedcore.engine.tokenizer import Tokenizer, TokenizerError
 
