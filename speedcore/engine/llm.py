@@ -413,10 +413,11 @@ class LLM:
         if req.detok is not None:
             delta = req.detok.add(tok)
             if delta:
-                start = max(0, len(req.text) - max((len(s) for s in p.stop_strings), default=0))
+                stops = p.stop_strings
+                start = max(0, len(req.text) - max(len(s) for s in stops)) if stops else 0
                 req.text += delta
                 req.new_text += delta
-                for s in p.stop_strings:
+                for s in stops:
                     at = req.text.find(s, start)
                     if at >= 0:
                         cut = at + (len(s) if p.include_stop_str_in_output else 0)

@@ -38,6 +38,7 @@ class NumberTokenizer:
         self.names.update({i: f"<|{r}|>" for r, i in self.role_token_ids.items()})
         self.ids = {name: i for i, name in self.names.items()}
         self.special_ids = set(self.names)
+        self._words = None
         self.first_special = min(self.special_ids)
         self.chat_template = "number-tokenizer"  # rendered in Python (apply_chat_template), not jinja
         self.bos_token, self.eos_token = "<s>", "</s>"
@@ -63,8 +64,12 @@ class NumberTokenizer:
         return ids + [self._word_id(w) for w in text.split()]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        names = self.names
-        return " ".join(names.get(i, f"t{i}") for i in ids if not (skip_special_tokens and i in names))
+        names, words = self.names, self._words
+        if words is None:  # every id's word, once (the engine decodes a short window twice per token)
+            words = self._words = [names.get(i, f"t{i}") for i in range(self._vocab_size)]
+        n = len(words)
+        return " ".join([words[i] if 0 <= i < n else f"t{i}" for i in ids
+                         if not (skip_special_tokens and i in names)])
 
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, chat_template=None,
                             **kwargs) -> str:
