@@ -440,3 +440,49 @@ def test_take_step_report_counts_the_steps_since_the_last_call():
     report, steps, busy = loadgen.take_step_report(backend)
     assert steps == 5 and busy > 0 and "decode" in report and "prefill" in report
     assert loadgen.take_step_report(backend)[1:] == (0, 0)  # cleared
+
+
+def test_cli_serve_stops_cleanly_on_ctrl_c():
+    """`speedcore serve` (engine in its own process, the default) on Ctrl-C, which reaches the whole process group:
+    exit 0, no traceback, no engine process left behind."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "speedcore", "serve", "--fake-engine", "--port", str(port),
+                             "--max-num-seqs", "4", "--max-model-len", "64"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "t1 t2", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " t4 t5"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+        deadline = time.monotonic() + 20  # multiprocessing's resource tracker leaves once its pipe closes
+        while True:
+            ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(proc.pid)], capture_output=True,
+                                text=True)
+            left = [ln for ln in ps.stdout.splitlines() if ln.split()[1][0] != "Z"]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not left, f"left behind: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -121,7 +121,10 @@ def main(args) -> int:
                        max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars)
         print(f"speedcore serve: {name!r} (max_model_len {llm.max_model_len}) on http://{args.host}:{args.port}/v1"
               f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
-        uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level)).run()
+        try:
+            uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level)).run()
+        except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then re-raises it
+            pass
     finally:
         llm.close()
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -32,6 +33,9 @@ class EngineProcessError(RuntimeError):
 
 
 def _engine_main(conn, factory) -> None:
+    # Ctrl-C reaches the whole process group: the server shuts down and then stops this process (or closes the
+    # pipe); an interrupt of its own would only leave a traceback behind
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         backend = LLMBackend(factory())
     except BaseException as e:  # noqa: B902 - reported to the parent, which raises it
