@@ -347,11 +347,20 @@ def _boom():
     raise ValueError("no such checkpoint: /nowhere")
 
 
+def _bug():
+    return {}["missing"]
+
+
 def test_engine_process_start_failure_names_the_cause():
+    """A user's error (bad checkpoint, option, memory) comes back as its message alone; a bug with its traceback."""
     from speedcore.server.engine_process import EngineProcessError, RemoteBackend
 
-    with pytest.raises(EngineProcessError, match="ValueError: no such checkpoint: /nowhere"):
+    with pytest.raises(EngineProcessError, match="ValueError: no such checkpoint: /nowhere") as e:
         RemoteBackend(_boom, start_timeout=120)
+    assert "Traceback" not in str(e.value)
+    with pytest.raises(EngineProcessError, match="KeyError: 'missing'") as e:
+        RemoteBackend(_bug, start_timeout=120)
+    assert "Traceback" in str(e.value) and "_bug" in str(e.value)
 
 
 def _free_blocks(backend):

@@ -39,7 +39,10 @@ def _engine_main(conn, factory) -> None:
     try:
         backend = LLMBackend(factory())
     except BaseException as e:  # noqa: B902 - reported to the parent, which raises it
-        conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"))
+        # a bad checkpoint, option or memory budget is the user's to fix: its message says it all; anything else
+        # is a bug, with where it happened
+        user = isinstance(e, (FileNotFoundError, ValueError, MemoryError))
+        conn.send(("failed", f"{type(e).__name__}: {e}" + ("" if user else f"\n{traceback.format_exc(limit=6)}")))
         return
     llm = backend.llm
     conn.send(("ready", dict(tokenizer=backend.tokenizer, max_model_len=backend.max_model_len,
