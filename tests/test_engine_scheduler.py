@@ -149,3 +149,54 @@ def test_build_step_metadata():
     assert st["block_tables"][0].tolist() == ta + [0] * (6 - len(ta)) and not st["block_tables"][1:].any()
     st = build_step([a], [1], 1, 4, graph_batch=8, graph_rows=2, table_width=6)  # bucket 2 of graphs up to 8
     assert st.host.size == 4 * 8 + 2 * 6 and st["block_tables"].shape == (2, 6)
+
+
+def test_build_step_many_decode_rows_against_per_row_reference():
+    """Hundreds of decode rows (ragged block tables, shuffled pages) beside prefill chunks: every field row by row
+    as its definition says, eager and CUDA-graph layouts."""
+    rng = np.random.default_rng(3)
+    bs, dec, pre = 16, [], []
+    for i in range(300):
+        n = int(rng.integers(1, 900))
+        s = Sequence(rng.integers(0, 5000, n + 1).tolist(), P)
+        s.num_computed_tokens = n
+        s.block_table = rng.permutation(1 << 16)[:-(-(n + 1) // bs)].tolist()
+        dec.append(s)
+    for n, c in ((37, 0), (100, 64)):
+        s = Sequence(rng.integers(0, 5000, c + n).tolist(), P)
+        s.num_computed_tokens = c
+        s.block_table = rng.permutation(1 << 16)[:-(-(c + n) // bs)].tolist()
+        pre.append((s, n))
+    width = max(len(s.block_table) for s in dec)
+    slot = lambda s, p: s.block_table[p // bs] * bs + p % bs  # noqa: E731
+
+    st = build_step(dec + [s for s, _ in pre], [1] * len(dec) + [n for _, n in pre], len(dec), bs)
+    want_ids = [s.token_ids[s.num_computed_tokens] for s in dec]
+    want_pos = [s.num_computed_tokens for s in dec]
+    want_slots = [slot(s, s.num_computed_tokens) for s in dec]
+    for s, n in pre:
+        c = s.num_computed_tokens
+        want_ids += s.token_ids[c:c + n]
+        want_pos += list(range(c, c + n))
+        want_slots += [slot(s, p) for p in range(c, c + n)]
+    assert st["input_ids"].tolist() == want_ids and st["positions"].tolist() == want_pos
+    assert st["slot_mapping"].tolist() == want_slots
+    assert st["seq_lens"].tolist() == [s.num_computed_tokens + 1 for s in dec]
+    tables = st["block_tables"]
+    assert tables.shape == (len(dec), width)
+    for i, s in enumerate(dec):
+        L = len(s.block_table)
+        assert tables[i, :L].tolist() == s.block_table and not tables[i, L:].any()
+
+    mb, rows = 512, 304
+    st = build_step(dec, [1] * len(dec), len(dec), bs, graph_batch=mb, graph_rows=rows, table_width=width + 3)
+    pad = mb - len(dec)
+    assert st["input_ids"].tolist() == want_ids[:len(dec)] + [0] * pad
+    assert st["positions"].tolist() == want_pos[:len(dec)] + [0] * pad
+    assert st["slot_mapping"].tolist() == want_slots[:len(dec)] + [-1] * pad
+    assert st["seq_lens"].tolist() == [s.num_computed_tokens + 1 for s in dec] + [0] * pad
+    tables = st["block_tables"]
+    assert tables.shape == (rows, width + 3) and not tables[len(dec):].any()
+    for i, s in enumerate(dec):
+        L = len(s.block_table)
+        assert tables[i, :L].tolist() == s.block_table and not tables[i, L:].any()
