@@ -200,3 +200,37 @@ def test_build_step_many_decode_rows_against_per_row_reference():
     for i, s in enumerate(dec):
         L = len(s.block_table)
         assert tables[i, :L].tolist() == s.block_table and not tables[i, L:].any()
+
+
+def test_build_step_kept_tables_follow_growth_and_replacement():
+    """The int32 tables kept between steps: appended blocks appear, a table replaced by another list of the same
+    length (preemption and re-admission) is read afresh, through the block manager's own moves."""
+    bm = BlockManager(64, 4)
+    a, b = seq(6), seq(3, start=40)
+    for s in (a, b):
+        bm.admit(s)
+        bm.grow(s, len(s))
+        s.num_computed_tokens = len(s) - 1
+
+    def check():
+        st = build_step([a, b], [1, 1], 2, 4, graph_batch=2, table_width=16)
+        for i, s in enumerate((a, b)):
+            row = st["block_tables"][i]
+            assert row[:len(s.block_table)].tolist() == s.block_table and not row[len(s.block_table):].any()
+
+    check()
+    for _ in range(9):  # decode: every 4th token takes a new block
+        for s in (a, b):
+            s.num_computed_tokens += 1
+            s.token_ids.append(7)
+            bm.grow(s, 1)
+        check()
+    n = len(a.block_table)
+    bm.release(a)
+    bm.grow(b, 4 * n)  # b takes a's freed blocks: a's next table has other pages, same length
+    b.num_computed_tokens = len(b) - 1
+    bm.admit(a)
+    bm.grow(a, len(a) - a.num_computed_tokens)
+    a.num_computed_tokens = len(a) - 1
+    assert len(a.block_table) == n
+    check()

@@ -8,7 +8,6 @@ blocks allow.
 """
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional
@@ -165,14 +164,33 @@ def _slots(block_table: List[int], start: int, stop: int, block_size: int) -> np
     return np.asarray(block_table, np.int64)[pos // block_size] * block_size + pos % block_size
 
 
-def _fill_tables(out: np.ndarray, tables: List[List[int]]) -> None:
-    """Row i of ``out`` (zeros) starts with ``tables[i]``: one flat array and one masked assignment (row-major, so
-    the flat order is the rows' order)."""
-    if not tables:
+def _table_array(seq: Sequence) -> np.ndarray:
+    """``seq.block_table`` as int32, kept on the sequence between steps.  A table grows by append or is replaced
+    by another list (never edited in place: sequence.py), so the kept array is current when it was made from this
+    very list at this length, and one made at a shorter length only lacks the appended tail."""
+    t = seq.block_table
+    kept = seq._table_cache
+    if kept is not None and kept[0] is t:
+        arr = kept[1]
+        if len(arr) == len(t):
+            return arr
+        if len(arr) < len(t):
+            arr = np.concatenate((arr, np.array(t[len(arr):], np.int32)))
+            seq._table_cache = (t, arr)
+            return arr
+    arr = np.array(t, np.int32)
+    seq._table_cache = (t, arr)  # holding the list: its id cannot come back as another list's
+    return arr
+
+
+def _fill_tables(out: np.ndarray, seqs: List[Sequence]) -> None:
+    """Row i of ``out`` (zeros) starts with ``seqs[i]``'s block table: one flat array and one masked assignment
+    (row-major, so the flat order is the rows' order)."""
+    if not seqs:
         return
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
-    out[:len(tables)][np.arange(out.shape[1]) < lens[:, None]] = flat
+    arrays = [_table_array(s) for s in seqs]
+    lens = np.fromiter(map(len, arrays), np.int64, len(arrays))
+    out[:len(arrays)][np.arange(out.shape[1]) < lens[:, None]] = np.concatenate(arrays)
 
 
 def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, block_size: int, *,
@@ -187,8 +205,9 @@ def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, blo
     dec = seqs[:num_decode]
     tables_of = [s.block_table for s in dec]
     width = table_width or max([len(t) for t in tables_of] + [1])
-    # decode rows one token each, in Python lists and one array assignment per field: numpy calls per sequence
-    # (an array per row's slots, a row of the tables at a time) took 13.4 ms for a mixed step of 256, these 1.4
+    # decode rows one token each, in Python lists and one array assignment per field, the block tables from arrays
+    # kept between steps: numpy calls per sequence (an array per row's slots, a row of the tables at a time) took
+    # 13.4 ms for a mixed step of 256 on the CI CPU, a graph step 1.8; these 1.4 and 1.5 (tables as lists), less
     d_c = [s.num_computed_tokens for s in dec]
     d_ids = [s.token_ids[c] for s, c in zip(dec, d_c)]
     d_slots = [t[c // block_size] * block_size + c % block_size for t, c in zip(tables_of, d_c)]
@@ -201,7 +220,7 @@ def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, blo
         host[mb:mb + T] = d_c
         host[2 * mb:2 * mb + T] = d_slots
         host[3 * mb:3 * mb + T] = [c + 1 for c in d_c]
-        _fill_tables(host[4 * mb:].reshape(rows, width), tables_of)
+        _fill_tables(host[4 * mb:].reshape(rows, width), dec)
         offsets = {"input_ids": (0, (mb,)), "positions": (mb, (mb,)), "slot_mapping": (2 * mb, (mb,)),
                    "seq_lens": (3 * mb, (mb,)), "block_tables": (4 * mb, (rows, width))}
         return StepBatch(host, offsets, T, num_decode, 0, 0, 0, False, T)
@@ -216,7 +235,7 @@ def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, blo
     T = len(ids)
     seq_lens = np.array([c + 1 for c in d_c], np.int64)
     tables = np.zeros((len(dec), width), np.int32)
-    _fill_tables(tables, tables_of)
+    _fill_tables(tables, dec)
     pre = list(zip(seqs[num_decode:], num_tokens[num_decode:]))
     q_lens = np.array([n for _, n in pre], np.int64)
     k_lens = np.array([s.num_computed_tokens + n for s, n in pre], np.int64)

@@ -28,7 +28,10 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_prefix = 0  # of which found by prefix caching at the last admission
+        # KV pages; grows by append or is replaced by another list (BlockManager), never edited in place:
+        # build_step keeps it as an int32 array between steps on that promise (_table_cache)
         self.block_table: List[int] = []
+        self._table_cache = None
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.last_block_hash = None  # chain hash of the last of them
         self.finish_reason: Optional[str] = None
