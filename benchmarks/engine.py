@@ -91,10 +91,7 @@ def cases(b):
         return runs[name, q]
 
     def rec(b, case, unit, ours, peers=None, frac=None, higher_is_better=True):
-        n = len(b.records)
-        b.add("engine", case, unit, ours, peers or {}, higher_is_better=higher_is_better)
-        for r in b.records[n:]:
-            r["ceiling_fraction"] = frac
+        b.add("engine", case, unit, ours, peers or {}, higher_is_better=higher_is_better, fraction=frac)
 
     def bf16_b1(b):
         r = run("b1", B1)

@@ -151,10 +151,12 @@ class Bench:
                 "gpu": self.gpu}
 
     def add(self, op: str, case: str, unit: str, ours: float, peers: dict, ceiling: str | None = None,
-            higher_is_better: bool = True) -> None:
+            higher_is_better: bool = True, fraction: float | None = None) -> None:
         """Record ``ours`` against each peer.  The ratio is > 1 when ours is better: ours / peer for
-        throughputs (TB/s, TFLOP/s), peer / ours for costs (ms, us) with ``higher_is_better=False``."""
-        frac = ours / self.ceiling(ceiling) if ceiling else None
+        throughputs (TB/s, TFLOP/s), peer / ours for costs (ms, us) with ``higher_is_better=False``.
+        ``ceiling_fraction``: ours over the measured ``ceiling`` kind, or ``fraction`` where the caller knows it
+        (a model-level roofline)."""
+        frac = ours / self.ceiling(ceiling) if ceiling else fraction
         for peer, value in peers.items():
             if higher_is_better:
                 ratio = ours / value if value else None

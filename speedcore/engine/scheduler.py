@@ -205,9 +205,9 @@ def build_step(seqs: List[Sequence], num_tokens: List[int], num_decode: int, blo
     dec = seqs[:num_decode]
     tables_of = [s.block_table for s in dec]
     width = table_width or max([len(t) for t in tables_of] + [1])
-    # decode rows one token each, in Python lists and one array assignment per field, the block tables from arrays
-    # kept between steps: numpy calls per sequence (an array per row's slots, a row of the tables at a time) took
-    # 13.4 ms for a mixed step of 256 on the CI CPU, a graph step 1.8; these 1.4 and 1.5 (tables as lists), less
+    # decode rows (one token each) from Python lists, one array assignment per field, and the block tables from
+    # arrays kept between steps: numpy calls per sequence took 13.4 ms for a mixed step of 256 on the CI CPU and
+    # 1.8 for a graph step; this takes about 1.4 and 1.3
     d_c = [s.num_computed_tokens for s in dec]
     d_ids = [s.token_ids[c] for s, c in zip(dec, d_c)]
     d_slots = [t[c // block_size] * block_size + c % block_size for t, c in zip(tables_of, d_c)]

@@ -110,7 +110,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self._stream = self._raw = None
         raw = getattr(tokenizer, "tok", None)
-        if _DecodeStream is not None and _RawTokenizer is not None and isinstance(raw, _RawTokenizer):
+        if _DecodeStream is not None and isinstance(raw, _RawTokenizer):
             try:
                 stream = _DecodeStream(skip_special_tokens=skip_special_tokens)
                 for i in self.ids:

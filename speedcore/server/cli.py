@@ -3,7 +3,6 @@ Starlette, uvicorn and the engine load when the command runs."""
 from __future__ import annotations
 
 import argparse
-
 import ipaddress
 import os
 import sys

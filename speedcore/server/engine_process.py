@@ -107,9 +107,14 @@ def _send_all(conn, outbox) -> None:
             conn.send(msg)
         except (OSError, BrokenPipeError):  # the parent went away; the step loop sees it in recv
             return
-        except Exception as e:  # pickling: a call's result that cannot cross (pickled before anything is written)
-            conn.send(("call", False, f"its result could not be sent back: {type(e).__name__}: {e}") if msg[0] ==
-                      "call" else ("deltas", [], {}))
+        except Exception as e:  # pickling (done before anything is written): a call's result, or a delta's field
+            why = f"{type(e).__name__}: {e}"
+            if msg[0] == "call":
+                conn.send(("call", False, f"its result could not be sent back: {why}"))
+            else:  # the step's requests end with the reason rather than wait forever
+                conn.send(("deltas", [(r[0], [], "", None, True, "error", None, *r[7:10],
+                                       f"the engine's output could not be sent: {why}", r[11]) for r in msg[1]],
+                           msg[2]))
 
 
 class RemoteBackend:
