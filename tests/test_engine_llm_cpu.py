@@ -148,3 +148,21 @@ def test_step_stats():
     assert set(llm.step_stats) <= {"prefill", "mixed", "decode"} and "decode" in llm.step_stats
     assert sum(v[1] for v in llm.step_stats.values()) == 13 + 2 * 2  # every prompt token, then the decodes
     assert "decode" in llm.step_report()
+
+
+def test_step_stats_count_garbage_collection_inside_steps():
+    import gc
+
+    llm = make(max_num_seqs=3, max_num_batched_tokens=8)
+    inner = llm.runner.run
+
+    def run_with_a_collection(batch):
+        gc.collect()  # a full collection inside the step's forward
+        return inner(batch)
+
+    llm.runner.run = run_with_a_collection
+    llm.generate([[1] * 3], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    gc_s = sum(v[6] for v in llm.step_stats.values())
+    forward_s = sum(v[3] for v in llm.step_stats.values())
+    assert 0 < gc_s <= forward_s
+    assert "(gc)" in llm.step_report()

@@ -449,6 +449,28 @@ def test_take_step_report_counts_the_steps_since_the_last_call():
     report, steps, busy = loadgen.take_step_report(backend)
     assert steps == 5 and busy > 0 and "decode" in report and "prefill" in report
     assert loadgen.take_step_report(backend)[1:] == (0, 0)  # cleared
+    assert "garbage collector:" in report and "between steps" not in report  # the latter: engine process only
+
+
+def test_take_step_report_in_the_engine_process_has_the_time_between_steps():
+    import functools
+
+    from speedcore.engine.sampling_params import SamplingParams
+    from speedcore.server import loadgen
+    from speedcore.server.engine_process import RemoteBackend
+
+    backend = RemoteBackend(functools.partial(make_fake_llm, max_model_len=64, max_num_seqs=4), start_timeout=120)
+    try:
+        backend.add("a", None, [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+        done = False
+        while not done:
+            done = any(d.finished for d in backend.step())
+        report, steps, busy = backend.run_call(loadgen.take_step_report)
+        assert steps == 6 and busy > 0
+        line = [ln for ln in report.splitlines() if ln.startswith("between steps")]
+        assert line and "commands" in line[0] and "reply" in line[0]
+    finally:
+        backend.close()
 
 
 def test_cli_serve_stops_cleanly_on_ctrl_c():

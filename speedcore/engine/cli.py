@@ -202,7 +202,8 @@ def bench_main(args) -> int:
                    total_tok_per_s=(n_in + n_out) / elapsed, ttft_s=_pct(ttft), itl_s=_pct(itl),
                    startup_s=dict(total=startup, **llm.timings), kv_blocks=llm.num_gpu_blocks,
                    preemptions=llm.scheduler.num_preemptions, roofline=roof, profile=args.profile,
-                   steps={k: dict(zip(("steps", "tokens", "schedule_s", "forward_s", "sample_s", "post_s"), v))
+                   steps={k: dict(zip(("steps", "tokens", "schedule_s", "forward_s", "sample_s", "post_s", "gc_s"),
+                                          v))
                           for k, v in llm.step_stats.items()},
                    roofline_fraction=roof["roofline_s"] / elapsed, weight_bytes=weight_bytes,
                    quantization=(llm.config.quantization.method if llm.config.quantization else None),

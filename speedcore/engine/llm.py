@@ -1,6 +1,7 @@
 """``speedcore.LLM``: offline generation, named as vLLM's ``LLM`` (generate, chat, SamplingParams, RequestOutput)."""
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,24 @@ from .config import ModelConfig, load_config, preset_config
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
+
+
+# Time in Python's cyclic garbage collector, process-wide: [collections, seconds, start of the one running].  The
+# step report shows each step kind's share (an engine's heap is large: one full collection can cost milliseconds).
+_GC_CLOCK = [0, 0.0, 0.0]
+
+
+def _gc_timer(phase, info) -> None:
+    if phase == "start":
+        _GC_CLOCK[2] = time.perf_counter()
+    else:
+        _GC_CLOCK[0] += 1
+        _GC_CLOCK[1] += time.perf_counter() - _GC_CLOCK[2]
+
+
+def gc_clock() -> tuple:
+    """(collections, seconds) of Python's garbage collector in this process since the first engine started."""
+    return _GC_CLOCK[0], _GC_CLOCK[1]
 
 
 @dataclass
@@ -220,6 +239,11 @@ class LLM:
             self.close()
             raise
         self._init_state(nb, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
+        # What start-up made (modules, weights' wrappers, graphs, plans) lives as long as the engine: out of the
+        # collector's generations, so that a full collection during serving walks only the requests' objects
+        # (vLLM freezes its heap after start-up for the same reason).
+        gc.collect()
+        gc.freeze()
         self.timings["startup_s"] = time.perf_counter() - t_start
         tp = f" tensor_parallel_size {self.parallel.size}, per rank:" if self.parallel.size > 1 else ""
         self.log(f"speedcore.LLM: {cfg.architecture}{tp} weights on the GPU {self.model.nbytes() / 1e9:.2f} GB "
@@ -263,6 +287,8 @@ class LLM:
         from .sampler import sample
 
         self.step_stats = {}
+        if _gc_timer not in gc.callbacks:
+            gc.callbacks.append(_gc_timer)
         self.profile = False  # True: NVTX range per step, and a sync after each forward (GPU time per phase)
         self._nvtx = None
         try:
@@ -326,8 +352,7 @@ class LLM:
             runner.close()
         self.runner = self.model = None
         if _collect:  # arrays still referenced from cycles (not from __del__: no collection inside a collection)
-            import gc
-
+            gc.unfreeze()  # this engine's start-up objects, frozen after it: collectable again
             gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
         cp.get_default_pinned_memory_pool().free_all_blocks()
@@ -435,6 +460,7 @@ class LLM:
         """One engine step; returns the requests that got a token."""
         cp = self._cp
         t0 = time.perf_counter()
+        gc0 = _GC_CLOCK[1]
         batch: ScheduledBatch = self.scheduler.schedule()
         if not batch:
             if batch.preempted:  # a sequence gave its blocks back this step: it is admitted again next step
@@ -460,7 +486,7 @@ class LLM:
             t2 = time.perf_counter()
             done = self.scheduler.advance(batch)
             if not done:
-                self._account(kind, batch, t1 - t0, t2 - t1, 0.0, 0.0)
+                self._account(kind, batch, t1 - t0, t2 - t1, 0.0, 0.0, _GC_CLOCK[1] - gc0)
                 return []
             reqs = [reqs_by_seq[s.seq_id] for s in done]
             # min_tokens: no EOS / stop token before it
@@ -476,8 +502,9 @@ class LLM:
             res = self._sample(logits, [r.params for r in reqs], [r.seq.seed for r in reqs],
                                [r.seq.num_output_tokens for r in reqs])
         now = t3 = time.perf_counter()
+        tokens = res.tokens.tolist()  # Python ints at once (one numpy scalar per row costs more)
         for r_i, r in enumerate(reqs):
-            tok = int(res.tokens[r_i])
+            tok = tokens[r_i]
             r.seq.token_ids.append(tok)
             r.new_ids.append(tok)
             m = r.metrics
@@ -499,26 +526,28 @@ class LLM:
                     r.new_text += tail
                 self.scheduler.finish(r.seq, reason)
                 m.finished_time = now
-        self._account(kind, batch, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        self._account(kind, batch, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, _GC_CLOCK[1] - gc0)
         return reqs
 
-    def _account(self, kind, batch, schedule_s, forward_s, sample_s, post_s) -> None:
+    def _account(self, kind, batch, schedule_s, forward_s, sample_s, post_s, gc_s=0.0) -> None:
         """Per step kind: steps, tokens, seconds in scheduling, the forward (host enqueue time; with profile=True
-        its GPU time too), sampling (waits for the GPU when not profiling) and bookkeeping."""
-        st = self.step_stats.setdefault(kind, [0, 0, 0.0, 0.0, 0.0, 0.0])
+        its GPU time too), sampling (waits for the GPU when not profiling) and bookkeeping, and the seconds of
+        garbage collection inside those four."""
+        st = self.step_stats.setdefault(kind, [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0])
         st[0] += 1
         st[1] += batch.total_tokens
         st[2] += schedule_s
         st[3] += forward_s
         st[4] += sample_s
         st[5] += post_s
+        st[6] += gc_s
 
     def step_report(self) -> str:
         lines = [f"{'step kind':16s} {'steps':>7s} {'tokens':>9s} {'ms/step: schedule':>18s} {'forward':>8s} "
-                 f"{'sample':>8s} {'post':>8s}"]
-        for kind, (n, tok, a, b, c, d) in sorted(self.step_stats.items()):
+                 f"{'sample':>8s} {'post':>8s} {'(gc)':>8s}"]
+        for kind, (n, tok, a, b, c, d, g) in sorted(self.step_stats.items()):
             lines.append(f"{kind:16s} {n:7d} {tok:9d} {1e3 * a / n:18.3f} {1e3 * b / n:8.3f} {1e3 * c / n:8.3f} "
-                         f"{1e3 * d / n:8.3f}")
+                         f"{1e3 * d / n:8.3f} {1e3 * g / n:8.3f}")
         return "\n".join(lines)
 
     def _normalize(self, prompts, sampling_params):

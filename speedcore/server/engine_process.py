@@ -54,11 +54,18 @@ def _engine_main(conn, factory) -> None:
     sender = threading.Thread(target=_send_all, args=(conn, outbox), name="speedcore-engine-sender", daemon=True)
     sender.start()
     send = outbox.put
+    clock = time.perf_counter
+    # seconds between steps while busy: taking commands (adds, aborts), queueing the step's reply (take_step_report)
+    backend.loop_s = loop_s = {"commands": 0.0, "reply": 0.0}
     try:
         while True:
             out: List[tuple] = []  # Delta rows
+            t0 = clock()
+            busy = backend.has_unfinished()
             # idle: sleep until a message comes; busy: only what has already arrived, then the next step
             while not backend.has_unfinished() or conn.poll():
+                if not backend.has_unfinished():
+                    busy = False  # this pass's time is mostly waiting: not counted
                 msg = conn.recv()
                 kind = msg[0]
                 if kind == "cmds":
@@ -81,12 +88,16 @@ def _engine_main(conn, factory) -> None:
                     return
                 if out and not backend.has_unfinished():
                     break  # refused requests only: answer them now
+            if busy:
+                loop_s["commands"] += clock() - t0
             if backend.has_unfinished():
                 try:
                     out += backend.step_rows()
                 except Exception as e:
                     out += [d.row() for d in backend.fail_all(f"the engine step failed: {type(e).__name__}: {e}")]
+            t1 = clock()
             send(("deltas", out, backend.stats()))
+            loop_s["reply"] += clock() - t1
     except (EOFError, OSError):  # the parent went away
         return
     finally:

@@ -127,12 +127,24 @@ def offline_generate(backend, prompts, max_tokens, warmup_rows: int = 0) -> tupl
 
 def take_step_report(backend) -> tuple:
     """(the engine's step report since the last call, steps, seconds inside them): what the steps of a run cost, by
-    kind and phase (LLM.step_report), to set beside the run's wall time; the counts start again from zero."""
+    kind and phase (LLM.step_report), to set beside the run's wall time, with the engine process's time between
+    steps and the garbage collector's in all; the counts start again from zero."""
+    from ..engine.llm import gc_clock
+
     llm = backend.llm
     stats = llm.step_stats
     steps, busy = sum(v[0] for v in stats.values()), sum(sum(v[2:6]) for v in stats.values())
     report = llm.step_report()
     stats.clear()
+    loop_s = getattr(backend, "loop_s", None)  # set by the engine process's loop
+    if loop_s and steps:
+        report += "\nbetween steps, ms/step: " + ", ".join(f"{k} {1e3 * v / steps:.3f}" for k, v in loop_s.items())
+        for k in loop_s:
+            loop_s[k] = 0.0
+    n_gc, gc_s = gc_clock()
+    n0, s0 = getattr(backend, "gc_mark", (0, 0.0))
+    backend.gc_mark = (n_gc, gc_s)
+    report += f"\ngarbage collector: {n_gc - n0} collections, {1e3 * (gc_s - s0):.1f} ms in all"
     return report, steps, busy
 
 
