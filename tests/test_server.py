@@ -449,7 +449,7 @@ def test_take_step_report_counts_the_steps_since_the_last_call():
     report, steps, busy = loadgen.take_step_report(backend)
     assert steps == 5 and busy > 0 and "decode" in report and "prefill" in report
     assert loadgen.take_step_report(backend)[1:] == (0, 0)  # cleared
-    assert "garbage collector:" in report and "between steps" not in report  # the latter: engine process only
+    assert "garbage collector, generation" in report and "between steps" not in report  # the latter: engine process only
 
 
 def test_take_step_report_in_the_engine_process_has_the_time_between_steps():

@@ -17,22 +17,28 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
 
 
-# Time in Python's cyclic garbage collector, process-wide: [collections, seconds, start of the one running].  The
-# step report shows each step kind's share (an engine's heap is large: one full collection can cost milliseconds).
-_GC_CLOCK = [0, 0.0, 0.0]
+# Time in Python's cyclic garbage collector, process-wide: per generation [collections, seconds], and the start of
+# the collection running.  The step report shows each step kind's share (an engine's heap is large: one full
+# collection can cost milliseconds).
+_GC_CLOCK = [[0, 0.0], [0, 0.0], [0, 0.0], 0.0]
+_GC_SECONDS = [0.0]  # all generations: what a step reads before and after itself
 
 
 def _gc_timer(phase, info) -> None:
     if phase == "start":
-        _GC_CLOCK[2] = time.perf_counter()
+        _GC_CLOCK[3] = time.perf_counter()
     else:
-        _GC_CLOCK[0] += 1
-        _GC_CLOCK[1] += time.perf_counter() - _GC_CLOCK[2]
+        dt = time.perf_counter() - _GC_CLOCK[3]
+        gen = _GC_CLOCK[min(2, int(info.get("generation", 2)))]
+        gen[0] += 1
+        gen[1] += dt
+        _GC_SECONDS[0] += dt
 
 
 def gc_clock() -> tuple:
-    """(collections, seconds) of Python's garbage collector in this process since the first engine started."""
-    return _GC_CLOCK[0], _GC_CLOCK[1]
+    """((collections, seconds) of generation 0, 1, 2) of Python's garbage collector in this process since the
+    first engine started."""
+    return tuple((n, s) for n, s in _GC_CLOCK[:3])
 
 
 @dataclass
@@ -460,7 +466,7 @@ class LLM:
         """One engine step; returns the requests that got a token."""
         cp = self._cp
         t0 = time.perf_counter()
-        gc0 = _GC_CLOCK[1]
+        gc0 = _GC_SECONDS[0]
         batch: ScheduledBatch = self.scheduler.schedule()
         if not batch:
             if batch.preempted:  # a sequence gave its blocks back this step: it is admitted again next step
@@ -486,7 +492,7 @@ class LLM:
             t2 = time.perf_counter()
             done = self.scheduler.advance(batch)
             if not done:
-                self._account(kind, batch, t1 - t0, t2 - t1, 0.0, 0.0, _GC_CLOCK[1] - gc0)
+                self._account(kind, batch, t1 - t0, t2 - t1, 0.0, 0.0, _GC_SECONDS[0] - gc0)
                 return []
             reqs = [reqs_by_seq[s.seq_id] for s in done]
             # min_tokens: no EOS / stop token before it
@@ -526,7 +532,7 @@ class LLM:
                     r.new_text += tail
                 self.scheduler.finish(r.seq, reason)
                 m.finished_time = now
-        self._account(kind, batch, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, _GC_CLOCK[1] - gc0)
+        self._account(kind, batch, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, _GC_SECONDS[0] - gc0)
         return reqs
 
     def _account(self, kind, batch, schedule_s, forward_s, sample_s, post_s, gc_s=0.0) -> None:

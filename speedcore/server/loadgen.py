@@ -141,10 +141,11 @@ def take_step_report(backend) -> tuple:
         report += "\nbetween steps, ms/step: " + ", ".join(f"{k} {1e3 * v / steps:.3f}" for k, v in loop_s.items())
         for k in loop_s:
             loop_s[k] = 0.0
-    n_gc, gc_s = gc_clock()
-    n0, s0 = getattr(backend, "gc_mark", (0, 0.0))
-    backend.gc_mark = (n_gc, gc_s)
-    report += f"\ngarbage collector: {n_gc - n0} collections, {1e3 * (gc_s - s0):.1f} ms in all"
+    now = gc_clock()
+    before = getattr(backend, "gc_mark", ((0, 0.0),) * 3)
+    backend.gc_mark = now
+    report += "\ngarbage collector, generation: collections, ms in all: " + "; ".join(
+        f"{g}: {n - n0}, {1e3 * (s - s0):.1f}" for g, ((n, s), (n0, s0)) in enumerate(zip(now, before)))
     return report, steps, busy
 
 
