@@ -31,11 +31,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--unfreeze", action="store_true", help="undo the engine's gc.freeze() after start-up")
+    ap.add_argument("--threshold2", type=int, default=0, help="gc.set_threshold's third value (default kept)")
     a = ap.parse_args()
     from speedcore.engine import LLM, SamplingParams
     from speedcore.engine.llm import gc_clock
 
     llm = LLM(f"preset:{a.preset}", max_model_len=1024 + 256 + 64, max_num_seqs=256)
+    if a.unfreeze:
+        gc.unfreeze()
+    if a.threshold2:
+        t0, t1, _ = gc.get_threshold()
+        gc.set_threshold(t0, t1, a.threshold2)
     rng = np.random.default_rng(0)
     V = llm.config.vocab_size
     prompts = [rng.integers(0, V, int(n)).tolist() for n in rng.integers(32, 1025, a.requests)]
@@ -57,7 +64,7 @@ def main():
     llm.generate(prompts, [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0) for m in outs],
                  use_tqdm=False)
     g1 = gc_clock()
-    print(f"{seen[0]} steps in {time.perf_counter() - t:.1f} s; collections, ms by generation:",
+    print(f"unfreeze {a.unfreeze} threshold2 {a.threshold2}: {seen[0]} steps in {time.perf_counter() - t:.1f} s; collections, ms by generation:",
           [(n1 - n0, round(1e3 * (s1 - s0), 1)) for (n0, s0), (n1, s1) in zip(g0, g1)])
 
 
