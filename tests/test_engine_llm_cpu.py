@@ -166,3 +166,23 @@ def test_step_stats_count_garbage_collection_inside_steps():
     forward_s = sum(v[3] for v in llm.step_stats.values())
     assert 0 < gc_s <= forward_s
     assert "(gc)" in llm.step_report()
+
+
+def test_settle_heap_freezes_and_makes_full_collections_rarer():
+    import gc
+
+    from speedcore.engine.llm import settle_heap
+
+    old = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        junk = [[i] for i in range(1000)]  # tracked objects made "at start-up"
+        settle_heap()
+        assert gc.get_freeze_count() >= len(junk)
+        assert gc.get_threshold() == (700, 10, 100)
+        gc.set_threshold(700, 10, 0)  # the collector's full collections off: left so
+        settle_heap()
+        assert gc.get_threshold() == (700, 10, 0)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*old)

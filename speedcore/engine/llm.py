@@ -22,6 +22,7 @@ from .sequence import Sequence, Status
 # collection can cost milliseconds).
 _GC_CLOCK = [[0, 0.0], [0, 0.0], [0, 0.0], 0.0]
 _GC_SECONDS = [0.0]  # all generations: what a step reads before and after itself
+_GC_FULL_EVERY = 100  # generation-1 collections between full ones, once an engine has started (default 10)
 
 
 def _gc_timer(phase, info) -> None:
@@ -39,6 +40,23 @@ def gc_clock() -> tuple:
     """((collections, seconds) of generation 0, 1, 2) of Python's garbage collector in this process since the
     first engine started."""
     return tuple((n, s) for n, s in _GC_CLOCK[:3])
+
+
+def settle_heap() -> None:
+    """After an engine's start-up: its objects out of the garbage collector's way (see the comments)."""
+    # What start-up made (modules, weights' wrappers, graphs, plans) lives as long as the engine: out of the
+    # collector's generations, so that a full collection during serving walks only the requests' objects
+    # (vLLM freezes its heap after start-up for the same reason).
+    gc.collect()
+    gc.freeze()
+    # And full collections ten times rarer: frozen objects no longer count towards the heap whose growth by a
+    # quarter triggers one, so with the default threshold a busy engine ran one every ~250 steps, 60-100 ms
+    # each (its requests' token lists, the plans' closures), a stall in every stream.  H200, 1B preset, the
+    # serve bench's 2000-request offline workload (benchmarks/probes/gc_census.py): 4 automatic full
+    # collections, 0.30 s, against none; the young generations still collect as before.
+    g0, g1, g2 = gc.get_threshold()
+    if 0 < g2 < _GC_FULL_EVERY:
+        gc.set_threshold(g0, g1, _GC_FULL_EVERY)
 
 
 @dataclass
@@ -245,11 +263,7 @@ class LLM:
             self.close()
             raise
         self._init_state(nb, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
-        # What start-up made (modules, weights' wrappers, graphs, plans) lives as long as the engine: out of the
-        # collector's generations, so that a full collection during serving walks only the requests' objects
-        # (vLLM freezes its heap after start-up for the same reason).
-        gc.collect()
-        gc.freeze()
+        settle_heap()
         self.timings["startup_s"] = time.perf_counter() - t_start
         tp = f" tensor_parallel_size {self.parallel.size}, per rank:" if self.parallel.size > 1 else ""
         self.log(f"speedcore.LLM: {cfg.architecture}{tp} weights on the GPU {self.model.nbytes() / 1e9:.2f} GB "
