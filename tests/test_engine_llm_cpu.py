@@ -186,3 +186,15 @@ def test_settle_heap_freezes_and_makes_full_collections_rarer():
     finally:
         gc.unfreeze()
         gc.set_threshold(*old)
+
+
+def test_prompt_ids_as_an_int64_array_are_checked_like_a_list():
+    import array
+
+    llm = make(max_num_seqs=2, max_num_batched_tokens=8)
+    ok = llm._add(0, {"prompt": None, "prompt_token_ids": array.array("q", [1, 2, 3])}, SamplingParams(max_tokens=2))
+    assert ok.error is None and ok.seq.token_ids == [1, 2, 3] and type(ok.seq.token_ids[0]) is int
+    bad = llm._add(1, {"prompt": None, "prompt_token_ids": array.array("q", [1, -4])}, SamplingParams(max_tokens=2))
+    assert bad.error is not None and "-4..1" in bad.error
+    empty = llm._add(2, {"prompt": None, "prompt_token_ids": array.array("q")}, SamplingParams(max_tokens=2))
+    assert empty.error == "the prompt is empty"

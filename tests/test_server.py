@@ -517,3 +517,30 @@ def test_cli_serve_stops_cleanly_on_ctrl_c():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_engine_process_prompt_ids_travel_packed_and_bad_ones_are_refused():
+    """Prompt ids cross the pipe as an int64 array; the engine's checks still name what is wrong, and ids too big
+    for int64 travel as a list to be refused the same way."""
+    import functools
+
+    from speedcore.engine.sampling_params import SamplingParams
+    from speedcore.server.engine_process import RemoteBackend
+
+    backend = RemoteBackend(functools.partial(make_fake_llm, vocab_size=1000, max_model_len=64, max_num_seqs=4),
+                            start_timeout=120)
+    try:
+        sp = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+        backend.add("ok", None, [5, 6, 7], sp)
+        backend.add("neg", None, [5, -1], sp)
+        backend.add("big", None, [5, 1000], sp)
+        backend.add("huge", None, [5, 2 ** 70], sp)
+        got = {}
+        while len([d for d in got.values() if d.finished]) < 4:
+            for d in backend.step():
+                got[d.request_id] = got[d.request_id].merge(d) if d.request_id in got else d
+        assert got["ok"].token_ids == [8, 9, 10] and got["ok"].error is None
+        for rid, shown in (("neg", "-1..5"), ("big", "5..1000"), ("huge", f"5..{2 ** 70}")):
+            assert got[rid].finish_reason == "error" and "[0, 1000)" in got[rid].error and shown in got[rid].error
+    finally:
+        backend.close()

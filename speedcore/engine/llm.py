@@ -1,6 +1,7 @@
 """``speedcore.LLM``: offline generation, named as vLLM's ``LLM`` (generate, chat, SamplingParams, RequestOutput)."""
 from __future__ import annotations
 
+import array
 import gc
 import os
 import time
@@ -416,14 +417,20 @@ class LLM:
                 why = "text prompts need a tokenizer (this engine has none: pass token ids)"
             else:
                 ids = self.tokenizer.encode(text)
+        packed = None  # ids as an int64 array (the engine process's pipe sends them so): range checked in NumPy
+        if isinstance(ids, array.array) and ids.typecode == "q":
+            packed = np.frombuffer(ids, dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
+            ids = packed.tolist()
         ids = list(ids or [])
         if why is None:
             if not ids:
                 why = "the prompt is empty"
             elif len(ids) >= self.max_model_len:
                 why = f"the prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room for output"
-            elif min(ids) < 0 or max(ids) >= self.config.vocab_size:
-                why = f"token ids must lie in [0, {self.config.vocab_size}), got {min(ids)}..{max(ids)}"
+            else:
+                lo, hi = (int(packed.min()), int(packed.max())) if packed is not None else (min(ids), max(ids))
+                if lo < 0 or hi >= self.config.vocab_size:
+                    why = f"token ids must lie in [0, {self.config.vocab_size}), got {lo}..{hi}"
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 63))
         seq = Sequence(ids, params, seed=seed, request_id=str(self._next_id))
         self._next_id += 1

@@ -15,6 +15,7 @@ exit code.
 """
 from __future__ import annotations
 
+import array
 import multiprocessing as mp
 import queue
 import signal
@@ -195,7 +196,11 @@ class RemoteBackend:
 
     # -- LLMBackend's interface ---------------------------------------------------------------------------------
     def add(self, request_id: str, prompt, prompt_token_ids, params) -> Optional[Delta]:
-        self._pending.append(("add", request_id, prompt, list(prompt_token_ids), params))
+        try:  # int64 array: pickled as bytes, unpickled ~9x faster than a list of ints, range-checked in NumPy
+            ids = array.array("q", prompt_token_ids)
+        except (OverflowError, TypeError):  # not int64-sized ints: as a list, for the engine to refuse
+            ids = list(prompt_token_ids)
+        self._pending.append(("add", request_id, prompt, ids, params))
         self._unfinished.add(request_id)
         return None  # a refused request comes back as a finished Delta from a later step
 
