@@ -64,8 +64,8 @@ def main():
     llm.generate(prompts, [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0) for m in outs],
                  use_tqdm=False)
     g1 = gc_clock()
-    print(f"unfreeze {a.unfreeze} threshold2 {a.threshold2}: {seen[0]} steps in {time.perf_counter() - t:.1f} s; collections, ms by generation:",
-          [(n1 - n0, round(1e3 * (s1 - s0), 1)) for (n0, s0), (n1, s1) in zip(g0, g1)])
+    print(f"unfreeze {a.unfreeze} threshold2 {a.threshold2}: {seen[0]} steps in {time.perf_counter() - t:.1f} s; "
+          "collections, ms by generation:", [(n1 - n0, round(1e3 * (s1 - s0), 1)) for (n0, s0), (n1, s1) in zip(g0, g1)])
 
 
 if __name__ == "__main__":

@@ -18,20 +18,20 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
 
 
-# Time in Python's cyclic garbage collector, process-wide: per generation [collections, seconds], and the start of
-# the collection running.  The step report shows each step kind's share (an engine's heap is large: one full
-# collection can cost milliseconds).
-_GC_CLOCK = [[0, 0.0], [0, 0.0], [0, 0.0], 0.0]
-_GC_SECONDS = [0.0]  # all generations: what a step reads before and after itself
+# Time in Python's cyclic garbage collector, process-wide: [collections, seconds] per generation.  The step report
+# shows each step kind's share (an engine's heap is large: one full collection can cost milliseconds).
+_GC_CLOCK = [[0, 0.0], [0, 0.0], [0, 0.0]]
+_GC_START = [0.0]  # when the running collection began
+_GC_SECONDS = [0.0]  # the three generations' seconds in one figure: what a step reads before and after itself
 _GC_FULL_EVERY = 100  # generation-1 collections between full ones, once an engine has started (default 10)
 
 
 def _gc_timer(phase, info) -> None:
     if phase == "start":
-        _GC_CLOCK[3] = time.perf_counter()
+        _GC_START[0] = time.perf_counter()
     else:
-        dt = time.perf_counter() - _GC_CLOCK[3]
-        gen = _GC_CLOCK[min(2, int(info.get("generation", 2)))]
+        dt = time.perf_counter() - _GC_START[0]
+        gen = _GC_CLOCK[info["generation"]]
         gen[0] += 1
         gen[1] += dt
         _GC_SECONDS[0] += dt
@@ -40,7 +40,7 @@ def _gc_timer(phase, info) -> None:
 def gc_clock() -> tuple:
     """((collections, seconds) of generation 0, 1, 2) of Python's garbage collector in this process since the
     first engine started."""
-    return tuple((n, s) for n, s in _GC_CLOCK[:3])
+    return tuple((n, s) for n, s in _GC_CLOCK)
 
 
 def settle_heap() -> None:
@@ -421,7 +421,8 @@ class LLM:
         if isinstance(ids, array.array) and ids.typecode == "q":
             packed = np.frombuffer(ids, dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
             ids = packed.tolist()
-        ids = list(ids or [])
+        else:
+            ids = list(ids or [])
         if why is None:
             if not ids:
                 why = "the prompt is empty"
