@@ -1,16 +1,23 @@
 """Are greedy outputs of one prompt the same from run to run?  (The 8B serve identity check failed at 4c9c8e5:
 two server requests of one prompt, each after a prefix-cache reset, disagreed.)  One engine per configuration
 (--chain 0/1: SPEEDCORE_CHAIN_LAUNCHES, --eager), each prompt generated alone --repeats times with the prefix
-cache reset before each, other traffic in between (a batch of random prompts, so that KV pages are reused); prints
-how many distinct outputs each prompt gave and where the first one diverges.
+cache reset before each, other traffic in between (a batch of random prompts, so that KV pages are reused; --dirty N
+prompts after the first repeat, optionally followed by filling the KV cache with zeros or NaN); prints how many
+distinct outputs each prompt gave and where the later runs and one batched run diverge from the first.
 
     python benchmarks/probes/determinism_probe.py --preset llama-3-8b --chain 1
+    python benchmarks/probes/determinism_probe.py --gpu-memory-utilization 0.85 --dirty 3000 --after-dirty nan
 """
 import argparse
 import os
 import sys
 
 import numpy as np
+
+
+def diverges(first, other):
+    """The first step where ``other`` leaves ``first`` (None: never)."""
+    return next((t for t in range(len(first)) if t >= len(other) or other[t] != first[t]), None)
 
 
 def main():
@@ -29,19 +36,21 @@ def main():
     os.environ["SPEEDCORE_CHAIN_LAUNCHES"] = a.chain
     from speedcore.engine import LLM, SamplingParams
 
-    llm = LLM(f"preset:{a.preset}", max_model_len=2048, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.eager,
-              log=lambda m: None)
+    llm = LLM(f"preset:{a.preset}", max_model_len=2048, gpu_memory_utilization=a.gpu_memory_utilization,
+              enforce_eager=a.eager, log=lambda m: None)
     rng = np.random.default_rng(0)
-    V = 120000
+    V = 120000  # ordinary token ids (the presets' specials start at 128000); the prompts docs/server.md reports
     sp = SamplingParams(temperature=0.0, max_tokens=32)
     prompts = [rng.integers(0, V, int(rng.integers(8, 200))).tolist() for _ in range(a.prompts)]
     outs = [[] for _ in prompts]
     for r in range(a.repeats):
         for i, ids in enumerate(prompts):
             llm.block_manager.reset_prefix_cache()
-            outs[i].append(tuple(llm.generate([dict(prompt_token_ids=ids)], sp, use_tqdm=False)[0].outputs[0].token_ids))
+            out = llm.generate([dict(prompt_token_ids=ids)], sp, use_tqdm=False)[0].outputs[0]
+            outs[i].append(tuple(out.token_ids))
         if r == 0 and a.dirty:
-            big = [dict(prompt_token_ids=rng.integers(0, V, int(rng.integers(100, 1024))).tolist()) for _ in range(a.dirty)]
+            big = [dict(prompt_token_ids=rng.integers(0, V, int(rng.integers(100, 1024))).tolist())
+                   for _ in range(a.dirty)]
             llm.generate(big, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
             if a.after_dirty != "none":
                 llm.runner.kv.fill(0 if a.after_dirty == "zero" else float("nan"))
@@ -55,12 +64,10 @@ def main():
                                                                     use_tqdm=False)]
     tag = f"{a.preset} chain={a.chain} eager={a.eager}"
     for i, runs in enumerate(outs):
-        first = runs[0]
-        div = [next((t for t in range(len(first)) if t >= len(o) or o[t] != first[t]), None) for o in runs[1:]]
-        bdiv = next((t for t in range(len(first)) if batched[i][t] != first[t]), None)
         print(f"{tag} prompt {i} (len {len(prompts[i])}): {len(set(runs))} distinct of {len(runs)}; "
-              f"repeats diverge at {div}; batched run diverges at {bdiv}", flush=True)
-    llm.close() if hasattr(llm, "close") else None
+              f"repeats diverge at {[diverges(runs[0], o) for o in runs[1:]]}; "
+              f"batched run diverges at {diverges(runs[0], batched[i])}", flush=True)
+    llm.close()
     return 0
 
 
