@@ -143,6 +143,30 @@ def test_eager_and_graphs_give_identical_tokens(checkpoint):
     assert got[True] == got[False]
 
 
+def test_graph_pool_holds_only_graph_outputs_and_counters_stay_zero(checkpoint):
+    """The decode graphs share one memory pool (each one's activations reuse the others' blocks): a per-stream
+    scratch buffer grown there was overwritten by another graph's replay (floats over the split-K tickets: later
+    GEMMs reduced early, the 8B serve identity failure).  Only the graphs' logits may stay allocated in that pool,
+    and every zeroed counter buffer is zero after graph and eager steps."""
+    import cupy
+
+    from speedcore import SamplingParams, _arrays
+
+    family, path = checkpoint[:2]
+    if family != "llama":
+        pytest.skip("one family suffices")
+    with _llm(path) as llm:
+        runner = llm.runner
+        outputs = sum(lg.data.mem.size for _, lg in runner.graphs.values())
+        assert runner.graph_pool.used_bytes() == outputs
+        llm.generate(_prompts(8), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        runner.stream.synchronize()
+        counters = [(k[0], b) for k, b in _arrays._stream_buffers.items() if "tickets" in k[0] or k[0].endswith(
+            "_tiles")]
+        for kind, buf in counters:
+            assert int(cupy.count_nonzero(cupy.asarray(buf.obj))) == 0, kind
+
+
 def test_seeded_sampling_is_reproducible_and_bad_requests_fail_alone(checkpoint):
     from speedcore import SamplingParams
 

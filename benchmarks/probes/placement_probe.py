@@ -103,12 +103,54 @@ def main():
     junk = [cupy.full(int(n), np.nan, np.float32) for n in rng.integers(1 << 16, 1 << 24, 64)]
     del junk
     record("low after NaN pool", low)
+    from speedcore import _arrays
+
+    zeroed_kinds = ("tickets", "attention_tiles", "gemv_tickets", "paged_attention_tiles", "gemv_ws")
+
+    def zeroed_buffers():
+        """(kind, cupy array) of every zeroed per-stream scratch buffer, retired ones (graphs' copies) too."""
+        live = [(k[0], b) for k, b in _arrays._stream_buffers.items()]
+        return [(kind, cupy.asarray(b.obj)) for kind, b in live + list(zip([k[0] for k in _arrays._retired_keys],
+                                                                            _arrays._retired_buffers))
+                if kind in zeroed_kinds]
+
+    def counters():
+        """Non-zero entries of the zeroed scratch buffers (counters kernels must leave at zero)."""
+        out = {}
+        for i, (kind, arr) in enumerate(zeroed_buffers()):
+            host = cupy.asnumpy(arr)
+            nz = np.nonzero(host)[0]
+            if nz.size:
+                out[f"{kind}#{i}"] = (int(nz.size), nz[:8].tolist(), host[nz[:8]].tolist())
+        return out
+
+    print(f"counters before traffic: {counters()}", flush=True)
+    orig_run, step_no, leaks = runner.run, [0], [0]
+
+    def checked_run(batch, **kw):
+        lg = orig_run(batch, **kw)
+        runner.stream.synchronize()
+        step_no[0] += 1
+        c = counters()
+        if c:
+            leaks[0] += 1
+            if leaks[0] <= 5:
+                print(f"step {step_no[0]} (decode {batch.num_decode}, seqs {len(batch.seqs)}, tokens "
+                      f"{sum(batch.num_tokens)}, graphs {bool(runner.graphs)}) left counters {c}", flush=True)
+            for _, arr in zeroed_buffers():
+                arr.fill(0)
+            runner.stream.synchronize()
+        return lg
+
     if a.dirty:
+        runner.run = checked_run
         t0 = time.perf_counter()
         big = [dict(prompt_token_ids=rng.integers(0, V, int(rng.integers(100, 1024))).tolist())
                for _ in range(a.dirty)]
         llm.generate(big, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-        print(f"{a.dirty} dirty prompts in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{a.dirty} dirty prompts in {time.perf_counter() - t0:.0f} s ({step_no[0]} steps, {leaks[0]} left "
+              f"counters, reset each time)", flush=True)
+        runner.run = orig_run
     w1 = weights_fingerprint()
     print(f"weights fingerprint before {w0} after {w1}: {'same' if w0 == w1 else 'CHANGED'}", flush=True)
     record("low after dirty", low)
