@@ -358,21 +358,29 @@ def stream_buffer(kind: str, ref: Array, stream, n: int, dtype: str, *, min_n: i
             _retired_buffers.append(buf)
             _retired_keys.append(key)
         shape = (max(min_n, 1 << max(0, n - 1).bit_length()),)
-        if ref.lib == "torch" and not _torch_capturing():
-            # Scratch outlives the call, so it comes from CuPy's pool, not torch's allocator: torch.compile's
-            # CUDA graphs (cudagraph trees) allocate into a private pool and refuse to replay while a tensor of
-            # theirs that no graph output holds is still alive.  Zeroing runs on CuPy's stream: wait for it.
-            buf = empty(scratch_ref("cupy", ref.device), shape, dtype, kind, zeroed=zeroed)
-            if zeroed:
+        if _torch_capturing() if ref.lib == "torch" else _cupy_capturing():
+            buf = empty(ref, shape, dtype, kind, zeroed=zeroed)  # only the capturing library's allocator may run
+        else:
+            # Scratch outlives the call, so it comes from CuPy's default pool: not torch's allocator (torch.compile's
+            # CUDA graphs allocate into a private pool and refuse to replay while a tensor of theirs that no graph
+            # output holds is still alive), nor an allocator the caller set for its temporaries (the engine's decode
+            # graphs share one pool, whose blocks each graph's activations reuse: a replay wrote floats over split-K
+            # tickets grown there).
+            cupy = _cupy()
+            with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+                buf = empty(scratch_ref("cupy", ref.device), shape, dtype, kind, zeroed=zeroed)
+            if zeroed and ref.lib == "torch":  # zeroing ran on CuPy's stream: wait for it
                 _sync_device(ref.device)
-        else:  # inside a capture only the capturing library's allocator may run
-            buf = empty(ref, shape, dtype, kind, zeroed=zeroed)
         _stream_buffers[key] = buf
     return buf
 
 
 def _torch_capturing() -> bool:
     return bool(_torch().cuda.is_current_stream_capturing())
+
+
+def _cupy_capturing() -> bool:
+    return _cupy().cuda.get_current_stream().is_capturing()
 
 
 def _sync_device(device: int) -> None:

@@ -79,13 +79,16 @@ def test_stream_buffer_grows_and_keeps_outgrown_buffers(monkeypatch):
 
     made = []
 
+    import cupy
+
     def fake_empty(ref, shape, dtype, name, zeroed=False):
-        made.append(SimpleNamespace(numel=shape[0], zeroed=zeroed, lib=ref.lib))
+        made.append(SimpleNamespace(numel=shape[0], zeroed=zeroed, lib=ref.lib, allocator=cupy.cuda.get_allocator()))
         return made[-1]
 
     capturing, synced = [False], []
     monkeypatch.setattr(A, "empty", fake_empty)
     monkeypatch.setattr(A, "_torch_capturing", lambda: capturing[0])
+    monkeypatch.setattr(A, "_cupy_capturing", lambda: capturing[0])
     monkeypatch.setattr(A, "_sync_device", synced.append)
     monkeypatch.setattr(A, "_stream_buffers", {})
     monkeypatch.setattr(A, "_retired_buffers", [])
@@ -106,3 +109,13 @@ def test_stream_buffer_grows_and_keeps_outgrown_buffers(monkeypatch):
     monkeypatch.setattr(A, "_retired_keys", [("ws", "torch", 0, 1)])
     assert A.release_stream_buffers(s1) == 2 and not A._retired_buffers               # live + outgrown
     assert list(A._stream_buffers) == [("ws", "torch", 0, 2)]                          # the other stream's stays
+    # a CuPy caller's own allocator (the engine's decode graphs share a pool whose blocks their activations reuse)
+    # never holds scratch: it comes from the default pool; inside a capture, from the current allocator
+    capturing[0] = False
+    cref, graph_pool = SimpleNamespace(lib="cupy", device=0), cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(graph_pool.malloc):
+        c = A.stream_buffer("tickets", cref, s1, 10, "int32", min_n=16, zeroed=True)
+        capturing[0] = True
+        d = A.stream_buffer("tickets", cref, s1, 100, "int32", min_n=16)
+    assert c.allocator == cupy.get_default_memory_pool().malloc and c.lib == "cupy" and synced == [0]
+    assert d.allocator == graph_pool.malloc

@@ -269,32 +269,24 @@ class ModelRunner:
             self.graph_input[2 * mb:3 * mb] = -1  # slot -1: the warm-up runs write nothing to the cache
         self.graph_pool = cp.cuda.MemoryPool()
         gi = self.graph_input
-        with self.stream:
+        with cp.cuda.using_allocator(self.graph_pool.malloc), self.stream:
             for bs in reversed(buckets):  # largest first: the smaller ones reuse its freed blocks
                 offsets = {"input_ids": (0, (bs,)), "positions": (mb, (bs,)), "slot_mapping": (2 * mb, (bs,)),
                            "seq_lens": (3 * mb, (bs,)), "block_tables": (4 * mb, (bs, W))}
                 g = _Step(gi, offsets)
-                # warm-up: compiles and plans every launch outside the capture, and grows the per-stream scratch
-                # (split-K partials and tickets, attention workspaces) in the default pool.  Grown inside the
-                # graphs' shared pool, a scratch buffer could take blocks another graph's activations use: its
-                # replay wrote floats over the split-K tickets (8B serve identity failure, placement_probe.py)
-                self._forward(g, bs, None, None)
+                self._forward(g, bs, None, None)  # warm-up: compiles and plans every launch outside the capture
                 self.stream.synchronize()
-                with cp.cuda.using_allocator(self.graph_pool.malloc):
-                    self._capture(g, bs)
+                self.stream.begin_capture()
+                try:
+                    logits = self._forward(g, bs, None, None)
+                finally:
+                    graph = self.stream.end_capture()
+                self.graphs[bs] = (graph, logits)
         self.stream.synchronize()
         self._buckets = sorted(self.graphs)
         dt = time.perf_counter() - t0
         self.timings["capture_s"] = dt
         return dt
-
-    def _capture(self, g, bs: int) -> None:
-        self.stream.begin_capture()
-        try:
-            logits = self._forward(g, bs, None, None)
-        finally:
-            graph = self.stream.end_capture()
-        self.graphs[bs] = (graph, logits)
 
     def _replay(self, batch: ScheduledBatch):
         B = batch.num_decode
