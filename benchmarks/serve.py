@@ -12,7 +12,7 @@ Per preset (random weights with the word-per-token tokenizer, speedcore/server/f
    exactly its tokens, KV blocks and GPU memory back to their idle figures afterwards.
 
     python benchmarks/serve.py --preset llama-3.2-1b            # standalone, prints progress and a summary
-    python benchmarks/serve.py --preset llama-3-8b --requests 1000
+    python benchmarks/serve.py --preset llama-3-8b --requests 2000
     python -m speedcore bench serve --json benchmarks/results/h200.json   # as a suite (env: see cases())
     python benchmarks/serve.py --fake --requests 200 --concurrency 32     # no GPU: the CPU stand-in engine
 """
@@ -364,14 +364,15 @@ def _parser():
 
 def cases(b):
     """Suite mode: SPEEDCORE_SERVE_PRESETS (default llama-3.2-1b,llama-3-8b), SPEEDCORE_SERVE_REQUESTS (default
-    2000; 300 with --quick; the 8B preset gets half), SPEEDCORE_SERVE_ENGINE_PROCESS=0 (--no-engine-process)."""
+    2000, as the issue's acceptance names for every preset; 300 with --quick), SPEEDCORE_SERVE_ENGINE_PROCESS=0
+    (--no-engine-process)."""
     presets = os.environ.get("SPEEDCORE_SERVE_PRESETS", "llama-3.2-1b,llama-3-8b").split(",")
     n = int(os.environ.get("SPEEDCORE_SERVE_REQUESTS", 300 if b.quick else 2000))
 
     process = os.environ.get("SPEEDCORE_SERVE_ENGINE_PROCESS", "1") == "1"
 
     def case(b, preset):
-        opts = _parser().parse_args(["--preset", preset, "--requests", str(n // 2 if "8b" in preset else n)]
+        opts = _parser().parse_args(["--preset", preset, "--requests", str(n)]
                                     + ([] if process else ["--no-engine-process"]))
         r = run(opts)
         what = (f"{preset}, {opts.requests} streaming requests, {opts.concurrency} clients"
