@@ -5,7 +5,9 @@ peer of the same run.
 - bf16: batch-1 decode (tok/s, inter-token latency), offline throughput (256 prompts of 100-1024 tokens + 256
   each), TTFT of one 8191-token prompt, start-up with a warm kernel cache; each with its fraction of the roofline
   that ``bench-engine`` prints (weights and KV bytes at the copy rate, FLOPs at the GEMM rate);
-- quant: AWQ, GPTQ and INT8 batch-1 decode and weight memory against bf16's of the same run;
+- quant: AWQ, GPTQ and INT8 batch-1 decode and weight memory against bf16's of the same run (the default
+  quant_copies, "compact": one INT4 copy per linear); quant_copies: AWQ batch 1 and weight memory with
+  ``--quant-copies all`` (every layout copy) against the default's;
 - b64: batch-64 decode, AWQ against bf16; offline_quant: AWQ on the offline workload against bf16's;
 - hf_peer: transformers ``generate_batch`` (paged sdpa) on the offline workload, same prompts' shapes (~2.5 min).
 
@@ -81,7 +83,7 @@ def _tok_s(r):
 
 
 def cases(b):
-    want = set(os.environ.get("SPEEDCORE_ENGINE_CASES", "bf16,quant,b64,offline_quant").split(","))
+    want = set(os.environ.get("SPEEDCORE_ENGINE_CASES", "bf16,quant,quant_copies,b64,offline_quant").split(","))
     P = "Llama-3-8B preset"
     runs = {}  # (workload, quantization) -> result, shared by the cases that compare against it
 
@@ -125,6 +127,14 @@ def cases(b):
                 {peer: r16["weight_bytes"] / 1e9}, higher_is_better=False)
         return case
 
+    def awq_copies(b):
+        r, rc = run("b1 all copies", B1 + ["--quant-copies", "all"], "awq"), run("b1", B1, "awq")
+        peer = "AWQ with quant_copies compact (same run)"
+        rec(b, f"{P} AWQ g128 (random), every layout copy, batch 1, 128+256 tokens: output tok/s", "tok/s", _tok_s(r),
+            {peer: _tok_s(rc)}, frac=r["roofline_fraction"])
+        rec(b, f"{P} AWQ g128, every layout copy: weight memory on the GPU after load", "GB", r["weight_bytes"] / 1e9,
+            {peer: rc["weight_bytes"] / 1e9}, higher_is_better=False)
+
     def awq_b64(b):
         r16, r4 = run("b64", B64), run("b64", B64, "awq")
         rec(b, f"{P} AWQ g128 (random), batch 64, 128+256 tokens: output tok/s", "tok/s", _tok_s(r4),
@@ -143,6 +153,8 @@ def cases(b):
         todo.append(("engine bf16 offline", bf16_offline))
     if "quant" in want:
         todo += [(f"engine {q} batch 1", quant_b1(q)) for q in ("awq", "gptq", "int8")]
+    if "quant_copies" in want:
+        todo.append(("engine AWQ batch 1, every copy", awq_copies))
     if "b64" in want:
         todo.append(("engine AWQ batch 64", awq_b64))
     if "offline_quant" in want:

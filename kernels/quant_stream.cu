@@ -15,6 +15,14 @@
 //   over `splits` CTAs per block (fp32 partials in a zeroed workspace, last CTA by ticket writes y).
 // Single wave: the grid is sized so that every warp is resident at once (16 warps per SM at <= 128 registers)
 // and all warps have equal work, so there is no tail wave.
+//
+// WL = 1 (INT4 only): the same math on w4_wgmma_kernel's wgmma-major copy (kernels/quant_sm90.cu,
+// speedcore.quant.layouts.w4wgmma_pack_reference), so that an sm_90 layer can keep that copy alone ("compact"
+// prepacking: one INT4 copy for every M).  Its words hold the same nibbles per A register as the fragment-major
+// layout but at the true mma k slots (2c, 2c+1, 2c+8, 2c+9), and one 16-byte load per lane is one tile's four k16
+// steps (of 64 k) instead of one k16 step's four tiles: a 128-k chunk is still eight 16-byte loads per lane (two
+// 2 KB pieces, 8 KB apart), the lane's x words are two 4-byte loads per k16 step, and its group records are in
+// (block / 4, group, block % 4) order.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/quant.cuh"
@@ -28,6 +36,18 @@ namespace quant {
 template <int KIND, int MT> struct StreamWarps {
   static constexpr int MAX = (KIND == KIND_INT4 && MT == 2) ? 12 : 16;
 };
+
+// The lane's four tiles' weight words of k16 step 2u + h of a chunk held in wv (see load_w in gemv_stream_kernel).
+template <int WL>
+__device__ __forceinline__ uint4 step_words(const uint4 (&wv)[kStreamChunkSteps][2], int u, int h) {
+  if constexpr (WL == 0) {
+    return wv[u][h];
+  } else {
+    const int st = 2 * u + h, p = st >> 2, s = st & 3;
+    return make_uint4(sc::word(wv[2 * p][0], s), sc::word(wv[2 * p][1], s), sc::word(wv[2 * p + 1][0], s),
+                      sc::word(wv[2 * p + 1][1], s));
+  }
+}
 
 // volatile: the compiler keeps every load of a chunk ahead of the math (left to itself it sinks some of them
 // next to their first use, which puts a second memory round trip into every chunk).
@@ -62,8 +82,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // SM instead of NBC (at M = 16, x is as many bytes as the INT4 weights).  NBC is a template parameter: as a
 // runtime argument its arithmetic changed ptxas's schedule of the NBC = 1 kernels (4096^2 M = 16 5% slower, H200).
 // Requires KS % 4 == 0 and (INT4) SPG % 4 == 0.  Dynamic shared memory: W * M * (BN + 4) floats.  `zero` must be
-// 0 (see dep below).
-template <typename T, int KIND, int MT, int NBC = 1>
+// 0 (see dep below).  WL: the weight layout (0 fragment-major, 1 wgmma-major; see above).
+template <typename T, int KIND, int MT, int NBC = 1, int WL = 0>
 __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_stream_kernel(
     T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, const T* __restrict__ x,
     const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
@@ -75,18 +95,23 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
   extern __shared__ __align__(16) float red[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   static_assert(NBC == 1 || MT == 2, "several blocks per CTA only at M > 8 (the register pipeline has no room)");
+  static_assert(WL == 0 || KIND == KIND_INT4, "the wgmma-major layout is INT4's");
   const int W = blockDim.x >> 5, groups = NB / NBC, wk = W / NBC;
   const int cb = blockIdx.x % groups, split = blockIdx.x / groups;
   const int b = cb * NBC + warp % NBC;
   const int KC = KS / U, wpb = wk * splits, gw = split * wk + warp / NBC;
   const ChunkOrder chunk(order, KC, wpb, gw, cb);
 
-  const uint4* wb = wpk + (long long)b * KS * 64;
-  const unsigned char* gb = grec + (long long)b * NG * 192;
-  // Rows of x past M read row M - 1 (a valid address); their output columns are never stored.
+  // WL 0: block b's KS steps of 1 KB; WL 1: 2 KB pieces [b / 4][64-k block][b % 4], piece (kb, b) at
+  // wb + 512 kb (uint4) with wb at b's first piece.
+  const uint4* wb = WL == 0 ? wpk + (long long)b * KS * 64 : wpk + ((long long)(b >> 2) * (KS / 2) * 4 + (b & 3)) * 128;
+  const unsigned char* gb = WL == 0 ? grec + (long long)b * NG * 192 : grec + ((long long)(b >> 2) * NG * 4 + (b & 3)) * 192;
+  constexpr int GSTRIDE = WL == 0 ? 192 : 4 * 192;  // bytes from one group's record of block b to the next
+  // Rows of x past M read row M - 1 (a valid address); their output columns are never stored.  WL 0: the lane's
+  // k 4c .. 4c+3 of a k16 step; WL 1: k 2c, 2c+1 and 2c+8, 2c+9.
   const T* xr[MT];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) xr[mt] = x + (long long)min(8 * mt + g, M - 1) * ldx + 4 * c;
+  for (int mt = 0; mt < MT; ++mt) xr[mt] = x + (long long)min(8 * mt + g, M - 1) * ldx + (WL == 0 ? 4 : 2) * c;
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -97,13 +122,28 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
       for (int j = 0; j < 4; ++j) acc[mt][t][j] = 0.f;
 
   auto prefetch_chunk = [&](int i) {
-    if (i < chunk.n)
-      prefetch_l2(reinterpret_cast<const unsigned char*>(wb + (long long)U * chunk(i) * 64) + 128 * lane);
+    if (i < chunk.n) {
+      if constexpr (WL == 0)
+        prefetch_l2(reinterpret_cast<const unsigned char*>(wb + (long long)U * chunk(i) * 64) + 128 * lane);
+      else  // the chunk's two 2 KB pieces, 16 lines each
+        prefetch_l2(reinterpret_cast<const unsigned char*>(wb + (long long)(2 * chunk(i) + (lane >> 4)) * 512) +
+                    128 * (lane & 15));
+    }
   };
   for (int d = 1; d < prefetch; ++d) prefetch_chunk(d);
-  auto load_w = [&](int cc, int u, int h) { return ldg_stream(wb + (long long)U * cc * 64 + lane + u * 64 + h * 32); };
-  auto load_x = [&](int cc, int u, int h, int mt) { return ldg8_nc(xr[mt] + (U * cc + u) * 32 + 16 * h); };
-  auto group_rec = [&](int cc) { return gb + (long long)((U * cc) / SPG) * 192; };
+  // Register slot (u, h) of wv: WL 0 the lane's four tiles' words of k16 step 2u + h; WL 1 the four k16 steps of
+  // tile q % 4 in the chunk's 64-k piece q / 4, q = 2u + h.
+  auto load_w = [&](int cc, int u, int h) {
+    if constexpr (WL == 0) return ldg_stream(wb + (long long)U * cc * 64 + lane + u * 64 + h * 32);
+    const int q = 2 * u + h;
+    return ldg_stream(wb + (long long)(2 * cc + (q >> 2)) * 512 + (q & 3) * 32 + lane);
+  };
+  auto load_x = [&](int cc, int u, int h, int mt) {
+    if constexpr (WL == 0) return ldg8_nc(xr[mt] + (U * cc + u) * 32 + 16 * h);
+    const T* p = xr[mt] + (U * cc + u) * 32 + 16 * h;
+    return make_uint2(__ldg(reinterpret_cast<const unsigned*>(p)), __ldg(reinterpret_cast<const unsigned*>(p + 8)));
+  };
+  auto group_rec = [&](int cc) { return gb + (long long)((U * cc) / SPG) * GSTRIDE; };
 
   // The register pipeline below at M <= 8 (H200, same run, bf16: INT8 8192^2 22.4 vs 24.3 us, 28672x8192 67.8 vs
   // 72.6 us; INT4 M = 4 16.0 vs 16.8 us); at M > 8 (166 registers) it was slower (INT8 M = 16 29.4 vs 28.2 us),
@@ -153,8 +193,8 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
       }
     dep &= zero;
     stream_chunk_math<T, KIND, MT>(
-        acc, [&](int u, int h) { return wv[u][h]; }, [&](int u, int h, int mt) { return xv[u][h][mt]; }, sv, zv,
-        dep, [](int, int) {});
+        acc, [&](int u, int h) { return step_words<WL>(wv, u, h); }, [&](int u, int h, int mt) { return xv[u][h][mt]; },
+        sv, zv, dep, [](int, int) {});
   }
   } else {
   // Register pipeline: the chunk's 4 KB of weights and its x words sit in registers; as soon as the math has
@@ -186,10 +226,16 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
     const int cn = more ? chunk(i + 1) : 0;
     if (prefetch > 0) prefetch_chunk(i + prefetch);
     stream_chunk_math<T, KIND, MT>(
-        acc, [&](int u, int h) { return wv[u][h]; }, [&](int u, int h, int mt) { return xv[u][h][mt]; }, sv, zv,
-        0u, [&](int u, int h) {
+        acc, [&](int u, int h) { return step_words<WL>(wv, u, h); }, [&](int u, int h, int mt) { return xv[u][h][mt]; },
+        sv, zv, 0u, [&](int u, int h) {
           if (more) {
-            wv[u][h] = load_w(cn, u, h);
+            if constexpr (WL == 0) {
+              wv[u][h] = load_w(cn, u, h);
+            } else if (((2 * u + h) & 3) == 3) {  // the last k16 step of piece p: its four slots are free
+              const int p = (2 * u + h) >> 2;
+#pragma unroll
+              for (int q = 4 * p; q < 4 * p + 4; ++q) wv[q >> 1][q & 1] = load_w(cn, q >> 1, q & 1);
+            }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) xv[u][h][mt] = load_x(cn, u, h, mt);
           }

@@ -60,7 +60,7 @@ def install_fake_gpu(monkeypatch, w4_copy: bool):
     monkeypatch.setattr(_tma, "tile_map_2d", lambda *a, **kw: maps.append((a, kw)) or "tmap")
     monkeypatch.setattr(Q, "_w4_cluster_ctas", lambda kernel, device, smem: ())  # every split count fits
 
-    def gemv_pack(fmt, qa, za, sa, k, n, group):
+    def gemv_pack(fmt, qa, za, sa, k, n, group, compact=False):
         w = FakeTensor((n * k // 8,), "int32")
         kind = Q.KIND_INT8 if fmt == Q.FMT_INT8 else Q.KIND_INT4
         w4 = None
@@ -72,6 +72,10 @@ def install_fake_gpu(monkeypatch, w4_copy: bool):
             if w4 is None:
                 return None
             w = type("NoCopy", (), {"ptr": 0})()
+        if compact:  # as _gemv_pack(compact=True): the wgmma-major copy and its records alone
+            assert w4 is not None
+            return Q._GemvLayer(kind, sa.dtype, None, None, 0, 0, max(group // 32, 1), -(-k // group), w4, w4.ptr,
+                                None, 0xA000)
         return Q._GemvLayer(kind, None if kind == Q.KIND_INT8 else sa.dtype, w, None, w.ptr, 0x9000,
                             max(group // 32, 1), -(-k // group) if group else 1, w4,
                             w4.ptr if w4 is not None else 0, None,

@@ -190,8 +190,8 @@ def fake_quant(monkeypatch):
     calls = []
 
     def pre(method):
-        def prepack(*arrays, group_size=128, dtype=None):
-            calls.append(method)
+        def prepack(*arrays, group_size=128, dtype=None, copies=None):
+            calls.append((method, copies))
             names = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
                      "int8": ("weight", "scales")}[method]
             return FakePrepacked(method, {n: (None if a is None else np.asarray(a)) for n, a in zip(names, arrays)},
@@ -255,6 +255,8 @@ def test_model_matches_transformers_on_dequantized_weights(checkpoints, name, fa
               skip_tokenizer_init=True, num_gpu_blocks=32, block_size=4, enforce_eager=True, log=logs.append)
     # one prepack per fused linear: qkv, o, gate_up, down per layer
     assert len(calls) == 4 * LAYERS
+    # INT4 layers prepacked with one copy by default (quant_copies="compact"); INT8 has no such choice
+    assert {c for m, c in calls} == ({None} if name == "int8" else {"compact"})
     L = llm.model.layers[0]
     assert [L.qkv.part_features, L.gate_up.part_features] == [[256], [512]]
     assert "weights on the GPU" in logs[-1] and llm.config.quantization.method in logs[-1]
@@ -377,3 +379,25 @@ def test_qwen2_biases_and_sharded_source(method, group, tmp_path, fake_gpu, monk
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     _, got = llm._debug_logits(ids, 20)
     assert np.abs(got - ref).max() < TOL * np.abs(ref).max()
+
+
+def test_compact_8b_weights_are_within_the_issue_bound():
+    """Llama-3-8B shapes, 4-bit g128 on sm_90, from expected_prepacked_bytes (what the GPU test checks prepack
+    against): quant_copies="compact" keeps one INT4 copy per linear, at most 0.40x the bf16 model's bytes (0.36x is
+    the floor with embeddings and lm_head as stored); "all" kept about as much as bf16."""
+    from speedcore.engine.quantization import expected_prepacked_bytes
+
+    hidden, inter, layers, vocab = 4096, 14336, 32, 128256
+    shapes = {"qkv": (6144, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    other = 2 * vocab * hidden * 2 + (2 * layers + 1) * hidden * 2  # embeddings, lm_head, norms (bf16)
+    bf16 = layers * sum(2 * n * k for n, k in shapes.values()) + other
+
+    def total(copies):
+        return layers * sum(sum(expected_prepacked_bytes("awq", n, k, 128, copies=copies).values())
+                            for n, k in shapes.values()) + other
+
+    assert abs(bf16 / 1e9 - 16.06) < 0.01
+    assert total("compact") / bf16 <= 0.40 and abs(total("compact") / bf16 - 0.358) < 0.002
+    assert abs(total("all") / bf16 - 1.03) < 0.01
+    assert expected_prepacked_bytes("awq", 6144, 4096, 128, copies="compact").keys() == {"wgmma-major"}
+    assert "stored" in expected_prepacked_bytes("awq", 6144, 4096, 128, copies="compact", cc=(8, 0))

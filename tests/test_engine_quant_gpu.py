@@ -109,10 +109,10 @@ def test_teacher_forced_logits(quantized, dtype):
 
 def test_prepacked_bytes_match_the_expected_copies(quantized):
     """Each fused linear keeps exactly the copies expected_prepacked_bytes predicts (printed per copy)."""
-    from speedcore.engine.quantization import expected_prepacked_bytes
+    from speedcore.engine.quantization import QUANT_COPIES, expected_prepacked_bytes
 
     case, path = quantized[:2]
-    for copies in ("all", "no-wgmma", "tile-only"):
+    for copies in QUANT_COPIES:
         with _llm(path, quant_copies=copies, enforce_eager=True) as llm:
             q = llm.config.quantization
             for group in ("qkv", "o", "gate_up", "down"):
@@ -123,11 +123,15 @@ def test_prepacked_bytes_match_the_expected_copies(quantized):
                 got = ql.nbytes()
                 print(f"{case} {copies} {group} ({ql.out_features}x{k}): {got} bytes, expected {exp}")
                 assert len(ql.weights) == 1 and got == sum(exp.values()), (case, copies, group)
+                if copies == "compact" and case in ("awq-g128", "gptq-g128", "gptq-act-g128", "gptq-g-1"):
+                    # one INT4 copy: the wgmma-major one (SHAPE's layers fit it on sm_90)
+                    assert list(exp) in (["wgmma-major"], ["wgmma-major", "act-order perm"]), exp
+                    assert ql.weights[0].qweight is None and ql.weights[0].gemv.w_ptr == 0
 
 
 def test_quant_copies_give_the_same_logits(quantized):
     case, path, ids, ref32, ref16 = quantized
-    for copies in ("no-wgmma", "tile-only"):
+    for copies in ("all", "no-wgmma", "tile-only"):  # (the default, "compact": test_teacher_forced_logits)
         with _llm(path, quant_copies=copies, enforce_eager=True) as llm:
             _, ours = llm._debug_logits(ids, PROMPT)
             _check(ours, 0, ref32, ref16, f"{case} copies={copies}")

@@ -205,7 +205,7 @@ def test_mma_config_fills_the_gpu_at_m1():
 
 def test_all_kernels_listed():
     names = [k.name for k in Q.all_kernels()]
-    assert len(names) == len(set(names)) == 180
+    assert len(names) == len(set(names)) == 188
     assert "quant_sm90::w4_wgmma_kernel<__nv_bfloat16, 64, 2, 8>" in names
     assert "quant_sm90::w4_wgmma_kernel<__half, 256, 1, 6>" in names  # blk = 1 shapes: measurements only
     assert "quant_sm90::w4_wgmma_kernel<__half, 256, 1, 4>" in names  # split over two ranks: room for the receive buffer
@@ -217,6 +217,10 @@ def test_all_kernels_listed():
     for nbc in Q.STREAM_NBC_CHOICES[1:]:  # x-sharing block groups, M > 8 only
         assert f"quant::gemv_stream_kernel<__nv_bfloat16, 0, 2, {nbc}>" in names
         assert f"quant::gemv_stream_kernel<__nv_bfloat16, 0, 1, {nbc}>" not in names
+    for mt, nbcs in ((1, (1,)), (2, Q.STREAM_NBC_CHOICES)):  # on the wgmma-major copy (compact layers), INT4 only
+        for nbc in nbcs:
+            assert f"quant::gemv_stream_kernel<__half, 0, {mt}, {nbc}, 1>" in names
+            assert f"quant::gemv_stream_kernel<__half, 1, {mt}, {nbc}, 1>" not in names
     assert "quant::gemv_kernel<__nv_bfloat16, 0, 1>" in names
     assert "quant::quant_mma_kernel<__nv_bfloat16, 1, 8>" in names
 

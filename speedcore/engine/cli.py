@@ -8,6 +8,8 @@ from typing import Optional
 
 import numpy as np
 
+from .quantization import QUANT_COPIES
+
 COPY_BYTES_PER_S = 4.3e12  # H200 device copy rate (README: 4.21-4.27 TB/s measured)
 GEMM_FLOPS_PER_S = 790e12  # H200 bf16 dense GEMM rate used for the roofline
 
@@ -47,7 +49,7 @@ def add_parsers(sub) -> dict:
     b.add_argument("--quantization", choices=("awq", "gptq", "int8"), default=None,
                    help="with --preset: 4-bit AWQ / GPTQ (g128) or INT8 weight-only linears (random codes in the "
                         "format); a --model checkpoint's own quantization_config decides")
-    b.add_argument("--quant-copies", choices=("all", "no-wgmma", "tile-only"), default="all",
+    b.add_argument("--quant-copies", choices=QUANT_COPIES, default="compact",
                    help="layout copies the quantized linears keep (docs/quantization.md)")
     b.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs to shard the model over (one process each, NCCL; docs/engine.md)")

@@ -136,7 +136,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, skip_tokenizer_init: bool = False,
                  num_gpu_blocks: Optional[int] = None, device: int = 0, log=None,
-                 quantization: Optional[str] = None, quant_copies: str = "all", tensor_parallel_size: int = 1,
+                 quantization: Optional[str] = None, quant_copies: str = "compact", tensor_parallel_size: int = 1,
                  _tp_backend: str = "nccl"):
         t_start = time.perf_counter()
         self._closed = True

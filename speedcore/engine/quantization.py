@@ -35,10 +35,13 @@ INT8_SUFFIXES = ("weight", "weight_scale")
 LINEAR_GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
                  "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
-# the layout copies prepack keeps (quant_copies): "all" as speedcore.quant builds them; "no-wgmma" without the
-# wgmma-major copy (sm_90: M 17..128 then take quant_marlin_kernel, larger M the dense path); "tile-only" with
-# only the stored tensors and the tile-major copy (every M <= 128 on quant_mma_kernel)
-QUANT_COPIES = ("all", "no-wgmma", "tile-only")
+# the layout copies prepack keeps (quant_copies): "compact" (the default) one INT4 copy per layer where
+# speedcore.quant.compact_applies (sm_90, N % 256 == 0, K and G multiples of 128: the wgmma-major copy that
+# gemv_stream_kernel reads at M <= 16 and w4_wgmma_kernel above), elsewhere (other GPUs and shapes, INT8) as "all";
+# "all" as speedcore.quant builds them; "no-wgmma" without the wgmma-major copy (sm_90: M 17..128 then take
+# quant_marlin_kernel, larger M the dense path); "tile-only" with only the stored tensors and the tile-major copy
+# (every M <= 128 on quant_mma_kernel)
+QUANT_COPIES = ("compact", "all", "no-wgmma", "tile-only")
 
 
 class QuantConfigError(ValueError):
@@ -306,7 +309,7 @@ def prepacked_nbytes(obj) -> int:
 
 
 def expected_prepacked_bytes(method: str, n: int, k: int, group_size: int = 128, *, act_order: bool = False,
-                             copies: str = "all", cc: Tuple[int, int] = (9, 0)) -> Dict[str, int]:
+                             copies: str = "compact", cc: Tuple[int, int] = (9, 0)) -> Dict[str, int]:
     """The bytes ``speedcore.quant.prepack_*`` keeps for one layer of N outputs and K inputs, by copy, from the
     same shape predicates prepack uses (no GPU; the GPU test checks it against the arrays prepack makes): the
     stored tensors, the tile-major copy (quant_mma_kernel), the fragment-major copy and its group records (the
@@ -318,6 +321,13 @@ def expected_prepacked_bytes(method: str, n: int, k: int, group_size: int = 128,
     m = METHOD_ALIASES.get(method, method)
     out = {}
     with _Switches(Q, copies):
+        g = k if group_size == -1 else group_size
+        if copies == "compact" and m != "speedcore_int8" and Q.compact_applies(n, k, g, cc):
+            ng = k // g
+            out["wgmma-major"] = n * k // 2 + (n // 64) * ng * _gemv.GEMV_GROUP_BYTES
+            if act_order:
+                out["act-order perm"] = 4 * k
+            return out
         if m == "speedcore_int8":
             out["stored"] = n * k + 2 * n
             if n % 64 == 0 and k % 16 == 0:
@@ -356,7 +366,7 @@ def _upload(cp, a):
 class _Switches:
     """Dispatch switches of speedcore.quant set while a layer is prepacked (quant_copies), restored after."""
 
-    OFF = {"all": {}, "no-wgmma": {"_W4WGMMA_MODE": "off", "_W8WGMMA_MODE": "off"},
+    OFF = {"compact": {}, "all": {}, "no-wgmma": {"_W4WGMMA_MODE": "off", "_W8WGMMA_MODE": "off"},
            "tile-only": {"_W4WGMMA_MODE": "off", "_W8WGMMA_MODE": "off", "_GEMV_MODE": "off", "_STREAM_MODE": "off"}}
 
     def __init__(self, Q, copies: str):
@@ -384,7 +394,7 @@ class QuantLinear:
         self.stored_bytes = stored_bytes  # the checkpoint's tensors of this linear (one copy, as streamed)
 
     @classmethod
-    def from_host(cls, hl: HostQuantLinear, copies: str = "all") -> "QuantLinear":
+    def from_host(cls, hl: HostQuantLinear, copies: str = "compact") -> "QuantLinear":
         import cupy
 
         from .. import quant as Q
@@ -396,10 +406,12 @@ class QuantLinear:
             for p in hl.parts:
                 stored += sum(int(a.nbytes) for a in p.values() if a is not None)
                 d = {k: (_upload(cupy, a) if a is not None else None) for k, a in p.items()}
+                pc = "compact" if copies == "compact" else "all"
                 if hl.method == "awq":
-                    w = Q.prepack_awq(d["qweight"], d["qzeros"], d["scales"], group_size=hl.group_size)
+                    w = Q.prepack_awq(d["qweight"], d["qzeros"], d["scales"], group_size=hl.group_size, copies=pc)
                 elif hl.method == "gptq":
-                    w = Q.prepack_gptq(d["qweight"], d["qzeros"], d["scales"], d["g_idx"], group_size=hl.group_size)
+                    w = Q.prepack_gptq(d["qweight"], d["qzeros"], d["scales"], d["g_idx"], group_size=hl.group_size,
+                                       copies=pc)
                 else:
                     w = Q.prepack_int8(d["weight"], d["scales"])
                 weights.append(w)

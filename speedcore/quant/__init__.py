@@ -83,8 +83,8 @@ from .gemv import (gemv_block_n, gemv_config, GEMV_CTAS_PER_SM, GEMV_GROUP_BYTES
                    _gemv_kernel, _GEMV_MODE, _gemv_plan, _gemv_scratch, _launch_gemv)
 from .stream import (chunk_order, STREAM_CHUNK_K, stream_config, STREAM_INT8_MIN_WARPS, stream_max_warps,
                      STREAM_NBC_CHOICES, STREAM_PREFETCH, STREAM_SPLIT_COST_CHUNKS, stream_supported, StreamConfig,
-                     use_stream, _launch_chunks, _launch_stream, _packing_warps, _STREAM_DEFINES, _stream_kernel,
-                     _STREAM_MODE, _STREAM_OVERRIDE, _stream_plan)
+                     stream_layout, use_stream, WL_FRAGMENT, WL_WGMMA, _launch_chunks, _launch_stream, _packing_warps,
+                     _STREAM_DEFINES, _stream_kernel, _STREAM_MODE, _STREAM_OVERRIDE, _stream_plan)
 from .bulk import (bulk_config, BULK_MAX_WARPS, bulk_smem_bytes, BULK_SMEM_PER_CTA, BULK_SMEM_PER_SM, bulk_stage_bytes,
                    BULK_X_PITCH, BulkConfig, use_bulk, _bulk_kernel, _BULK_MODE, _BULK_OVERRIDE, _bulk_plan,
                    _launch_bulk)
@@ -105,7 +105,8 @@ from .w4wgmma import (use_w4wgmma, use_w8wgmma, W4WGMMA_AUTO_M, W4WGMMA_AUTO_NAR
                       _W4WGMMA_MODE, _W4WGMMA_OVERRIDE, _W4WGMMA_PACK, _w4wgmma_pack, _w4wgmma_pick, _w4wgmma_plan,
                       _w4wgmma_splits, _w4wgmma_tail, _w4wgmma_tiles_time, _w4wgmma_time, _W8WGMMA_MODE, _W8WGMMA_PACK,
                       _w8wgmma_pack)
-from .prepack import (AWQWeight, GPTQWeight, Int8Weight, prepack_awq, prepack_gptq, prepack_int8, _classify_g_idx,
+from .prepack import (AWQWeight, compact_applies, GPTQWeight, Int8Weight, prepack_awq, PREPACK_COPIES, prepack_gptq,
+                      prepack_int8, _cc, _check_copies, _classify_g_idx, _make_compact,
                       _fast_group_ok, _FastLayer, _gather_kernel, _gather_x, _gemv_pack, _GEMV_PACK_GROUPS,
                       _GEMV_PACK_INT4, _GEMV_PACK_INT8, _GemvLayer, _make_fast, _obj_ptr, _permute_gptq,
                       _PERMUTE_KERNEL, _to_device_like, _want_gemv_layout)
@@ -129,6 +130,9 @@ def all_kernels() -> list:
                 out.append(_stream_kernel(dtype, kind, mt))
                 if mt == 2:
                     out.extend(_stream_kernel(dtype, kind, mt, nbc=c) for c in STREAM_NBC_CHOICES[1:])
+                if kind == KIND_INT4:  # on the wgmma-major copy (compact layers)
+                    out.extend(_stream_kernel(dtype, kind, mt, nbc=c, wl=WL_WGMMA)
+                               for c in (STREAM_NBC_CHOICES if mt == 2 else (1,)))
                 out.append(_bulk_kernel(dtype, kind, mt))
         for mt in MARLIN_MT_CHOICES:
             out.append(_marlin_kernel(dtype, mt))

@@ -20,7 +20,7 @@ from .marlin import _launch_marlin, _marlin_fits, use_marlin
 from .mma import _check_packed, _launch_mma
 from .prepack import (AWQWeight, GPTQWeight, Int8Weight, _FastLayer, _classify_g_idx, _fast_group_ok, _gather_x,
                       _permute_gptq, _to_device_like)
-from .stream import _launch_stream, use_stream
+from .stream import _launch_stream, stream_supported, use_stream
 from .w4wgmma import _launch_w4wgmma, _w4_applies
 
 
@@ -28,9 +28,12 @@ def _choose(gemv, xa, rows: int, n: int, k: int) -> str:
     """The kernel family of a quantized linear's call (see _launch_linear)."""
     if rows and _w4_applies(gemv, xa, rows, n, k):
         return "w4wgmma"
-    if (gemv is not None and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
+    if (gemv is not None and gemv.w_ptr and gemv.kind == KIND_INT4 and gemv.dtype == xa.dtype
             and use_marlin(rows, n, k, gemv.spg * GEMV_STEP_K) and _marlin_fits(xa.device, rows)):
         return "marlin"
+    if (gemv is not None and not gemv.w_ptr and gemv.w4_ptr and gemv.kind == KIND_INT4 and 0 < rows <= GEMV_MAX_M
+            and gemv.dtype == xa.dtype and stream_supported(gemv.kind, k, n, gemv.spg * GEMV_STEP_K)):
+        return "stream"  # a compact layer (the wgmma-major copy only): gemv_stream_kernel reads that copy
     if (gemv is not None and gemv.w_ptr and 0 < rows <= GEMV_MAX_M
             and (gemv.dtype is None or gemv.dtype == xa.dtype)):
         if use_bulk(gemv.kind, rows, n, k, gemv.spg * GEMV_STEP_K, device_info(xa.device).cc):
@@ -97,7 +100,11 @@ def _fast_call(f: _FastLayer, x, bias):
             return None
         bias_ptr = ba.ptr
     out_shape = tuple(xa.shape[:-1]) + (f.n,)
-    if rows and not _aligned_rows_x(xa, ldx):
+    if f.perm is not None:  # compact act-order GPTQ: x's columns in the repacked k order (never a cached plan)
+        if rows:
+            xa = _gather_x(xa, rows, f.k, ldx, f.perm)
+            ldx = f.k
+    elif rows and not _aligned_rows_x(xa, ldx):
         xa = _rows_copy(xa, rows, f.k)
         ldx = f.k
     elif key is not None and A.cacheable(key) and (how := _choose(f.gemv, xa, rows, f.n, f.k)) in ("bulk", "stream"):
@@ -110,6 +117,20 @@ def _fast_call(f: _FastLayer, x, bias):
     y = _launch_linear(f.fmt, xa, rows, f.k, ldx, f.qw_ptr, f.ldq, f.qz_ptr, f.ldz, f.scales_ptr, f.lds, bias_ptr, f.n,
                        f.group, True, f.gemv)
     return y.reshape(out_shape)
+
+
+def _compact_error(f: _FastLayer, x, bias) -> Exception:
+    """The error for a call that a compact layer (the wgmma-major copy only, no stored tensors to convert from)
+    cannot take: _fast_call returned None, so x or bias differ from what the layer was prepacked for."""
+    xa = A.wrap(x, "x")
+    want = f"{f.dtype} {f.lib} arrays on device {f.device}"
+    if xa.dtype != f.dtype or xa.lib != f.lib or xa.device != f.device:
+        return TypeError(f"x: a layer prepacked with copies='compact' takes {want}, got {xa.dtype} {xa.lib} on device "
+                         f"{xa.device} (prepack with dtype={xa.dtype!r}, or with copies='all' to convert per call)")
+    if xa.ndim == 0 or xa.shape[-1] != f.k:
+        return ValueError(f"x: expected shape (..., {f.k}) (the layer's in_features), got {tuple(xa.shape)}")
+    return ValueError(f"bias: expected a contiguous ({f.n},) array of {want}, got "
+                      f"{A.wrap(bias, 'bias').dtype} of shape {tuple(A.wrap(bias, 'bias').shape)}")
 
 
 def _chunks_plan(run, xa, out_shape):
@@ -162,6 +183,8 @@ def awq_linear(x, qweight, qzeros=None, scales=None, *, group_size: int = 128, b
         y = _fast_call(qweight.fast, x, bias)
         if y is not None:
             return y
+        if qweight.qweight is None:
+            raise _compact_error(qweight.fast, x, bias)
     packed = gemv = None
     if isinstance(qweight, AWQWeight):
         pw = qweight
@@ -227,6 +250,8 @@ def gptq_linear(x, qweight, qzeros=None, scales=None, g_idx=None, *, group_size:
         y = _fast_call(qweight.fast, x, bias)
         if y is not None:
             return y
+        if qweight.qweight is None:
+            raise _compact_error(qweight.fast, x, bias)
     perm = packed = gemv = None
     if isinstance(qweight, GPTQWeight):
         pw = qweight

@@ -9,14 +9,15 @@ import numpy as np
 
 from .. import _arrays as A
 from .._compile import Kernel
-from .._launch import LaunchConfig, launch
+from .._launch import LaunchConfig, device_info, launch
 from .formats import FMT_AWQ, FMT_GPTQ, FMT_INT8, KIND_INT4, KIND_INT8
 from ._common import _aligned_rows, _as_dtype, _row_stride, _validate_awq, _validate_gptq
 from .mma import _pack
 from . import gemv as _gemv, stream as _stream
 from .gemv import GEMV_GROUP_BYTES, GEMV_MAX_M, GEMV_STEP_K, gemv_supported, use_gemv
 from .stream import stream_supported
-from .w4wgmma import _w4wgmma_groups, _w4wgmma_pack, _w8wgmma_pack
+from . import w4wgmma as _w4mod
+from .w4wgmma import _w4wgmma_groups, _w4wgmma_pack, _w8wgmma_pack, w4wgmma_supported
 
 SOURCE = "quant_pack.cu"
 
@@ -114,8 +115,28 @@ def _obj_ptr(a) -> tuple:
     return (a.obj, a.ptr) if a is not None else (None, 0)
 
 
-def _gemv_pack(fmt, qa, za, sa, k, n, group):
-    """The fragment-major copy (and INT4 group records) of a checked layer, made on the GPU."""
+# prepack_awq / prepack_gptq's ``copies``: "all" keeps the stored tensors and every copy some kernel streams;
+# "compact" keeps, where compact_applies, the wgmma-major copy and its group records alone (one INT4 copy for every
+# M: gemv_stream_kernel's wgmma-major variant at M <= 16, w4_wgmma_kernel above), elsewhere what "all" keeps.
+PREPACK_COPIES = ("all", "compact")
+
+
+def compact_applies(n: int, k: int, group: int, cc: tuple) -> bool:
+    """Whether an INT4 layer of N outputs, K inputs and groups of ``group`` can keep the wgmma-major copy alone on a
+    GPU of compute capability ``cc``: sm_90 with w4_wgmma_kernel on (its copy) and both readers' shapes (N % 256 == 0,
+    K and G multiples of 128)."""
+    return (_w4mod._W4WGMMA_MODE != "off" and tuple(cc) == (9, 0) and w4wgmma_supported(k, n, group)
+            and stream_supported(KIND_INT4, k, n, group))
+
+
+def _check_copies(copies: str) -> None:
+    if copies not in PREPACK_COPIES:
+        raise ValueError(f"copies: expected one of {', '.join(map(repr, PREPACK_COPIES))}, got {copies!r}")
+
+
+def _gemv_pack(fmt, qa, za, sa, k, n, group, compact: bool = False):
+    """The fragment-major copy (and INT4 group records) of a checked layer, made on the GPU; ``compact`` (INT4,
+    where compact_applies): the wgmma-major copy and its records instead, and no fragment-major words."""
     stream = A.stream_of(qa)
     if fmt == FMT_INT8:
         # Either copy may be wanted without the other (the gemv kernels are off for INT8 by default): the layer
@@ -132,11 +153,13 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
             return None
         (w_obj, w_ptr), (w8_obj, w8_ptr) = _obj_ptr(words), _obj_ptr(w8)
         return _GemvLayer(KIND_INT8, None, w_obj, None, w_ptr, 0, 1, 1, w8_obj, w8_ptr)
-    words = A.empty(qa, (n * k // 8,), "int32", name="gemv_weight")
-    total = words.shape[0]
-    launch(_GEMV_PACK_INT4[fmt], LaunchConfig((-(-total // 256),), (256,)),
-           (words.ptr, qa.ptr, np.int32(k // GEMV_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
-           device=qa.device, stream=stream)
+    words = None
+    if not compact:
+        words = A.empty(qa, (n * k // 8,), "int32", name="gemv_weight")
+        total = words.shape[0]
+        launch(_GEMV_PACK_INT4[fmt], LaunchConfig((-(-total // 256),), (256,)),
+               (words.ptr, qa.ptr, np.int32(k // GEMV_STEP_K), np.int64(_row_stride(qa)), np.int64(total)),
+               device=qa.device, stream=stream)
     ng = -(-k // group)
     nb = n // 64
     recs = A.empty(qa, (nb * ng * GEMV_GROUP_BYTES,), "uint8", name="gemv_groups")
@@ -146,6 +169,11 @@ def _gemv_pack(fmt, qa, za, sa, k, n, group):
             np.int64(total)), device=qa.device, stream=stream)
     w4 = _w4wgmma_pack(fmt, qa, k, n, group)
     w4g = _w4wgmma_groups(recs, nb, ng) if w4 is not None else None
+    if compact:  # the records in fragment-major order were only the source of w4g's
+        if w4 is None:
+            raise AssertionError("compact prepacking without the wgmma-major copy (see compact_applies)")
+        return _GemvLayer(KIND_INT4, sa.dtype, None, None, 0, 0, group // GEMV_STEP_K, ng, *_obj_ptr(w4),
+                          *_obj_ptr(w4g))
     return _GemvLayer(KIND_INT4, sa.dtype, words.obj, recs.obj, words.ptr, recs.ptr, group // GEMV_STEP_K, ng,
                       *_obj_ptr(w4), *_obj_ptr(w4g))
 
@@ -167,6 +195,7 @@ class _FastLayer:
     scales_ptr: int
     lds: int
     gemv: object = None
+    perm: object = None  # act-order GPTQ (compact layers only): x's columns are gathered in this order per call
     # call signature -> cached launch (quant.linear._fast_call); not part of the layer's identity
     plans: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -182,10 +211,28 @@ def _fast_group_ok(group: int) -> bool:
     return group == 32 or group % 64 == 0
 
 
-def prepack_awq(qweight, qzeros, scales, *, group_size: int = 128, dtype=None) -> AWQWeight:
+def _make_compact(fmt, qa, za, sa, k, n, g, perm=None):
+    """(_FastLayer, _GemvLayer) of a compact layer: the wgmma-major copy and its records (_gemv_pack(compact=True)),
+    no stored tensors (their pointers 0: quant.linear._choose never picks a kernel that reads them for it)."""
+    gemv = _gemv_pack(fmt, qa, za, sa, k, n, g, compact=True)
+    return _FastLayer(fmt, sa.dtype, qa.lib, qa.device, k, n, g, 0, 0, 0, 0, 0, 0, gemv,
+                      A.wrap(perm, "perm") if perm is not None else None), gemv
+
+
+def _cc(a) -> tuple:
+    return device_info(a.device).cc
+
+
+def prepack_awq(qweight, qzeros, scales, *, group_size: int = 128, dtype=None, copies: str = "all") -> AWQWeight:
     """Prepare an AWQ layer once for :func:`awq_linear`: checks, scales converted to the activation dtype
     (``dtype``: "float16" or "bfloat16", default the scales' dtype), and a tile-major copy of qweight (same
-    size) that the fast kernel streams as contiguous 16 KB blocks.  The stored tensors are kept too."""
+    size) that the fast kernel streams as contiguous 16 KB blocks.  The stored tensors are kept too.
+
+    ``copies="compact"``: on sm_90, for layers with N % 256 == 0 and K, G multiples of 128 (compact_applies), only
+    the wgmma-major copy and its group records (0.52 bytes per weight at G = 128; neither the stored tensors nor the
+    other copies are kept): every M runs from that copy, and calls take x in the scales' (or ``dtype``'s) dtype
+    only.  Elsewhere as "all"."""
+    _check_copies(copies)
     qa, za, sa, k, n, g = _validate_awq(qweight, qzeros, scales, group_size)
     if dtype is not None:
         dtype = str(dtype).replace("torch.", "")
@@ -193,7 +240,11 @@ def prepack_awq(qweight, qzeros, scales, *, group_size: int = 128, dtype=None) -
             raise TypeError(f"dtype: expected float16 or bfloat16, got {dtype}")
         sa = _as_dtype(sa, dtype, "scales")
     packed = fast = gemv = None
-    if n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0 and all(_aligned_rows(a) for a in (qa, za, sa)):
+    aligned = all(_aligned_rows(a) for a in (qa, za, sa))
+    if copies == "compact" and aligned and compact_applies(n, k, g, _cc(qa)):
+        fast, gemv = _make_compact(FMT_AWQ, qa, za, sa, k, n, g)
+        return AWQWeight(None, None, None, g, k, n, None, fast, gemv)
+    if n % 64 == 0 and _fast_group_ok(g) and k % 8 == 0 and aligned:
         packed = _pack(FMT_AWQ, qa, k, n).obj
         if _want_gemv_layout(KIND_INT4, n, k, g):
             gemv = _gemv_pack(FMT_AWQ, qa, za, sa, k, n, g)
@@ -240,14 +291,17 @@ def _permute_gptq(qa, perm_a, k, n):
     return out
 
 
-def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, dtype=None) -> GPTQWeight:
+def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, dtype=None,
+                 copies: str = "all") -> GPTQWeight:
     """Prepare a GPTQ layer once for :func:`gptq_linear`.
 
     Makes a tile-major copy of qweight (same size) that the fast kernel streams as contiguous 16 KB blocks.
     With act-order, the k rows of ``qweight`` are first repacked in group order (a nibble gather on the GPU)
     and the permutation is kept, so each call only gathers the columns of x (M x K elements).  ``dtype`` converts the
-    scales to the activation dtype once.  Copies g_idx to the host (a synchronization).
+    scales to the activation dtype once.  Copies g_idx to the host (a synchronization).  ``copies`` as
+    :func:`prepack_awq` ("compact": the wgmma-major copy alone, act-order included: x's columns gathered per call).
     """
+    _check_copies(copies)
     qa, za, sa, ga, k, n, g = _validate_gptq(qweight, qzeros, scales, g_idx, group_size)
     if dtype is not None:
         dtype = str(dtype).replace("torch.", "")
@@ -263,7 +317,11 @@ def prepack_gptq(qweight, qzeros, scales, g_idx=None, *, group_size: int = 128, 
         qa = _permute_gptq(qa, perm_a, k, n)
         perm_obj = perm_a.obj
     packed = fast = gemv = None
-    if n % 64 == 0 and _fast_group_ok(g) and all(_aligned_rows(a) for a in (qa, za, sa)):
+    aligned = all(_aligned_rows(a) for a in (qa, za, sa))
+    if copies == "compact" and aligned and compact_applies(n, k, g, _cc(qa)):
+        fast, gemv = _make_compact(FMT_GPTQ, qa, za, sa, k, n, g, perm_obj)
+        return GPTQWeight(None, None, None, g, k, n, perm=perm_obj, fast=fast, gemv=gemv)
+    if n % 64 == 0 and _fast_group_ok(g) and aligned:
         packed = _pack(FMT_GPTQ, qa, k, n).obj
         if _want_gemv_layout(KIND_INT4, n, k, g):
             gemv = _gemv_pack(FMT_GPTQ, qa, za, sa, k, n, g)

@@ -1,5 +1,6 @@
 """gemv_stream_kernel (kernels/quant_stream.cu): the small-M (M <= 16) register-streaming kernel on the
-fragment-major layout, its one-wave launch shape (stream_config) and dispatch (use_stream)."""
+fragment-major layout (or, INT4, on w4_wgmma_kernel's wgmma-major copy: a compact layer's only copy), its one-wave
+launch shape (stream_config) and dispatch (use_stream)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -137,10 +138,23 @@ def chunk_order(order: int, kc: int, wpb: int, gw: int, b: int) -> list:
 _STREAM_DEFINES: tuple = ()
 
 
+# gemv_stream_kernel's WL: which copy of a layer it reads
+WL_FRAGMENT = 0  # the fragment-major copy (_GemvLayer.weight / groups)
+WL_WGMMA = 1     # INT4: w4_wgmma_kernel's wgmma-major copy (_GemvLayer.w4_weight / w4_groups)
+
+
 @lru_cache(maxsize=None)
-def _stream_kernel(dtype: str, kind: int, mt: int, defines: tuple = (), nbc: int = 1) -> Kernel:
-    tail = "" if nbc == 1 else f", {nbc}"
+def _stream_kernel(dtype: str, kind: int, mt: int, defines: tuple = (), nbc: int = 1, wl: int = WL_FRAGMENT) -> Kernel:
+    if wl not in (WL_FRAGMENT, WL_WGMMA) or (wl == WL_WGMMA and kind != KIND_INT4):
+        raise ValueError(f"gemv_stream_kernel: wl must be {WL_FRAGMENT} or (INT4) {WL_WGMMA}, got {wl}")
+    tail = "" if nbc == 1 and wl == WL_FRAGMENT else f", {nbc}" + ("" if wl == WL_FRAGMENT else f", {wl}")
     return Kernel(SOURCE, f"quant::gemv_stream_kernel<{A.CTYPE[dtype]}, {kind}, {mt}{tail}>", options=defines)
+
+
+def stream_layout(gl) -> int:
+    """The copy gemv_stream_kernel reads for fragment-major layer ``gl`` (a _GemvLayer): its fragment-major words
+    where it has them, else (a compact INT4 layer) the wgmma-major copy."""
+    return WL_FRAGMENT if gl.w_ptr else WL_WGMMA
 
 
 # "on": gemv_stream_kernel for 1 <= M <= 16 wherever the layer has the fragment-major copy and the shape fits
@@ -158,11 +172,11 @@ def use_stream(kind: int, m: int, n: int, k: int, group: int = 0) -> bool:
 
 @lru_cache(maxsize=8192)
 def _stream_plan(kind: int, dtype: str, rows: int, n: int, k: int, spg: int, ng: int, sms: int, override: tuple,
-                 defines: tuple = ()):
+                 defines: tuple = (), wl: int = WL_FRAGMENT):
     cfg = stream_config(rows, n, k, kind, sms, **dict(override))
     scalars = (np.int32(rows), np.int32(n), np.int32(cfg.steps), np.int32(spg), np.int32(ng), np.int32(cfg.blocks),
                np.int32(cfg.splits), np.int32(cfg.prefetch), np.int32(cfg.order), np.uint32(0))
-    return (cfg, _stream_kernel(dtype, kind, cfg.mt, defines, cfg.nbc),
+    return (cfg, _stream_kernel(dtype, kind, cfg.mt, defines, cfg.nbc, wl),
             LaunchConfig((cfg.grid,), (cfg.warps * 32,), cfg.smem), scalars)
 
 
@@ -183,11 +197,14 @@ def _launch_chunks(plan, override: dict, gl, xa, rows, k, ldx, scales_ptr, bias_
 def _chunks_runner(plan, override: dict, gl, xa, rows, k, ldx, scales_ptr, n):
     """run(stream_ptr, y_ptr, x_ptr, bias_ptr) of _launch_chunks' kernel for x's layout (cached per call signature
     by a prepacked layer: quant.linear._fast_call)."""
+    wl = stream_layout(gl)
+    layout = () if wl == WL_FRAGMENT else (wl,)  # gemv_bulk_kernel's plan reads the fragment-major copy only
     cfg, kernel, lcfg, scalars = plan(gl.kind, xa.dtype, rows, n, k, gl.spg, gl.ng, device_info(xa.device).sms,
-                                      tuple(sorted(override.items())), _STREAM_DEFINES)
+                                      tuple(sorted(override.items())), _STREAM_DEFINES, *layout)
     lcfg = chained(lcfg, xa.device)  # the decode chain's GEMVs (speedcore._launch.set_chained_launches)
     tail = tuple(scalars) + (np.int64(ldx),)
-    w_ptr, g_ptr, s_ptr = gl.w_ptr, gl.g_ptr, scales_ptr if gl.kind == KIND_INT8 else 0
+    w_ptr, g_ptr = (gl.w_ptr, gl.g_ptr) if wl == WL_FRAGMENT else (gl.w4_ptr, gl.w4_g_ptr)
+    s_ptr = scales_ptr if gl.kind == KIND_INT8 else 0
     splits, floats, blocks, device = cfg.splits, rows * n, cfg.blocks, xa.device
     scratch = A.scratch_ref(xa.lib, xa.device)
 

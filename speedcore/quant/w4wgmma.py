@@ -13,7 +13,7 @@ from .._compile import Kernel
 from .._launch import LaunchConfig, MAX_CLUSTER, device_info, get_kernel, launch
 from .formats import FMT_AWQ, FMT_GPTQ, KIND_INT4, KIND_INT8
 from ._common import _alloc_out, _env_switch, _row_stride
-from .gemv import GEMV_GROUP_BYTES, GEMV_STEP_K
+from .gemv import GEMV_GROUP_BYTES, GEMV_MAX_M, GEMV_STEP_K
 from .stream import stream_supported
 
 SOURCE = "quant_sm90.cu"
@@ -472,12 +472,19 @@ def use_w4wgmma(m: int, n: int, k: int, group: int, cc: tuple = (9, 0)) -> bool:
 
 
 def _w4_applies(gl, xa, rows: int, n: int, k: int) -> bool:
-    """Whether this call of a layer with fragment-major copy ``gl`` takes w4_wgmma_kernel (INT4, or INT8)."""
+    """Whether this call of a layer with fragment-major copy ``gl`` takes w4_wgmma_kernel (INT4, or INT8).  A
+    compact layer (the wgmma-major copy only, no fragment-major words: prepack's ``copies="compact"``) takes it at
+    every M above GEMV_MAX_M, whatever the switches say (nothing else reads that copy there), and where use_w4wgmma
+    says so below (gemv_stream_kernel's wgmma-major variant takes the rest)."""
     if gl is None or gl.w4_ptr == 0:
         return False
     if gl.kind == KIND_INT8:
         return use_w8wgmma(rows, n, k, device_info(xa.device).cc)
-    return gl.dtype == xa.dtype and use_w4wgmma(rows, n, k, gl.spg * GEMV_STEP_K, device_info(xa.device).cc)
+    if gl.dtype != xa.dtype:
+        return False
+    if not gl.w_ptr and rows > GEMV_MAX_M:
+        return True
+    return use_w4wgmma(rows, n, k, gl.spg * GEMV_STEP_K, device_info(xa.device).cc)
 
 
 @lru_cache(maxsize=64)

@@ -57,7 +57,7 @@ class ForwardContext:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, dtype: str, quant_copies: str = "all", shard: Optional[ShardPlan] = None,
+    def __init__(self, cfg: ModelConfig, dtype: str, quant_copies: str = "compact", shard: Optional[ShardPlan] = None,
                  comm: Optional[Communicator] = None):
         import cupy
 
