@@ -89,7 +89,15 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
     const uint4* __restrict__ wpk, const unsigned char* __restrict__ grec, const T* __restrict__ scales,
     const T* __restrict__ bias, int M, int N, int KS, int SPG, int NG, int NB, int splits, int prefetch,
     int order, unsigned zero, long long ldx) {
-  sc::chain_after_previous();
+  // -DSC_QUANT_STREAM_EARLY_W (an A/B switch, not prebuilt): in the register pipeline (M <= 8), the first chunk's
+  // weights and group record (constants: no kernel of the chain writes them) are loaded before the wait on the
+  // chain's previous kernel, so a CTA that gets its SM while other SMs still run that kernel's tail streams at once.
+#if defined(SC_QUANT_STREAM_EARLY_W)
+  constexpr bool EARLY_W = MT == 1;
+#else
+  constexpr bool EARLY_W = false;
+#endif
+  if constexpr (!EARLY_W) sc::chain_after_previous();
   constexpr bool INT4 = KIND == KIND_INT4;
   constexpr int NT = INT4 ? 4 : 2, BN = 16 * NT, U = kStreamChunkSteps, RS = BN + 4;
   extern __shared__ __align__(16) float red[];
@@ -205,7 +213,29 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
   uint2 xv[U][2][MT];
   uint4 sv = make_uint4(0u, 0u, 0u, 0u);
   uint2 zv = make_uint2(0u, 0u);
-  if (chunk.n > 0) {
+  if constexpr (EARLY_W) {
+    if (chunk.n > 0) {
+      const int cc = chunk(0);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) wv[u][h] = load_w(cc, u, h);
+      if constexpr (INT4) {
+        sv = ldg16_nc(group_rec(cc) + 16 * g);
+        zv = ldg8_nc(group_rec(cc) + 128 + 8 * g);
+      }
+    }
+    sc::chain_after_previous();  // x (and y, the workspace) only after the previous kernel has finished
+    if (chunk.n > 0) {
+      const int cc = chunk(0);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) xv[u][h][mt] = load_x(cc, u, h, mt);
+    }
+  } else if (chunk.n > 0) {
     const int cc = chunk(0);
 #pragma unroll
     for (int u = 0; u < U; ++u)
