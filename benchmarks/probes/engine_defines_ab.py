@@ -4,7 +4,9 @@ machine, same process image): each round runs ``bench-engine`` once per variant 
 run compiles and takes the variant).
 
     PYTHONPATH=. python3 benchmarks/probes/engine_defines_ab.py --quantization awq --rounds 2 \\
-        --variant early=-DSC_QUANT_STREAM_EARLY_W
+        --variant early=-DSC_QUANT_STREAM_EARLY_W --variant all="; --quant-copies all"
+
+A variant is NAME=DEFINES[; EXTRA bench-engine ARGUMENTS].
 
 Prints per round and variant the inter-token latency p50 (ms) and output tok/s, then the medians.
 """
@@ -26,11 +28,14 @@ sys.exit(main(json.loads(sys.argv[1])))
 """
 
 
-def one(args, defines, preset, quantization):
+def one(args, spec, preset, quantization):
+    defines, _, extra = spec.partition(";")
+    defines = defines.strip()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
         cli = ["bench-engine", "--preset", preset, "--batch", "1", "--num-prompts", "4", "--input-len", "128",
                "--output-len", "256", "--json", out] + (["--quantization", quantization] if quantization else [])
+        cli += extra.split()
         p = subprocess.run([sys.executable, "-c", RUN, json.dumps(cli), defines], capture_output=True, text=True,
                            timeout=args.timeout)
         if p.returncode:
@@ -46,7 +51,8 @@ def main():
     ap.add_argument("--quantization", default="awq")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=300)
-    ap.add_argument("--variant", action="append", default=[], help="NAME=-DX [-DY]: a variant beside the default")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=-DX [-DY][; bench-engine arguments]: a variant beside the default")
     a = ap.parse_args()
     variants = [("default", "")] + [tuple(v.split("=", 1)) for v in a.variant]
     got = {n: [] for n, _ in variants}
