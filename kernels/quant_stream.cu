@@ -255,21 +255,34 @@ __global__ void __launch_bounds__(StreamWarps<KIND, MT>::MAX * 32, 1) gemv_strea
     const bool more = i + 1 < chunk.n;
     const int cn = more ? chunk(i + 1) : 0;
     if (prefetch > 0) prefetch_chunk(i + prefetch);
-    stream_chunk_math<T, KIND, MT>(
-        acc, [&](int u, int h) { return step_words<WL>(wv, u, h); }, [&](int u, int h, int mt) { return xv[u][h][mt]; },
-        sv, zv, 0u, [&](int u, int h) {
-          if (more) {
-            if constexpr (WL == 0) {
+    if constexpr (WL == 0) {
+      stream_chunk_math<T, KIND, MT>(
+          acc, [&](int u, int h) { return wv[u][h]; }, [&](int u, int h, int mt) { return xv[u][h][mt]; }, sv, zv,
+          0u, [&](int u, int h) {
+            if (more) {
               wv[u][h] = load_w(cn, u, h);
-            } else if (((2 * u + h) & 3) == 3) {  // the last k16 step of piece p: its four slots are free
-              const int p = (2 * u + h) >> 2;
 #pragma unroll
-              for (int q = 4 * p; q < 4 * p + 4; ++q) wv[q >> 1][q & 1] = load_w(cn, q >> 1, q & 1);
+              for (int mt = 0; mt < MT; ++mt) xv[u][h][mt] = load_x(cn, u, h, mt);
             }
+          });
+    } else {  // piece by piece (stream_chunk_math_pieces): slot q refilled once its tile's four steps are read
+      stream_chunk_math_pieces<T, MT>(
+          acc, [&](int q) { return wv[q >> 1][q & 1]; }, [&](int u, int h, int mt) { return xv[u][h][mt]; }, sv, zv,
+          0u, [&](int q) {
+            if (more) {
+              wv[q >> 1][q & 1] = load_w(cn, q >> 1, q & 1);
+              if ((q & 3) == 3) {  // the last piece of half p: its four steps' x words are free
+                const int p = q >> 2;
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) xv[u][h][mt] = load_x(cn, u, h, mt);
-          }
-        });
+                for (int u = 2 * p; u < 2 * p + 2; ++u)
+#pragma unroll
+                  for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) xv[u][h][mt] = load_x(cn, u, h, mt);
+              }
+            }
+          });
+    }
     if (INT4 && more) {
       sv = ldg16_nc(group_rec(cn) + 16 * g);
       zv = ldg8_nc(group_rec(cn) + 128 + 8 * g);

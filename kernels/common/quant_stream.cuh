@@ -158,6 +158,119 @@ __device__ __forceinline__ void stream_chunk_math(float (&acc)[MT][KIND == KIND_
   }
 }
 
+// stream_chunk_math's INT4 math in gemv_stream_kernel's WL = 1 order (the wgmma-major copy, kernels/quant_stream.cu):
+// there each of the chunk's eight 16-byte pieces is one tile's four k16 steps (piece q: 64-k half q / 4, tile q % 4),
+// so the math walks piece by piece, and after(q) runs as soon as piece q has been read: the register pipeline
+// refills it there (and the x words of half p after piece 4 p + 3), as early as WL = 0's per-step refills.  Walked
+// step by step instead, a piece would be free only after the fourth of its steps: half the loads in flight.
+// wq(q): piece q's 16 bytes; xf(u, h, mt) as for stream_chunk_math.
+template <typename T, int MT, typename WQ, typename XF, typename AF>
+__device__ __forceinline__ void stream_chunk_math_pieces(float (&acc)[MT][4][4], WQ wq, XF xf, uint4 sv, uint2 zv,
+                                                         unsigned dep, AF after) {
+  constexpr int U = kStreamChunkSteps, NT = 4;
+  constexpr bool XSUM = MT <= SC_QUANT_XSUM_MT;
+  constexpr bool HALF = is_half<T>::value;
+  constexpr unsigned MAGIC = sc::int4_magic<T>;
+  const unsigned mask_lo = 0x000f000fu, mask_hi = 0x00f000f0u;
+  const unsigned magic = MAGIC | dep;
+  auto bx = [&](int st, int mt, int i) {
+    const uint2 xw = xf(st >> 1, st & 1, mt);
+    return i ? xw.y : xw.x;
+  };
+  if constexpr (XSUM) {
+    float accg[MT][NT][4], xs[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      xs[mt][0] = xs[mt][1] = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) accg[mt][t][j] = 0.f;
+    }
+#pragma unroll
+    for (int st = 0; st < 2 * U; ++st)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const unsigned b[2] = {bx(st, mt, 0), bx(st, mt, 1)};
+        const unsigned ones[4] = {Bits<T>::ONE | dep, Bits<T>::ONE, Bits<T>::ONE, Bits<T>::ONE};
+        float d[4] = {xs[mt][0], xs[mt][1], 0.f, 0.f};
+        sc::mma_16816<T>(d, ones, b);
+        xs[mt][0] = d[0];
+        xs[mt][1] = d[1];
+      }
+#pragma unroll
+    for (int q = 0; q < 2 * U; ++q) {
+      const int p = q >> 2, t = q & 3;
+      const uint4 wu = wq(q);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const unsigned wd = sc::word(wu, s);
+        unsigned a[4];
+        if constexpr (HALF) {
+          const unsigned w8 = wd >> 8;
+          a[0] = and_or(wd, mask_lo, magic);
+          a[1] = and_or(wd, mask_hi, magic);
+          a[2] = and_or(w8, mask_lo, magic);
+          a[3] = and_or(w8, mask_hi, magic);
+        } else {
+          a[0] = and_or(wd, mask_lo, magic);
+          a[1] = and_or(wd >> 4, mask_lo, magic);
+          a[2] = and_or(wd >> 8, mask_lo, magic);
+          a[3] = and_or(wd >> 12, mask_lo, magic);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const unsigned b[2] = {bx(4 * p + s, mt, 0), bx(4 * p + s, mt, 1)};
+          sc::mma_16816<T>(accg[mt][t], a, b);
+        }
+      }
+      after(q);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int o = 2 * t + hh;
+        const float2 sp = sc::unpack2<T>(sc::word(sv, o / 2));
+        float sc_ = (o & 1) ? sp.y : sp.x;
+        const unsigned z = ((o < 4 ? zv.x : zv.y) >> (8 * (o & 3))) & 0xffu;
+        float zf;
+        if constexpr (HALF) {
+          zf = hh ? fmaf(16.f, (float)z, 1024.f) : (float)z + 1024.f;
+          if (hh) sc_ *= 0.0625f;
+        } else {
+          zf = (float)z + 128.f;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 2 * hh + e;
+            acc[mt][t][j] = fmaf(sc_, fmaf(-zf, xs[mt][e], accg[mt][t][j]), acc[mt][t][j]);
+          }
+      }
+  } else {
+    unsigned scl[8], zc[8];
+    int4_group_consts<T>(sv, zv, scl, zc);
+#pragma unroll
+    for (int q = 0; q < 2 * U; ++q) {
+      const int p = q >> 2, t = q & 3;
+      const uint4 wu = wq(q);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        unsigned a[4];
+        sc::int4_fragment<T>(a, sc::word(wu, s), scl[2 * t], scl[2 * t + 1], zc[2 * t], zc[2 * t + 1], magic);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const unsigned b[2] = {bx(4 * p + s, mt, 0), bx(4 * p + s, mt, 1)};
+          sc::mma_16816<T>(acc[mt][t], a, b);
+        }
+      }
+      after(q);
+    }
+  }
+}
+
 // The end of gemv_stream_kernel / gemv_bulk_kernel: sum the CTA's warps through shared memory (red: W * M rows of
 // BN + 4 floats, rows < M only; warp w holds block cb NBC + w % NBC), then store y, or (split-K) add into the zeroed
 // fp32 workspace, where the last of the block group's CTAs (ticket cb) writes y and leaves workspace and ticket
