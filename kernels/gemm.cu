@@ -283,13 +283,33 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
   const int KT = (K + BK - 1) / BK;
   // Decode-sized M runs chained (speedcore._launch.chained).  (Prefetching this CTA's first weight rows into L2
   // before the wait was measured: engine batch-1 decode 4.8 ms per token with it against 4.55 without, same H200
-  // run.)
+  // run.)  -DSC_GEMM_EARLY_B (an A/B switch, not prebuilt): the first stages' B tiles (the weights: no kernel of the
+  // chain writes them) go into shared memory before the wait, the A tiles after it (one commit group then holds
+  // every early B tile and stage 0's A tile).
+#if defined(SC_GEMM_EARLY_B)
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < KT) {
+#pragma unroll
+      for (int l = NA; l < NA + NB; ++l) load_chunk(s, s, l);
+    }
+  sc::chain_after_previous();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < KT) {
+#pragma unroll
+      for (int l = 0; l < NA; ++l) load_chunk(s, s, l);
+    }
+    sc::cp_async_commit();
+  }
+#else
   sc::chain_after_previous();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < KT) load_stage(s, s);
     sc::cp_async_commit();
   }
+#endif
 
   for (int kt = 0; kt < KT; ++kt) {
     sc::cp_async_wait<STAGES - 2>();

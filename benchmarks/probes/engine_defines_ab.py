@@ -1,7 +1,8 @@
-"""Engine batch-1 decode with and without extra -D options of the quantized streaming kernels, alternated (same
-machine, same process image): each round runs ``bench-engine`` once per variant in a fresh process, with
-``speedcore.quant._STREAM_DEFINES`` set before the engine is built (so every gemv_stream_kernel launch of that
-run compiles and takes the variant).
+"""Engine batch-1 decode with and without extra -D options of the quantized streaming kernels and the dense GEMMs,
+alternated (same machine, same process image): each round runs ``bench-engine`` once per variant in a fresh
+process, with ``speedcore.quant._STREAM_DEFINES`` and ``speedcore.gemm._OPTIONS`` extended before the engine is
+built (so every gemv_stream_kernel and gemm_mma_kernel launch of that run compiles and takes the variant).
+``--quantization none``: the bf16 preset.
 
     PYTHONPATH=. python3 benchmarks/probes/engine_defines_ab.py --quantization awq --rounds 2 \\
         --variant early=-DSC_QUANT_STREAM_EARLY_W --variant all="; --quant-copies all"
@@ -21,8 +22,10 @@ import sys
 import tempfile
 
 RUN = """import json, sys
+import speedcore.gemm as G
 import speedcore.quant as Q
 Q._STREAM_DEFINES = tuple(sys.argv[2].split()) if sys.argv[2] else ()
+G._OPTIONS = G._OPTIONS + Q._STREAM_DEFINES
 from speedcore.cli import main
 sys.exit(main(json.loads(sys.argv[1])))
 """
@@ -34,7 +37,7 @@ def one(args, spec, preset, quantization):
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
         cli = ["bench-engine", "--preset", preset, "--batch", "1", "--num-prompts", "4", "--input-len", "128",
-               "--output-len", "256", "--json", out] + (["--quantization", quantization] if quantization else [])
+               "--output-len", "256", "--json", out] + (["--quantization", quantization] if quantization not in ("", "none") else [])
         cli += extra.split()
         p = subprocess.run([sys.executable, "-c", RUN, json.dumps(cli), defines], capture_output=True, text=True,
                            timeout=args.timeout)
