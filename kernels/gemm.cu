@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma_tile_kernel(
                                   [&](int mt, int nt, int e) { return acc[mt][nt][e]; });
 }
 
-template <typename T, int BM, int BN, int BK, int WM, int WN, int WK, int STAGES, bool B_KMAJOR>
+template <typename T, int BM, int BN, int BK, int WM, int WN, int WK, int STAGES, bool B_KMAJOR, bool EARLY_B = false>
 __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
     T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ bias, int M,
     int N, int K, long long lda, long long ldb, long long ldo, int act, int group_m) {
@@ -283,10 +283,12 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
   const int KT = (K + BK - 1) / BK;
   // Decode-sized M runs chained (speedcore._launch.chained).  (Prefetching this CTA's first weight rows into L2
   // before the wait was measured: engine batch-1 decode 4.8 ms per token with it against 4.55 without, same H200
-  // run.)  -DSC_GEMM_EARLY_B (an A/B switch, not prebuilt): the first stages' B tiles (the weights: no kernel of the
-  // chain writes them) go into shared memory before the wait, the A tiles after it (one commit group then holds
-  // every early B tile and stage 0's A tile).
-#if defined(SC_GEMM_EARLY_B)
+  // run.)  EARLY_B (speedcore.gemm.linear's chained decode GEMMs, whose B is a weight that no kernel of the chain
+  // writes): the first stages' B tiles go into shared memory before the wait, the A tiles after it (one commit group
+  // then holds every early B tile and stage 0's A tile), so a CTA that gets its SM while the previous kernel's last
+  // CTAs still run starts streaming at once (engine, Llama-3-8B bf16 batch 1, H200, alternated runs: 4.48 against
+  // 4.62 ms per token).
+  if constexpr (EARLY_B) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < KT) {
@@ -302,14 +304,14 @@ __global__ void __launch_bounds__(WM * WN * WK * 32, 1) gemm_mma_kernel(
     }
     sc::cp_async_commit();
   }
-#else
+  } else {
   sc::chain_after_previous();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < KT) load_stage(s, s);
     sc::cp_async_commit();
   }
-#endif
+  }
 
   for (int kt = 0; kt < KT; ++kt) {
     sc::cp_async_wait<STAGES - 2>();

@@ -250,14 +250,16 @@ _OPTIONS = ("-default-device",)
 
 
 @lru_cache(maxsize=None)
-def _mma_kernel(dtype: str, cfg: MmaConfig, b_kmajor: bool) -> Kernel:
+def _mma_kernel(dtype: str, cfg: MmaConfig, b_kmajor: bool, early_b: bool = False) -> Kernel:
+    """The variant for ``cfg``; ``early_b`` (skinny tiles only): its first B stages are loaded before the chain's
+    dependency wait (kernels/gemm.cu EARLY_B: for a weight B, never for one the previous kernel may write)."""
     kmajor = 'true' if b_kmajor else 'false'
     if cfg.wk == 1:  # large tiles: the fragment-double-buffered kernel (BK = 64)
-        assert cfg.bk == 64, cfg
+        assert cfg.bk == 64 and not early_b, cfg
         return Kernel(SOURCE, f"gemm_mma_tile_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.wm}, {cfg.wn}, "
                               f"{cfg.stages}, {kmajor}>", _OPTIONS)
     return Kernel(SOURCE, f"gemm_mma_kernel<{A.CTYPE[dtype]}, {cfg.bm}, {cfg.bn}, {cfg.bk}, {cfg.wm}, {cfg.wn}, "
-                          f"{cfg.wk}, {cfg.stages}, {kmajor}>", _OPTIONS)
+                          f"{cfg.wk}, {cfg.stages}, {kmajor}{', true' if early_b else ''}>", _OPTIONS)
 
 
 @lru_cache(maxsize=None)
@@ -278,6 +280,8 @@ def all_kernels() -> list:
             for cfg in (MMA_LARGE + tuple(MMA_DEEP.values()) + tuple(MMA_SKINNY.values())
                         + tuple(MMA_SKINNY_WIDE.values()) + (MMA_SKINNY_DEEP, MMA_SKINNY_NMAJOR)):
                 out.append(_mma_kernel(dtype, cfg, kmajor))
+                if cfg.wk > 1:  # linear()'s chained decode GEMMs (weights as B)
+                    out.append(_mma_kernel(dtype, cfg, kmajor, early_b=True))
         for kmajor in (True, False):
             for bm, bn in wgmma_tiles(kmajor) + wgmma_tiles(kmajor, decode=True):
                 out.append(_wgmma_kernel(dtype, WgmmaConfig(bm, bn, _wgmma_stages(bm, bn, _SM90_SMEM)), kmajor))
@@ -291,9 +295,10 @@ def _check_rows_operand(x: A.Array, what: str) -> tuple:
 
 
 def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, b_kmajor: bool, bias,
-          activation, oa: A.Array, ldo: int, path: str | None):
+          activation, oa: A.Array, ldo: int, path: str | None, b_weight: bool = False):
     """Validate one GEMM and return its launch, ``run(stream_ptr, a_ptr, b_ptr, bias_ptr, out_ptr)``, which
-    depends on the operands' layouts only (None when M = 0: nothing to launch)."""
+    depends on the operands' layouts only (None when M = 0: nothing to launch).  ``b_weight``: B is a weight
+    (linear()), which no kernel of a decode chain writes, so a chained skinny launch may load it before its wait."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of None, 'silu', 'gelu', 'gelu_tanh', 'relu', got "
                          f"{activation!r}")
@@ -322,7 +327,7 @@ def _gemm(aa: A.Array, m: int, k: int, lda: int, ba: A.Array, n: int, ldb: int, 
                          f"ldb={ldb}")
     act = _ACT_ARG[activation]
     cfg, kernel, lcfg, sizes = _plan(path, aa.dtype, m, n, k, b_kmajor, dev.sms, dev.smem_per_sm,
-                                     dev.smem_per_block_optin)
+                                     dev.smem_per_block_optin, b_weight and path == "skinny")
     # decode-sized GEMMs chain onto the previous kernel (speedcore._launch.chained)
     bl = bind(kernel, chained(lcfg, aa.device) if path == "skinny" else lcfg, aa.device)
     if path != "hopper":
@@ -370,7 +375,7 @@ _STORE_SWIZZLE = {64: 3, 32: 2, 16: 1}
 
 @lru_cache(maxsize=8192)
 def _plan(path: str, dtype: str, m: int, n: int, k: int, b_kmajor: bool, sms: int, smem_per_sm: int,
-          smem_per_block: int) -> tuple:
+          smem_per_block: int, early_b: bool = False) -> tuple:
     """What a launch needs that depends only on the problem and the device: the tile config, the variant, the
     launch configuration and the size arguments (cached: the host time of a call matters for decode shapes)."""
     sizes = (np.int32(m), np.int32(n), np.int32(k))
@@ -383,7 +388,8 @@ def _plan(path: str, dtype: str, m: int, n: int, k: int, b_kmajor: bool, sms: in
                 sizes + (splits, tiles))
     cfg = mma_config(m, n, k, sms, smem_per_sm, path == "skinny", b_kmajor)
     grid = _ceil(m, cfg.bm) * _ceil(n, cfg.bn)
-    return cfg, _mma_kernel(dtype, cfg, b_kmajor), LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
+    kernel = _mma_kernel(dtype, cfg, b_kmajor, early_b and cfg.wk > 1)
+    return cfg, kernel, LaunchConfig((grid,), (cfg.threads,), cfg.smem), sizes
 
 
 def _out(out, ref: A.Array, shape: tuple, inputs) -> A.Array:
@@ -535,7 +541,7 @@ def _linear_checked(x, weight, bias, activation, out, _path):
     _, ldo = oa.rows()
     if m == 1:
         ldo = n
-    run = _gemm(xa, m, k, lda, wa, n, ldw, True, ba, activation, oa, ldo, _path)
+    run = _gemm(xa, m, k, lda, wa, n, ldw, True, ba, activation, oa, ldo, _path, b_weight=True)
     if run is None:
         return oa.obj  # M = 0: not cached, nothing to launch
     run(A.stream_of(xa).ptr, xa.ptr, wa.ptr, ba.ptr if ba is not None else 0, oa.ptr)
