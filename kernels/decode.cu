@@ -650,7 +650,6 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     const CS* __restrict__ cos_sin, long long cs_stride, int rot_dim, int max_pos, int q_heads, int k_heads,
     long long q_stride_tok, long long q_stride_head, long long k_stride_tok, long long k_stride_head,
     int num_tokens) {
-  sc::chain_after_previous();
   constexpr int N = VEC ? 16 / sizeof(T) : 1;
   const int half = rot_dim / 2;
   // tasks per head: VEC NEOX half/N words, VEC GPT-J rot/N words, scalar half pairs
@@ -659,11 +658,16 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
   const unsigned per_token = (unsigned)(heads * per_head);
   const unsigned g = blockIdx.x * 256u + threadIdx.x;  // host: num_tokens * per_token < 2**31
   const unsigned t = g / per_token;
-  if ((int)t >= num_tokens) return;
+  if ((int)t >= num_tokens) {
+    sc::chain_after_previous();
+    return;
+  }
   const unsigned r = g - t * per_token;
   const int hh = (int)(r / (unsigned)per_head), c = (int)(r - (unsigned)hh * per_head);
   T* base = hh < q_heads ? q + (long long)t * q_stride_tok + (long long)hh * q_stride_head
                          : k + (long long)t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
+  // The position and its cos/sin row are read before the chain's wait: no kernel of the chain writes them (the
+  // engine's positions are copied in before the step), and the wait is then the only latency before q / k.
   long long pos = pos_is_64 ? static_cast<const long long*>(positions)[t]
                             : (long long) static_cast<const int*>(positions)[t];
   pos = min(max(pos, 0LL), (long long)max_pos - 1);  // a bad position reads a wrong row, never out of bounds
@@ -672,12 +676,13 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
   if constexpr (VEC) {
     using P = sc::Pack16<T>;
     if constexpr (NEOX) {
-      uint4* px = reinterpret_cast<uint4*>(base + c * N);
-      uint4* py = reinterpret_cast<uint4*>(base + half + c * N);
-      const uint4 wx = *px, wy = *py;
       float x[N], y[N], cv[N], sv[N];
       dec::load_floats<CS, N>(cosr + c * N, cv);
       dec::load_floats<CS, N>(sinr + c * N, sv);
+      sc::chain_after_previous();
+      uint4* px = reinterpret_cast<uint4*>(base + c * N);
+      uint4* py = reinterpret_cast<uint4*>(base + half + c * N);
+      const uint4 wx = *px, wy = *py;
       P::unpack(wx, x);
       P::unpack(wy, y);
 #pragma unroll
@@ -689,11 +694,12 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
       *px = P::pack(x);
       *py = P::pack(y);
     } else {
-      uint4* p = reinterpret_cast<uint4*>(base + c * N);
-      const uint4 w = *p;
       float x[N], cv[N / 2], sv[N / 2];
       dec::load_floats<CS, N / 2>(cosr + c * (N / 2), cv);
       dec::load_floats<CS, N / 2>(sinr + c * (N / 2), sv);
+      sc::chain_after_previous();
+      uint4* p = reinterpret_cast<uint4*>(base + c * N);
+      const uint4 w = *p;
       P::unpack(w, x);
 #pragma unroll
       for (int e = 0; e < N / 2; ++e) {
@@ -705,10 +711,113 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     }
   } else {
     const int xi = NEOX ? c : 2 * c, yi = NEOX ? c + half : 2 * c + 1;
-    const float x = sc::to_float(base[xi]), y = sc::to_float(base[yi]);
     const float cv = sc::to_float(cosr[c]), sv = sc::to_float(sinr[c]);
+    sc::chain_after_previous();
+    const float x = sc::to_float(base[xi]), y = sc::to_float(base[yi]);
     base[xi] = sc::from_float<T>(x * cv - y * sv);
     base[yi] = sc::from_float<T>(y * cv + x * sv);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// rotary_cache_kernel: rotary_embedding_kernel's VEC tasks (rot_dim = head size) on q and k, and in the same grid
+// reshape_and_cache's writes: each K task also stores its rotated words at the token's cache slot, and a V task per
+// (token, KV head, word group) copies the same words of v there (a decode step's one kernel between the QKV
+// projection and attention instead of two).  Tasks per token: (q_heads + 2 k_heads) x per_head, V last.  Slots
+// outside [0, num_slots) are not written (k is still rotated in place).  Strides in elements.
+template <typename T, typename CS, bool NEOX>
+__global__ void __launch_bounds__(256) rotary_cache_kernel(
+    T* __restrict__ q, T* __restrict__ k, const T* __restrict__ v, T* __restrict__ k_cache, T* __restrict__ v_cache,
+    const void* __restrict__ positions, int pos_is_64, const void* __restrict__ slot_mapping, int slot_is_64,
+    const CS* __restrict__ cos_sin, long long cs_stride, int rot_dim, int max_pos, int q_heads, int k_heads,
+    long long q_stride_tok, long long q_stride_head, long long k_stride_tok, long long k_stride_head,
+    long long v_stride_tok, long long v_stride_head, long long c_stride_block, long long c_stride_tok,
+    long long c_stride_head, int block_size, long long num_slots, int num_tokens) {
+  constexpr int N = 16 / sizeof(T);
+  using P = sc::Pack16<T>;
+  const int half = rot_dim / 2;
+  const int per_head = NEOX ? half / N : rot_dim / N;  // tasks per head: NEOX two words (x, y), GPT-J one
+  const unsigned per_token = (unsigned)((q_heads + 2 * k_heads) * per_head);
+  const unsigned g = blockIdx.x * 256u + threadIdx.x;  // host: num_tokens * per_token < 2**31
+  const unsigned t = g / per_token;
+  if ((int)t >= num_tokens) {
+    sc::chain_after_previous();
+    return;
+  }
+  const unsigned r = g - t * per_token;
+  const int hh = (int)(r / (unsigned)per_head), c = (int)(r - (unsigned)hh * per_head);
+  const bool is_q = hh < q_heads, is_v = hh >= q_heads + k_heads;
+  const int kvh = is_q ? 0 : is_v ? hh - q_heads - k_heads : hh - q_heads;
+  // position, cos/sin and slot before the chain's wait (inputs no kernel of the chain writes)
+  long long slot = -1;
+  if (!is_q)
+    slot = slot_is_64 ? static_cast<const long long*>(slot_mapping)[t]
+                      : (long long) static_cast<const int*>(slot_mapping)[t];
+  const bool cached = slot >= 0 && slot < num_slots;
+  const long long blk = cached ? slot / block_size : 0;
+  const long long c_row = blk * c_stride_block + (slot - blk * block_size) * c_stride_tok + kvh * c_stride_head;
+  // word offsets (elements) inside the head: NEOX x and y, GPT-J one word
+  const int ox = c * N, oy = NEOX ? half + c * N : 0;
+  float cv[NEOX ? N : N / 2], sv[NEOX ? N : N / 2];
+  if (!is_v) {
+    long long pos = pos_is_64 ? static_cast<const long long*>(positions)[t]
+                              : (long long) static_cast<const int*>(positions)[t];
+    pos = min(max(pos, 0LL), (long long)max_pos - 1);
+    const CS* cosr = cos_sin + pos * cs_stride;
+    if constexpr (NEOX) {
+      dec::load_floats<CS, N>(cosr + c * N, cv);
+      dec::load_floats<CS, N>(cosr + half + c * N, sv);
+    } else {
+      dec::load_floats<CS, N / 2>(cosr + c * (N / 2), cv);
+      dec::load_floats<CS, N / 2>(cosr + half + c * (N / 2), sv);
+    }
+  }
+  sc::chain_after_previous();
+  if (is_v) {
+    const T* src = v + (long long)t * v_stride_tok + (long long)kvh * v_stride_head;
+    const uint4 wx = *reinterpret_cast<const uint4*>(src + ox);
+    uint4 wy;
+    if constexpr (NEOX) wy = *reinterpret_cast<const uint4*>(src + oy);
+    if (cached) {
+      *reinterpret_cast<uint4*>(v_cache + c_row + ox) = wx;
+      if constexpr (NEOX) *reinterpret_cast<uint4*>(v_cache + c_row + oy) = wy;
+    }
+    return;
+  }
+  T* base = is_q ? q + (long long)t * q_stride_tok + (long long)hh * q_stride_head
+                 : k + (long long)t * k_stride_tok + (long long)kvh * k_stride_head;
+  uint4* px = reinterpret_cast<uint4*>(base + ox);
+  uint4 out_x, out_y;
+  if constexpr (NEOX) {
+    uint4* py = reinterpret_cast<uint4*>(base + oy);
+    float x[N], y[N];
+    P::unpack(*px, x);
+    P::unpack(*py, y);
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const float xr = x[e] * cv[e] - y[e] * sv[e];
+      y[e] = y[e] * cv[e] + x[e] * sv[e];
+      x[e] = xr;
+    }
+    out_x = P::pack(x);
+    out_y = P::pack(y);
+    *px = out_x;
+    *py = out_y;
+  } else {
+    float x[N];
+    P::unpack(*px, x);
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) {
+      const float a = x[2 * e], bb = x[2 * e + 1];
+      x[2 * e] = a * cv[e] - bb * sv[e];
+      x[2 * e + 1] = bb * cv[e] + a * sv[e];
+    }
+    out_x = P::pack(x);
+    *px = out_x;
+  }
+  if (!is_q && cached) {
+    *reinterpret_cast<uint4*>(k_cache + c_row + ox) = out_x;
+    if constexpr (NEOX) *reinterpret_cast<uint4*>(k_cache + c_row + oy) = out_y;
   }
 }
 

@@ -15,15 +15,15 @@ __global__ void __launch_bounds__(512) rms_norm_kernel(
     const T* __restrict__ weight, int hidden, long long x_stride, long long r_stride, long long o_stride,
     long long h_stride, float eps) {
   constexpr int VEC = 16 / sizeof(T);
-  sc::chain_after_previous();
   __shared__ float scratch[32];
   const long long row = blockIdx.x;
   const int nvec = hidden / VEC;
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * x_stride);
   const uint4* rr = reinterpret_cast<const uint4*>(residual + row * r_stride);
 
-  // The weight is loaded with the row: after the reduction it would be one more memory latency on the critical
-  // path (a decode step's norms run on one row, and the weights streamed since evict it from L2).
+  // The weight is loaded first, before the chain's wait (no kernel of a chain writes a weight): after the
+  // reduction it would be one more memory latency on the critical path, and even beside the row it is the slower
+  // load (a decode step's norms run on one row, and the weights streamed since evict it from L2).
   const uint4* wr = reinterpret_cast<const uint4*>(weight);
   uint4 a[NV];
   uint4 b[NV];
@@ -31,10 +31,15 @@ __global__ void __launch_bounds__(512) rms_norm_kernel(
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int idx = threadIdx.x + i * blockDim.x;
+    if (idx < nvec) wv[i] = wr[idx];
+  }
+  sc::chain_after_previous();
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
     if (idx < nvec) {
       a[i] = xr[idx];
       if constexpr (RESIDUAL) b[i] = rr[idx];
-      wv[i] = wr[idx];
     }
   }
 

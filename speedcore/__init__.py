@@ -26,6 +26,7 @@ _EXPORTS = {
     "paged_prefill_attention": "paged_attention",
     "reshape_and_cache": "decode",
     "rotary_embedding": "decode",
+    "rotary_embedding_and_cache": "decode",
     "silu_and_mul": "decode",
     "gelu_and_mul": "decode",
     "LLM": "engine",

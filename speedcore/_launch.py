@@ -439,9 +439,11 @@ def set_chained_launches(enabled: bool) -> bool:
     9.0): each may be scheduled while that one still runs and waits for it in-kernel, so no launch gap separates
     a decode step's ~400 kernels (engine, Llama-3-8B batch 1 on an H200: 4.55 ms per token against 4.85).  Takes
     effect at once (the op modules' cached plans are dropped when the setting changes); returns the previous
-    setting.  While it is on, the weights of ``linear`` and of the quantized linears are read before the wait (they
-    are constants of the chain): a weight must not be written by the kernel launched just before its use on the
-    same stream (load, then synchronize or launch anything else, as the engine does)."""
+    setting.  While it is on, some inputs are read before the wait, as constants of the chain: the weights of
+    ``linear``, of the quantized linears and of ``rms_norm``, and the positions, cos/sin cache and slot mapping of
+    ``rotary_embedding`` / ``rotary_embedding_and_cache``.  Such an input must not be written by the kernel
+    launched just before its use on the same stream (load, then synchronize or launch anything else, as the engine
+    does)."""
     prev = _chain_launches[0]
     _chain_launches[0] = bool(enabled)
     if prev != _chain_launches[0]:

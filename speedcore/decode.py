@@ -134,6 +134,10 @@ def _rotary_kernel(dtype: str, cs_dtype: str, neox: bool, vec: bool) -> Kernel:
                           f"{'true' if neox else 'false'}, {'true' if vec else 'false'}>")
 
 
+def _rotary_cache_kernel(dtype: str, cs_dtype: str, neox: bool) -> Kernel:
+    return Kernel(SOURCE, f"rotary_cache_kernel<{A.CTYPE[dtype]}, {A.CTYPE[cs_dtype]}, {'true' if neox else 'false'}>")
+
+
 def _act_kernel(dtype: str, act: str, vec: bool) -> Kernel:
     return Kernel(SOURCE, f"gated_act_kernel<{A.CTYPE[dtype]}, {_ACTS[act]}, {'true' if vec else 'false'}>")
 
@@ -154,6 +158,7 @@ def all_kernels() -> list:
             for neox in (True, False):
                 for vec in (True, False):
                     out.append(_rotary_kernel(dtype, cs, neox, vec))
+                out.append(_rotary_cache_kernel(dtype, cs, neox))
         for act in _ACTS:
             for vec in (True, False):
                 out.append(_act_kernel(dtype, act, vec))
@@ -660,6 +665,100 @@ def _rotary_plan(launch, is64, scalars, pa, qa, ka, csa):
     def run(positions, q, k, cos_sin_cache):
         launch(stream(device), (ptr(q), ptr(k) if k is not None else 0, ptr(positions), is64, ptr(cos_sin_cache))
                + scalars)
+        return True
+
+    return run
+
+
+# -- rotary_embedding_and_cache --------------------------------------------------------------------------------
+def rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, *, is_neox=True):
+    """:func:`rotary_embedding` of ``q`` and ``k`` in place, then :func:`reshape_and_cache` of the rotated ``k`` and
+    of ``v``, in one kernel where it can (a decode step's one launch between the QKV projection and attention).
+
+    Arguments as those two functions take them (positions, q, k and v of shape (num_tokens, heads, head_size),
+    one token dimension).  One kernel (``rotary_cache_kernel``) where the rotation covers the whole head
+    (rot_dim = head_size), every row is 16-byte aligned and the caches have q's dtype; otherwise the two kernels,
+    with the same result.
+
+    Returns
+    -------
+    (q, k), rotated in place; the caches are updated, on the caller's current stream.
+    """
+    if _torch_hook.compiling():
+        rotary_embedding(positions, q, k, cos_sin_cache, is_neox=is_neox)
+        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
+    try:
+        key = (sig(positions), sig(q), sig(k), sig(v), sig(cos_sin_cache), sig(k_cache), sig(v_cache),
+               sig(slot_mapping), type(is_neox), is_neox)
+        run = _FAST_ROTARY_CACHE.get(key)
+    except TypeError:  # an unhashable is_neox: the full check names it
+        key = run = None
+    if run is not None and run(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+        return q, k
+    pa = A.wrap(positions, "positions")
+    qa, ka, va = A.wrap(q, "q"), A.wrap(k, "k"), A.wrap(v, "v")
+    csa = A.wrap(cos_sin_cache, "cos_sin_cache")
+    kca, vca = A.wrap(k_cache, "k_cache"), A.wrap(v_cache, "v_cache")
+    sma = A.wrap(slot_mapping, "slot_mapping")
+    if pa.ndim != 1:
+        raise ValueError(f"positions: expected shape (num_tokens,), got {pa.shape}")
+    pr = _plan_rotary(pa, qa, ka, csa, is_neox)
+    pc = _plan_reshape_and_cache(ka, va, kca, vca, sma)
+    A.check_no_overlap(kca, qa)
+    A.check_no_overlap(vca, qa)
+    fused = (pr["vec"] and pr["rot_dim"] == qa.shape[-1] and pc["word"] == 16 and kca.dtype == qa.dtype
+             and pr["tokens"] * (pr["q_heads"] + 2 * pr["k_heads"]) * (qa.shape[-1] // (16 // qa.itemsize))
+             < 2 ** 31)
+    if not fused or pr["tokens"] == 0:
+        rotary_embedding(positions, q, k, cos_sin_cache, is_neox=is_neox)
+        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
+    n = 16 // qa.itemsize
+    per_head = (pr["rot_dim"] // 2 if is_neox else pr["rot_dim"]) // n
+    tasks = pr["tokens"] * (pr["q_heads"] + 2 * pr["k_heads"]) * per_head
+    i32, i64 = np.int32, np.int64
+    scalars = (i64(csa.strides[0]), i32(pr["rot_dim"]), i32(pr["max_pos"]), i32(pr["q_heads"]), i32(pr["k_heads"]),
+               i64(pr["q_strides"][0]), i64(pr["q_strides"][1]), i64(pr["k_strides"][0]), i64(pr["k_strides"][1]),
+               i64(va.strides[0]), i64(va.strides[1]), i64(kca.strides[0]), i64(kca.strides[1]),
+               i64(kca.strides[2]), i32(pc["block_size"]), i64(pc["num_slots"]), i32(pr["tokens"]))
+    flags = (i32(pa.dtype == "int64"), i32(sma.dtype == "int64"))
+    kern = _rotary_cache_kernel(qa.dtype, csa.dtype, bool(is_neox))
+    launch = bind(kern, chained(LaunchConfig((-(-tasks // 256),), (256,)), qa.device), qa.device).fixed(
+        (int,) * 6 + (np.int32, int, np.int32, int) + tuple(map(type, scalars)))
+
+    def args(pp, qp, kp, vp, csp, kcp, vcp, sp):
+        return (qp, kp, vp, kcp, vcp, pp, flags[0], sp, flags[1], csp) + scalars
+
+    launch(A.stream_of(qa).ptr, args(pa.ptr, qa.ptr, ka.ptr, va.ptr, csa.ptr, kca.ptr, vca.ptr, sma.ptr))
+    if key is not None and A.cacheable(key):
+        if len(_FAST_ROTARY_CACHE) >= _MAX_PLANS:
+            _FAST_ROTARY_CACHE.clear()
+        _FAST_ROTARY_CACHE[key] = _rotary_cache_plan(launch, args, qa, ka, va, kca, sma)
+    return q, k
+
+
+_FAST_ROTARY_CACHE: dict = plan_cache()  # rotary_embedding_and_cache's argument signatures -> its launch
+
+
+def _rotary_cache_plan(launch, args, qa, ka, va, kca, sma):
+    """Per call: pointers, the caches' overlap checks against every input (False where one fails, so the full path
+    raises), the launch."""
+    lib = A.fast_lib(qa.lib)
+    ptr, stream, device = lib.ptr, lib.stream, qa.device
+    exts = [A.extent(a) for a in (qa, ka, va, sma)]
+    c_ext = A.extent(kca)
+
+    def run(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+        ins = (ptr(q), ptr(k), ptr(v), ptr(slot_mapping))
+        kcp, vcp = ptr(k_cache), ptr(v_cache)
+        for cp in (kcp, vcp):
+            for ip, ie in zip(ins, exts):
+                if ip < cp + c_ext and cp < ip + ie:
+                    return False
+        if kcp < vcp + c_ext and vcp < kcp + c_ext:
+            return False
+        launch(stream(device), args(ptr(positions), ins[0], ins[1], ins[2], ptr(cos_sin_cache), kcp, vcp, ins[3]))
         return True
 
     return run

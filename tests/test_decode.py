@@ -179,8 +179,9 @@ def test_cache_rotary_activation_plans():
 def test_all_kernels_are_distinct():
     ks = D.all_kernels()
     assert len(ks) == len({k.name for k in ks})
-    assert len(ks) <= 72  # 24 attention variants (dtype x head dim x PAGE16 x PAIR), the rest small
+    assert len(ks) <= 80  # 24 attention variants (dtype x head dim x PAGE16 x PAIR), the rest small
     assert sum("paged_decode_kernel" in k.name for k in ks) == 24
+    assert sum("rotary_cache_kernel" in k.name for k in ks) == 10  # (dtype, cos/sin dtype) x NEOX
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------
@@ -527,6 +528,56 @@ def test_rotary_embedding(is_neox, dtype_name, head_size, rot_dim, cs_same, pos2
     want_q2 = reference_rotary(torch, positions, q2, cos_sin, is_neox)
     speedcore.rotary_embedding(positions, q2, None, cos_sin, is_neox=is_neox)
     torch.testing.assert_close(q2.float(), want_q2, **t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype_name, head_size, rot_dim, cs_same, block_size, int64", [
+    ("bfloat16", 128, 128, False, 16, True), ("float16", 64, 64, True, 5, False), ("float32", 128, 128, False, 1, True),
+    ("bfloat16", 256, 256, True, 256, False),
+    ("bfloat16", 128, 64, False, 16, True),  # partial rotary: the two-kernel fallback
+])
+def test_rotary_embedding_and_cache(is_neox, dtype_name, head_size, rot_dim, cs_same, block_size, int64):
+    """The fused kernel (or its fallback) gives exactly what rotary_embedding then reshape_and_cache give: q, k
+    rotated in place, the rotated k and v at their slots (-1 and past-the-end slots skipped), the rest untouched."""
+    torch = _torch()
+    import speedcore
+
+    dtype = getattr(torch, dtype_name)
+    tokens, heads, kv_heads, max_pos = 37, 6, 2, 500
+    idx = torch.int64 if int64 else torch.int32
+    positions = torch.randint(0, max_pos, (tokens,), device="cuda", dtype=idx)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, device="cuda").float() / rot_dim))
+    ang = torch.arange(max_pos, device="cuda").float()[:, None] * inv[None]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1)
+    if cs_same:
+        cos_sin = cos_sin.to(dtype)
+    blocks = max(4, -(-60 // block_size))
+    slots = torch.randperm(blocks * block_size, device="cuda")[:tokens]
+    slots[::5] = -1
+    slots[1] = blocks * block_size  # past the caches: skipped
+    slots = slots.to(idx)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_size, device="cuda").to(dtype)  # views of a fused QKV
+    kc = torch.randn(blocks, block_size, kv_heads, head_size, device="cuda").to(dtype)
+    vc = torch.randn_like(kc)
+    want_qkv, want_kc, want_vc = qkv.clone(), kc.clone(), vc.clone()
+    wq, wk, wv = want_qkv[:, :heads], want_qkv[:, heads:heads + kv_heads], want_qkv[:, heads + kv_heads:]
+    speedcore.rotary_embedding(positions, wq, wk, cos_sin, is_neox=is_neox)
+    speedcore.reshape_and_cache(wk, wv, want_kc, want_vc, slots)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    for _ in range(2):  # the full path, then the cached plan (on fresh copies)
+        got_qkv, got_kc, got_vc = qkv.clone(), kc.clone(), vc.clone()
+        gq, gk, gv = got_qkv[:, :heads], got_qkv[:, heads:heads + kv_heads], got_qkv[:, heads + kv_heads:]
+        rq, rk = speedcore.rotary_embedding_and_cache(positions, gq, gk, gv, cos_sin, got_kc, got_vc, slots,
+                                                      is_neox=is_neox)
+        torch.cuda.synchronize()
+        assert rq is gq and rk is gk
+        assert torch.equal(got_qkv, want_qkv) and torch.equal(got_kc, want_kc) and torch.equal(got_vc, want_vc)
+    with pytest.raises(ValueError, match="k_cache"):
+        speedcore.rotary_embedding_and_cache(positions, q, k, v, cos_sin, kc[:, :, :1], vc[:, :, :1], slots)
+    with pytest.raises(ValueError, match="positions"):
+        speedcore.rotary_embedding_and_cache(positions.view(1, -1), q.unsqueeze(0), k.unsqueeze(0), v, cos_sin, kc,
+                                             vc, slots)
 
 
 @pytest.mark.gpu

@@ -172,6 +172,12 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
         flat[slot_mapping[ok]] = src[ok]
 
 
+def rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, *, is_neox=True):
+    rotary_embedding(positions, q, k, cos_sin_cache, is_neox=is_neox)
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 def _attend(q, k, v, scale, allowed):
     """q (nq, H, D), k/v (nk, Hkv, D), allowed (nq, nk) -> (nq, H, D) in float32."""
     group = q.shape[1] // k.shape[1]
@@ -233,8 +239,8 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(sampler, "_gumbel_kernel", None)  # built from the fake, dropped after the test
-    for fn in (rms_norm, linear, silu_and_mul, rotary_embedding, reshape_and_cache, paged_decode_attention,
-               flash_attn_varlen, paged_prefill_attention):
+    for fn in (rms_norm, linear, silu_and_mul, rotary_embedding, reshape_and_cache, rotary_embedding_and_cache,
+               paged_decode_attention, flash_attn_varlen, paged_prefill_attention):
         monkeypatch.setattr(speedcore, fn.__name__, recorded(fn), raising=False)
 
 

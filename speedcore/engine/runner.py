@@ -215,9 +215,11 @@ class ModelRunner:
         else:
             pre = None
 
-        def attend(layer, q, k, v, out):
+        positions = g["positions"]
+
+        def attend(layer, q, k, v, out, cos_sin):
             kc, vc = self.k_caches[layer], self.v_caches[layer]
-            sc.reshape_and_cache(k, v, kc, vc, slots)
+            sc.rotary_embedding_and_cache(positions, q, k, v, cos_sin, kc, vc, slots, is_neox=True)
             wl = self.cfg.window_left[layer]
             if num_decode:
                 sc.paged_decode_attention(q[:num_decode], kc, vc, block_tables, seq_lens, softmax_scale=self.scale,

@@ -53,7 +53,9 @@ class ForwardContext:
     positions: object
     slot_mapping: object
     logits_idx: Optional[object]  # rows whose logits are needed; None: every row
-    attend: Callable  # attend(layer, q, k, v, out): out (T, H, D) <- attention of this step's tokens
+    # attend(layer, q, k, v, out, cos_sin): rotates q and k in place (NEOX, ctx.positions), writes k and v to the
+    # layer's cache, and out (T, H, D) <- attention of this step's tokens
+    attend: Callable
 
 
 class LlamaModel:
@@ -254,9 +256,8 @@ class LlamaModel:
                 # (strided head views do not collapse to one row stride: copied as bit patterns first)
                 q = sc.rms_norm(cupy.ascontiguousarray(q.view(np.uint16)).view(self.dtype), L.q_norm, eps)
                 k = sc.rms_norm(cupy.ascontiguousarray(k.view(np.uint16)).view(self.dtype), L.k_norm, eps)
-            sc.rotary_embedding(ctx.positions, q, k, cos_sin, is_neox=True)
             attn = cupy.empty((T, H, D), dtype=self.dtype)
-            ctx.attend(li, q, k, v, attn)
+            ctx.attend(li, q, k, v, attn, cos_sin)
             # row-parallel o and down: each rank's partial sum, one all-reduce each (on the engine's stream: a
             # CUDA graph captured there captures the NCCL calls with the rest of the step)
             o = comm.all_reduce(_linear(sc, attn.reshape(T, q_size), L.o))
