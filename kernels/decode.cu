@@ -101,8 +101,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // On sm_90 the merge is this kernel's programmatic dependent (speedcore.decode): it may be scheduled as soon as
   // every CTA here has started, and waits in-kernel for the partials, so no launch gap separates the two.  This
-  // kernel may itself be its predecessor's dependent (speedcore._launch.chained): it waits for it first.
-  sc::chain_after_previous();
+  // kernel may itself be its predecessor's dependent (speedcore._launch.chained): it waits for it once its
+  // block-table entries and sequence length are loaded (step inputs no kernel of the chain writes), before q, K
+  // and V (the previous kernel wrote this step's rows).
 #ifdef DECODE_TRACE
   auto gtime = sc::globaltimer_ns;
   unsigned long long* trace = reinterpret_cast<unsigned long long*>(lse_out) + (long long)blockIdx.x * 8;
@@ -164,8 +165,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) paged_decode_kernel(
                             : lane < 16 && tok >= spec_lo && tok < spec_hi;
     spec_page[j] = in ? bt_row[tok / block_size] : 0;
   }
+  const int seq_len = seq_lens[b * sl_stride];
+  sc::chain_after_previous();
   int lo, hi, t_begin, t_end;
-  range(min(seq_lens[b * sl_stride], max_len), lo, hi, t_begin, t_end);
+  range(min(seq_len, max_len), lo, hi, t_begin, t_end);
 
   // Q^T as the B operand of S^T = K Q^T: lane holds Q[query lane/4][d = 16kk + 2(lane%4) + {0,1}] and d + 8.
   unsigned qf[KT][2];

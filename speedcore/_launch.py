@@ -440,8 +440,9 @@ def set_chained_launches(enabled: bool) -> bool:
     a decode step's ~400 kernels (engine, Llama-3-8B batch 1 on an H200: 4.55 ms per token against 4.85).  Takes
     effect at once (the op modules' cached plans are dropped when the setting changes); returns the previous
     setting.  While it is on, some inputs are read before the wait, as constants of the chain: the weights of
-    ``linear``, of the quantized linears and of ``rms_norm``, and the positions, cos/sin cache and slot mapping of
-    ``rotary_embedding`` / ``rotary_embedding_and_cache``.  Such an input must not be written by the kernel
+    ``linear``, of the quantized linears and of ``rms_norm``, the positions, cos/sin cache and slot mapping of
+    ``rotary_embedding`` / ``rotary_embedding_and_cache``, and the block table and sequence lengths of
+    ``paged_decode_attention``.  Such an input must not be written by the kernel
     launched just before its use on the same stream (load, then synchronize or launch anything else, as the engine
     does)."""
     prev = _chain_launches[0]
