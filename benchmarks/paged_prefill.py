@@ -29,9 +29,10 @@ def _paged(torch, k, block_size, device):
     return pages, perm.view(batch, per_seq).int()
 
 
-def _prefill_case(b, q_len, cached, block_size):
-    torch = b.torch
-    dev, dt = b.device, torch.bfloat16
+def prefill_inputs(torch, dev, q_len, cached, block_size):
+    """One chunked-prefill case's tensors (bf16): (batch, sk, q, k, v, k_cache, v_cache, block_table, cu_seqlens_q,
+    cu_seqlens_k, seqused_k); k and v contiguous (batch, sk, kv_heads, d), the caches their shuffled pages."""
+    dt = torch.bfloat16
     batch = max(1, QUERY_TOKENS // q_len)
     sk = cached + q_len
     q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device=dev, dtype=dt)
@@ -43,6 +44,12 @@ def _prefill_case(b, q_len, cached, block_size):
     cu_q = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * q_len
     cu_k = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * sk
     lens = torch.full((batch,), sk, device=dev, dtype=torch.int32)
+    return batch, sk, q, k, v, kc, vc, table, cu_q, cu_k, lens
+
+
+def _prefill_case(b, q_len, cached, block_size):
+    torch = b.torch
+    batch, sk, q, k, v, kc, vc, table, cu_q, cu_k, lens = prefill_inputs(torch, b.device, q_len, cached, block_size)
     pairs = batch * (q_len * cached + q_len * (q_len + 1) // 2)
     flops = 4 * HEADS * HEAD_DIM * pairs
     out = torch.empty_like(q)

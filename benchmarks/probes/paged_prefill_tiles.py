@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import speedcore  # noqa: E402
 from speedcore import paged_attention as P  # noqa: E402
 from speedcore.bench import Bench  # noqa: E402
-from paged_prefill import HEADS, HEAD_DIM, KV_HEADS, QUERY_TOKENS, _paged  # noqa: E402
+from paged_prefill import HEAD_DIM, KV_HEADS, prefill_inputs  # noqa: E402
 
 TILES = [(128, 2, 2, True), (128, 3, 2, True), (128, 3, 2, False), (128, 2, 2, False)]
 
@@ -28,18 +28,7 @@ def _set_tile(tile):
 
 def case(b, q_len, cached, bs, rounds):
     torch = b.torch
-    dev, dt = b.device, torch.bfloat16
-    batch = max(1, QUERY_TOKENS // q_len)
-    sk = cached + q_len
-    q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device=dev, dtype=dt)
-    k = torch.randn(batch, sk, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
-    v = torch.randn_like(k)
-    kc, table = _paged(torch, k, bs, dev)
-    vc = torch.empty_like(kc)
-    vc[table.view(-1).long()] = v.reshape(-1, bs, KV_HEADS, HEAD_DIM)
-    cu_q = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * q_len
-    cu_k = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * sk
-    lens = torch.full((batch,), sk, device=dev, dtype=torch.int32)
+    batch, sk, q, k, v, kc, vc, table, cu_q, cu_k, lens = prefill_inputs(torch, b.device, q_len, cached, bs)
     out, ref = torch.empty_like(q), torch.empty_like(q)
     kf, vf = k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
     contig = lambda: speedcore.flash_attn_varlen(q, kf, vf, cu_q, cu_k, q_len, sk, causal=True, out=ref)  # noqa
