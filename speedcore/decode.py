@@ -676,7 +676,7 @@ def rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cac
     of ``v``, in one kernel where it can (a decode step's one launch between the QKV projection and attention).
 
     Arguments as those two functions take them (positions, q, k and v of shape (num_tokens, heads, head_size),
-    one token dimension).  One kernel (``rotary_cache_kernel``) where the rotation covers the whole head
+    one token dimension; q, k and v may be views of one fused QKV tensor but must not share elements).  One kernel (``rotary_cache_kernel``) where the rotation covers the whole head
     (rot_dim = head_size), every row is 16-byte aligned and the caches have q's dtype; otherwise the two kernels,
     with the same result.
 
