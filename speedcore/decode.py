@@ -527,6 +527,16 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
 _FAST_CACHE: dict = plan_cache()  # reshape_and_cache's argument signatures -> its launch
 
 
+def _caches_overlap(kcp: int, vcp: int, c_ext: int, inputs) -> bool:
+    """Whether the caches (``c_ext`` bytes each from kcp / vcp) overlap each other or an input's (pointer, extent)
+    span: the cached plans' per-call form of the full path's ``check_no_overlap``."""
+    for cp in (kcp, vcp):
+        for ip, ie in inputs:
+            if ip < cp + c_ext and cp < ip + ie:
+                return True
+    return kcp < vcp + c_ext and vcp < kcp + c_ext
+
+
 def _cache_plan(launch, scalars, ka, va, kca, vca, sma):
     """Per call: pointers, the caches' overlap checks (False where one fails, so the full path raises), the
     launch."""
@@ -536,11 +546,7 @@ def _cache_plan(launch, scalars, ka, va, kca, vca, sma):
 
     def run(k, v, k_cache, v_cache, slot_mapping):
         kp, vp, kcp, vcp, sp = ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), ptr(slot_mapping)
-        for cp in (kcp, vcp):
-            for ip, ie in ((kp, k_ext), (vp, v_ext), (sp, s_ext)):
-                if ip < cp + c_ext and cp < ip + ie:
-                    return False
-        if kcp < vcp + c_ext and vcp < kcp + c_ext:
+        if _caches_overlap(kcp, vcp, c_ext, ((kp, k_ext), (vp, v_ext), (sp, s_ext))):
             return False
         launch(stream(device), kcp, vcp, kp, vp, sp)
         return True
@@ -676,9 +682,9 @@ def rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cac
     of ``v``, in one kernel where it can (a decode step's one launch between the QKV projection and attention).
 
     Arguments as those two functions take them (positions, q, k and v of shape (num_tokens, heads, head_size),
-    one token dimension; q, k and v may be views of one fused QKV tensor but must not share elements).  One kernel (``rotary_cache_kernel``) where the rotation covers the whole head
-    (rot_dim = head_size), every row is 16-byte aligned and the caches have q's dtype; otherwise the two kernels,
-    with the same result.
+    one token dimension; q, k and v may be views of one fused QKV tensor but must not share elements).  One kernel
+    (``rotary_cache_kernel``) where the rotation covers the whole head (rot_dim = head_size) and every row is
+    16-byte aligned; otherwise the two kernels, with the same result.
 
     Returns
     -------
@@ -707,16 +713,15 @@ def rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cac
     pc = _plan_reshape_and_cache(ka, va, kca, vca, sma)
     A.check_no_overlap(kca, qa)
     A.check_no_overlap(vca, qa)
-    fused = (pr["vec"] and pr["rot_dim"] == qa.shape[-1] and pc["word"] == 16 and kca.dtype == qa.dtype
-             and pr["tokens"] * (pr["q_heads"] + 2 * pr["k_heads"]) * (qa.shape[-1] // (16 // qa.itemsize))
-             < 2 ** 31)
-    if not fused or pr["tokens"] == 0:
+    # (the two plans already require one dtype for q, k, v and the caches)
+    per_head = (pr["rot_dim"] // 2 if is_neox else pr["rot_dim"]) // (16 // qa.itemsize)
+    tasks = pr["tokens"] * (pr["q_heads"] + 2 * pr["k_heads"]) * per_head
+    if not (pr["vec"] and pr["rot_dim"] == qa.shape[-1] and pc["word"] == 16 and tasks < 2 ** 31):
         rotary_embedding(positions, q, k, cos_sin_cache, is_neox=is_neox)
         reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
         return q, k
-    n = 16 // qa.itemsize
-    per_head = (pr["rot_dim"] // 2 if is_neox else pr["rot_dim"]) // n
-    tasks = pr["tokens"] * (pr["q_heads"] + 2 * pr["k_heads"]) * per_head
+    if tasks == 0:
+        return q, k
     i32, i64 = np.int32, np.int64
     scalars = (i64(csa.strides[0]), i32(pr["rot_dim"]), i32(pr["max_pos"]), i32(pr["q_heads"]), i32(pr["k_heads"]),
                i64(pr["q_strides"][0]), i64(pr["q_strides"][1]), i64(pr["k_strides"][0]), i64(pr["k_strides"][1]),
@@ -752,11 +757,7 @@ def _rotary_cache_plan(launch, args, qa, ka, va, kca, sma):
     def run(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
         ins = (ptr(q), ptr(k), ptr(v), ptr(slot_mapping))
         kcp, vcp = ptr(k_cache), ptr(v_cache)
-        for cp in (kcp, vcp):
-            for ip, ie in zip(ins, exts):
-                if ip < cp + c_ext and cp < ip + ie:
-                    return False
-        if kcp < vcp + c_ext and vcp < kcp + c_ext:
+        if _caches_overlap(kcp, vcp, c_ext, zip(ins, exts)):
             return False
         launch(stream(device), args(ptr(positions), ins[0], ins[1], ins[2], ptr(cos_sin_cache), kcp, vcp, ins[3]))
         return True

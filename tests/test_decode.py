@@ -176,6 +176,15 @@ def test_cache_rotary_activation_plans():
         D._plan_gated(fake("x", (7, 8), "int32"), None)
 
 
+def test_caches_overlap():
+    # the cached plans' per-call check: caches of 100 bytes at 1000 and 2000
+    assert not D._caches_overlap(1000, 2000, 100, [(0, 1000), (1100, 900), (2100, 50)])
+    assert D._caches_overlap(1000, 2000, 100, [(0, 1001)])      # an input's last byte inside k_cache
+    assert D._caches_overlap(1000, 2000, 100, [(2099, 10)])     # an input's first byte inside v_cache
+    assert D._caches_overlap(1000, 1050, 100, [])               # the caches overlap each other
+    assert not D._caches_overlap(1000, 1100, 100, iter([(1200, 8)]))
+
+
 def test_all_kernels_are_distinct():
     ks = D.all_kernels()
     assert len(ks) == len({k.name for k in ks})
