@@ -5,9 +5,11 @@ built (so every gemv_stream_kernel and gemm_mma_kernel launch of that run compil
 ``--quantization none``: the bf16 preset.
 
     PYTHONPATH=. python3 benchmarks/probes/engine_defines_ab.py --quantization awq --rounds 2 \\
-        --variant early=-DSC_QUANT_STREAM_EARLY_W --variant all="; --quant-copies all"
+        --variant early=-DSC_QUANT_STREAM_EARLY_W --variant all="; --quant-copies all" \
+        --variant nol2="; ; G.L2_AHEAD_BYTES = 0; Q.stream.STREAM_L2_AHEAD_BYTES = 0"
 
-A variant is NAME=DEFINES[; EXTRA bench-engine ARGUMENTS].
+A variant is NAME=DEFINES[; EXTRA bench-engine ARGUMENTS][; PYTHON], the Python run after the imports (G is
+speedcore.gemm, Q speedcore.quant) and before the engine is built.
 
 Prints per round and variant the inter-token latency p50 (ms) and output tok/s, then the medians.
 """
@@ -26,20 +28,21 @@ import speedcore.gemm as G
 import speedcore.quant as Q
 Q._STREAM_DEFINES = tuple(sys.argv[2].split()) if sys.argv[2] else ()
 G._OPTIONS = G._OPTIONS + Q._STREAM_DEFINES
+exec(sys.argv[3])
 from speedcore.cli import main
 sys.exit(main(json.loads(sys.argv[1])))
 """
 
 
 def one(args, spec, preset, quantization):
-    defines, _, extra = spec.partition(";")
+    defines, extra, code = (spec.split(";", 2) + ["", ""])[:3]
     defines = defines.strip()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
         cli = ["bench-engine", "--preset", preset, "--batch", "1", "--num-prompts", "4", "--input-len", "128",
                "--output-len", "256", "--json", out] + (["--quantization", quantization] if quantization not in ("", "none") else [])
         cli += extra.split()
-        p = subprocess.run([sys.executable, "-c", RUN, json.dumps(cli), defines], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-c", RUN, json.dumps(cli), defines, code.strip()], capture_output=True, text=True,
                            timeout=args.timeout)
         if p.returncode:
             raise RuntimeError(p.stderr[-2000:])
