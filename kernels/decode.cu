@@ -12,6 +12,12 @@ namespace dec {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
+// Entry i of an int32 or int64 index array (positions, slot mappings: either dtype is taken as given).  I: the
+// caller's index type, kept so that the address arithmetic stays the caller's.
+template <typename I> __device__ __forceinline__ long long load_index(const void* p, int is_64, I i) {
+  return is_64 ? static_cast<const long long*>(p)[i] : (long long)static_cast<const int*>(p)[i];
+}
+
 // Transpose an 8x8 matrix of 16-bit values held one row-pair per lane (the mma accumulator layout) so each
 // lane holds a column pair: turns a score tile (tokens x queries) into the B operand (queries by column) of
 // the next mma without going through shared memory.
@@ -645,6 +651,35 @@ template <typename CS, int M> __device__ __forceinline__ void load_floats(const 
     for (int i = 0; i < M; ++i) f[i] = sc::to_float(p[i]);
   }
 }
+
+// Token t's row [cos(rot/2) | sin(rot/2)] of the cos/sin cache; its position is clamped to [0, max_pos), so a bad
+// position reads a wrong row, never out of bounds.
+template <typename CS, typename I>
+__device__ __forceinline__ const CS* cos_sin_row(const CS* cos_sin, long long cs_stride, const void* positions,
+                                                 int pos_is_64, I t, int max_pos) {
+  const long long pos = min(max(load_index(positions, pos_is_64, t), 0LL), (long long)max_pos - 1);
+  return cos_sin + pos * cs_stride;
+}
+
+// NEOX: N pairs (x[e], y[e]) rotated by (cv[e], sv[e]).
+template <int N> __device__ __forceinline__ void rotate_neox(float* x, float* y, const float* cv, const float* sv) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const float xr = x[e] * cv[e] - y[e] * sv[e];
+    y[e] = y[e] * cv[e] + x[e] * sv[e];
+    x[e] = xr;
+  }
+}
+
+// GPT-J: the N / 2 interleaved pairs (x[2e], x[2e + 1]) rotated by (cv[e], sv[e]).
+template <int N> __device__ __forceinline__ void rotate_gptj(float* x, const float* cv, const float* sv) {
+#pragma unroll
+  for (int e = 0; e < N / 2; ++e) {
+    const float a = x[2 * e], b = x[2 * e + 1];
+    x[2 * e] = a * cv[e] - b * sv[e];
+    x[2 * e + 1] = b * cv[e] + a * sv[e];
+  }
+}
 }  // namespace dec
 
 template <typename T, typename CS, bool NEOX, bool VEC>
@@ -671,10 +706,7 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
                          : k + (long long)t * k_stride_tok + (long long)(hh - q_heads) * k_stride_head;
   // The position and its cos/sin row are read before the chain's wait: no kernel of the chain writes them (the
   // engine's positions are copied in before the step), and the wait is then the only latency before q / k.
-  long long pos = pos_is_64 ? static_cast<const long long*>(positions)[t]
-                            : (long long) static_cast<const int*>(positions)[t];
-  pos = min(max(pos, 0LL), (long long)max_pos - 1);  // a bad position reads a wrong row, never out of bounds
-  const CS* cosr = cos_sin + pos * cs_stride;
+  const CS* cosr = dec::cos_sin_row(cos_sin, cs_stride, positions, pos_is_64, t, max_pos);
   const CS* sinr = cosr + half;
   if constexpr (VEC) {
     using P = sc::Pack16<T>;
@@ -688,12 +720,7 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
       const uint4 wx = *px, wy = *py;
       P::unpack(wx, x);
       P::unpack(wy, y);
-#pragma unroll
-      for (int e = 0; e < N; ++e) {
-        const float xr = x[e] * cv[e] - y[e] * sv[e];
-        y[e] = y[e] * cv[e] + x[e] * sv[e];
-        x[e] = xr;
-      }
+      dec::rotate_neox<N>(x, y, cv, sv);
       *px = P::pack(x);
       *py = P::pack(y);
     } else {
@@ -704,12 +731,7 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
       uint4* p = reinterpret_cast<uint4*>(base + c * N);
       const uint4 w = *p;
       P::unpack(w, x);
-#pragma unroll
-      for (int e = 0; e < N / 2; ++e) {
-        const float a = x[2 * e], bb = x[2 * e + 1];
-        x[2 * e] = a * cv[e] - bb * sv[e];
-        x[2 * e + 1] = bb * cv[e] + a * sv[e];
-      }
+      dec::rotate_gptj<N>(x, cv, sv);
       *p = P::pack(x);
     }
   } else {
@@ -753,9 +775,7 @@ __global__ void __launch_bounds__(256) rotary_cache_kernel(
   const int kvh = is_q ? 0 : is_v ? hh - q_heads - k_heads : hh - q_heads;
   // position, cos/sin and slot before the chain's wait (inputs no kernel of the chain writes)
   long long slot = -1;
-  if (!is_q)
-    slot = slot_is_64 ? static_cast<const long long*>(slot_mapping)[t]
-                      : (long long) static_cast<const int*>(slot_mapping)[t];
+  if (!is_q) slot = dec::load_index(slot_mapping, slot_is_64, t);
   const bool cached = slot >= 0 && slot < num_slots;
   const long long blk = cached ? slot / block_size : 0;
   const long long c_row = blk * c_stride_block + (slot - blk * block_size) * c_stride_tok + kvh * c_stride_head;
@@ -763,10 +783,7 @@ __global__ void __launch_bounds__(256) rotary_cache_kernel(
   const int ox = c * N, oy = NEOX ? half + c * N : 0;
   float cv[NEOX ? N : N / 2], sv[NEOX ? N : N / 2];
   if (!is_v) {
-    long long pos = pos_is_64 ? static_cast<const long long*>(positions)[t]
-                              : (long long) static_cast<const int*>(positions)[t];
-    pos = min(max(pos, 0LL), (long long)max_pos - 1);
-    const CS* cosr = cos_sin + pos * cs_stride;
+    const CS* cosr = dec::cos_sin_row(cos_sin, cs_stride, positions, pos_is_64, t, max_pos);
     if constexpr (NEOX) {
       dec::load_floats<CS, N>(cosr + c * N, cv);
       dec::load_floats<CS, N>(cosr + half + c * N, sv);
@@ -796,12 +813,7 @@ __global__ void __launch_bounds__(256) rotary_cache_kernel(
     float x[N], y[N];
     P::unpack(*px, x);
     P::unpack(*py, y);
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const float xr = x[e] * cv[e] - y[e] * sv[e];
-      y[e] = y[e] * cv[e] + x[e] * sv[e];
-      x[e] = xr;
-    }
+    dec::rotate_neox<N>(x, y, cv, sv);
     out_x = P::pack(x);
     out_y = P::pack(y);
     *px = out_x;
@@ -809,12 +821,7 @@ __global__ void __launch_bounds__(256) rotary_cache_kernel(
   } else {
     float x[N];
     P::unpack(*px, x);
-#pragma unroll
-    for (int e = 0; e < N / 2; ++e) {
-      const float a = x[2 * e], bb = x[2 * e + 1];
-      x[2 * e] = a * cv[e] - bb * sv[e];
-      x[2 * e + 1] = bb * cv[e] + a * sv[e];
-    }
+    dec::rotate_gptj<N>(x, cv, sv);
     out_x = P::pack(x);
     *px = out_x;
   }
