@@ -426,24 +426,10 @@ _chain_launches = [os.environ.get("SPEEDCORE_CHAIN_LAUNCHES", "0") == "1"]
 _plan_caches: list = []
 
 
-class PlanCache(dict):
-    """Cached launch plans (call signature -> launch) of an op module, at most ``limit`` of them: a call with one
-    more signature empties it first (a program that keeps making new shapes does not grow it without bound)."""
-
-    def __init__(self, limit: int):
-        super().__init__()
-        self.limit = limit
-
-    def remember(self, key, plan) -> None:
-        if len(self) >= self.limit:
-            self.clear()
-        self[key] = plan
-
-
-def plan_cache(limit: int = 1024) -> PlanCache:
-    """A module's :class:`PlanCache`, emptied whenever chaining is switched, since a plan holds its launch
-    configuration."""
-    d = PlanCache(limit)
+def plan_cache() -> dict:
+    """A dict of cached launch plans (call signature -> launch) of an op module: emptied whenever chaining is
+    switched, since a plan holds its launch configuration."""
+    d: dict = {}
     _plan_caches.append(d)
     return d
 

@@ -581,14 +581,17 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
 
 
 # flash_attn / flash_attn_varlen call signatures -> their launch; see _arrays.sig
-_FAST_ATTN = plan_cache()
+_FAST_ATTN: dict = plan_cache()
+_MAX_PLANS = 1024
 
 
 def _cache_attn(key, run, given, inputs, oa, lse_shape, varlen: bool) -> None:
     """Store the plan of a validated call, unless an input had to be copied (the plan would skip the copy)."""
     if key is None or not A.cacheable(key) or any(a is not b for a, b in zip(given[:3], inputs)):
         return
-    _FAST_ATTN.remember(key, _attn_plan(run, *inputs, oa if given[3] is not None else None, lse_shape, varlen))
+    if len(_FAST_ATTN) >= _MAX_PLANS:
+        _FAST_ATTN.clear()
+    _FAST_ATTN[key] = _attn_plan(run, *inputs, oa if given[3] is not None else None, lse_shape, varlen)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

@@ -318,10 +318,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, softma
     return _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, return_lse)
 
 
-# paged_decode_attention's arguments (signatures and scalars) -> its launch; see _arrays.sig.  This module's
-# caches hold at most _PLAN_LIMIT plans each.
-_PLAN_LIMIT = 256
-_FAST_DECODE = plan_cache(_PLAN_LIMIT)
+# paged_decode_attention's arguments (signatures and scalars) -> its launch; see _arrays.sig
+_FAST_DECODE: dict = plan_cache()
+
+
+_MAX_PLANS = 256
 
 
 def _decode_plan(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left, num_splits) -> dict:
@@ -365,7 +366,9 @@ def _paged_decode(qa, ka, va, bta, sla, oa, softmax_scale, softcap, window_left,
                type(softmax_scale), softmax_scale, type(softcap), softcap, type(window_left), window_left,
                return_lse is True)
         if A.cacheable(key):
-            _FAST_DECODE.remember(key, run)
+            if len(_FAST_DECODE) >= _MAX_PLANS:
+                _FAST_DECODE.clear()
+            _FAST_DECODE[key] = run
     return result
 
 
@@ -515,11 +518,13 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     launch = bind(_cache_kernel(p["word"]), lcfg, ka.device).prepacked((int,) * 5, scalars)
     launch(A.stream_of(ka).ptr, kca.ptr, vca.ptr, ka.ptr, va.ptr, sma.ptr)
     if A.cacheable(key):
-        _FAST_CACHE.remember(key, _cache_plan(launch, scalars, ka, va, kca, vca, sma))
+        if len(_FAST_CACHE) >= _MAX_PLANS:
+            _FAST_CACHE.clear()
+        _FAST_CACHE[key] = _cache_plan(launch, scalars, ka, va, kca, vca, sma)
     return None
 
 
-_FAST_CACHE = plan_cache(_PLAN_LIMIT)  # reshape_and_cache's argument signatures -> its launch
+_FAST_CACHE: dict = plan_cache()  # reshape_and_cache's argument signatures -> its launch
 
 
 def _caches_overlap(kcp: int, vcp: int, c_ext: int, inputs) -> bool:
@@ -649,11 +654,13 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, is_neox=True):
         (int, int, int, np.int32, int) + tuple(map(type, scalars)))
     launch(A.stream_of(qa).ptr, (qa.ptr, ka.ptr if ka is not None else 0, pa.ptr, is64, csa.ptr) + scalars)
     if key is not None and A.cacheable(key):
-        _FAST_ROTARY.remember(key, _rotary_plan(launch, is64, scalars, pa, qa, ka, csa))
+        if len(_FAST_ROTARY) >= _MAX_PLANS:
+            _FAST_ROTARY.clear()
+        _FAST_ROTARY[key] = _rotary_plan(launch, is64, scalars, pa, qa, ka, csa)
     return q, k
 
 
-_FAST_ROTARY = plan_cache(_PLAN_LIMIT)  # rotary_embedding's argument signatures -> its launch
+_FAST_ROTARY: dict = plan_cache()  # rotary_embedding's argument signatures -> its launch
 
 
 def _rotary_plan(launch, is64, scalars, pa, qa, ka, csa):
@@ -730,11 +737,13 @@ def rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cac
 
     launch(A.stream_of(qa).ptr, args(pa.ptr, qa.ptr, ka.ptr, va.ptr, csa.ptr, kca.ptr, vca.ptr, sma.ptr))
     if key is not None and A.cacheable(key):
-        _FAST_ROTARY_CACHE.remember(key, _rotary_cache_plan(launch, args, qa, ka, va, kca, sma))
+        if len(_FAST_ROTARY_CACHE) >= _MAX_PLANS:
+            _FAST_ROTARY_CACHE.clear()
+        _FAST_ROTARY_CACHE[key] = _rotary_cache_plan(launch, args, qa, ka, va, kca, sma)
     return q, k
 
 
-_FAST_ROTARY_CACHE = plan_cache(_PLAN_LIMIT)  # rotary_embedding_and_cache's signatures -> its launch
+_FAST_ROTARY_CACHE: dict = plan_cache()  # rotary_embedding_and_cache's argument signatures -> its launch
 
 
 def _rotary_cache_plan(launch, args, qa, ka, va, kca, sma):
@@ -800,11 +809,13 @@ def _gated(x, out, act: str):
     launch(A.stream_of(xa).ptr, oa.ptr, xa.ptr)
     # a new output's alignment is the allocator's (256 bytes), so it is only cached for out= calls or aligned ones
     if A.cacheable(key) and (given or oa.aligned(16)):
-        _FAST_GATED.remember(key, _gated_plan(launch, xa, oa if given else None, p["out_shape"]))
+        if len(_FAST_GATED) >= _MAX_PLANS:
+            _FAST_GATED.clear()
+        _FAST_GATED[key] = _gated_plan(launch, xa, oa if given else None, p["out_shape"])
     return oa.obj
 
 
-_FAST_GATED = plan_cache(_PLAN_LIMIT)  # (x, out signatures, activation) -> the launch
+_FAST_GATED: dict = plan_cache()  # (x, out signatures, activation) -> the launch
 
 
 def _gated_plan(launch, xa, oa, out_shape):

@@ -434,7 +434,7 @@ def matmul(a, b, *, out=None, _path=None):
 
 
 # (a, b, out signatures, _path) -> the validated launch; see _arrays.sig
-_MATMUL_PLANS = plan_cache()
+_MATMUL_PLANS: dict = plan_cache()
 
 
 def _matmul_checked(a, b, out, _path):
@@ -468,7 +468,9 @@ def _matmul_checked(a, b, out, _path):
     run(A.stream_of(aa).ptr, aa.ptr, ba.ptr, 0, oa.ptr)
     key = (sig(a), sig(b), sig(out), _path)
     if A.cacheable(key):
-        _MATMUL_PLANS.remember(key, _cached_plan(run, (m, n), aa, ba, None, oa if out is not None else None))
+        if len(_MATMUL_PLANS) >= _MAX_PLANS:
+            _MATMUL_PLANS.clear()
+        _MATMUL_PLANS[key] = _cached_plan(run, (m, n), aa, ba, None, oa if out is not None else None)
     return oa.obj
 
 
@@ -506,7 +508,8 @@ def linear(x, weight, bias=None, *, activation=None, out=None, _path=None):
 
 
 # (x, weight, bias, out signatures, activation, _path) -> the validated launch; see _arrays.sig
-_LINEAR_PLANS = plan_cache()
+_LINEAR_PLANS: dict = plan_cache()
+_MAX_PLANS = 1024
 
 
 def _linear_checked(x, weight, bias, activation, out, _path):
@@ -544,8 +547,10 @@ def _linear_checked(x, weight, bias, activation, out, _path):
     run(A.stream_of(xa).ptr, xa.ptr, wa.ptr, ba.ptr if ba is not None else 0, oa.ptr)
     key = (sig(x), sig(weight), sig(bias), sig(out), activation, _path)
     if A.cacheable(key):
-        _LINEAR_PLANS.remember(key, _cached_plan(run, tuple(xa.shape[:-1]) + (n,), xa, wa, ba,
-                                                 oa if out is not None else None))
+        if len(_LINEAR_PLANS) >= _MAX_PLANS:
+            _LINEAR_PLANS.clear()
+        _LINEAR_PLANS[key] = _cached_plan(run, tuple(xa.shape[:-1]) + (n,), xa, wa, ba,
+                                          oa if out is not None else None)
     return oa.obj
 
 

@@ -99,7 +99,8 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, out=None, residual_
 
 
 # (x, weight, residual, out, residual_out signatures, eps) -> the validated launch for that call signature; see _arrays.sig
-_PLANS = plan_cache()
+_PLANS: dict = plan_cache()
+_MAX_PLANS = 1024
 
 
 def _rms_norm_checked(x, weight, eps, residual, out, residual_out):
@@ -166,8 +167,9 @@ def _rms_norm_checked(x, weight, eps, residual, out, residual_out):
     bl(A.stream_of(xa).ptr, args)
     key = (sig(x), sig(weight), sig(residual), sig(out), sig(residual_out), eps)
     if A.cacheable(key):
-        _PLANS.remember(key, _plan(xa, wa, ra, oa if out is not None else None, hga,
-                                   bl.prepacked((int,) * 5, args[5:])))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = _plan(xa, wa, ra, oa if out is not None else None, hga, bl.prepacked((int,) * 5, args[5:]))
     return result
 
 

@@ -614,7 +614,8 @@ def _paged_plan(run, qa, ka, va, cqa, sua, bta, oa, lse_shape):
 
 
 # paged_prefill_attention call signatures -> their launch; see _arrays.sig
-_PAGED_PLANS = plan_cache()
+_PAGED_PLANS: dict = plan_cache()
+_MAX_PLANS = 1024
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
@@ -708,8 +709,10 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_
         run(A.stream_of(qa).ptr, oa.ptr, lse.ptr if lse is not None else 0, qa.ptr, ka.ptr, va.ptr, cqa.ptr,
             sua.ptr, bta.ptr)
     if key is not None and not copied and A.cacheable(key):  # a plan skips the copy: not cached then
-        _PAGED_PLANS.remember(key, _paged_plan(run, qa, ka, va, cqa, sua, bta, given_out,
-                                               (p["heads"], p["total_q"]) if return_lse else None))
+        if len(_PAGED_PLANS) >= _MAX_PLANS:
+            _PAGED_PLANS.clear()
+        _PAGED_PLANS[key] = _paged_plan(run, qa, ka, va, cqa, sua, bta, given_out,
+                                        (p["heads"], p["total_q"]) if return_lse else None)
     return (oa.obj, lse.obj) if return_lse else oa.obj
 
 

@@ -119,21 +119,3 @@ def test_stream_buffer_grows_and_keeps_outgrown_buffers(monkeypatch):
         d = A.stream_buffer("tickets", cref, s1, 100, "int32", min_n=16)
     assert c.allocator == cupy.get_default_memory_pool().malloc and c.lib == "cupy" and synced == [0]
     assert d.allocator == graph_pool.malloc
-
-
-def test_plan_cache_is_bounded_and_dropped_when_chaining_switches():
-    from speedcore import _launch
-
-    c = _launch.plan_cache(3)
-    for i in range(3):
-        c.remember(i, f"plan {i}")
-    assert dict(c) == {0: "plan 0", 1: "plan 1", 2: "plan 2"}
-    c.remember(3, "plan 3")  # one more signature than the limit: emptied first
-    assert dict(c) == {3: "plan 3"} and c.limit == 3
-    c.remember(3, "plan 3'")
-    assert dict(c) == {3: "plan 3'"}
-    before = _launch.set_chained_launches(not _launch._chain_launches[0])
-    try:
-        assert not c
-    finally:
-        _launch.set_chained_launches(before)
